@@ -1,0 +1,204 @@
+"""The ClientApp: apply downloaded blocks, train the assigned block, upload it.
+
+One train message = one assignment: the block to train, the update rule, the round's seed and
+the blocks to download (only those whose version the node's cache lacks). The reply carries the
+encoded new block, the metrics and what the node now holds, so the server never has to guess.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from transformers import PreTrainedTokenizerBase
+
+from fedcybgd import data, protocol
+from fedcybgd.client.runtime import ClientModel, client_model, store_for
+from fedcybgd.client.store import BlockStore
+from fedcybgd.client.updates import TrainTask, get_rule
+from fedcybgd.compression import (
+    CodecError,
+    decode,
+    encode,
+    payload_from_array,
+    payload_to_array,
+    raw_fp32_bytes,
+    read_header,
+)
+from fedcybgd.config import NodeConfig, RunConfig
+from fedcybgd.memory import PeakMemory
+from fedcybgd.models import cache_root, load_tokenizer
+from fedcybgd.protocol import Holding
+
+log = logging.getLogger(__name__)
+app = ClientApp()
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model: str) -> PreTrainedTokenizerBase:
+    return load_tokenizer(model)
+
+
+def _examples(run: RunConfig, partition_id: int, num_partitions: int) -> pd.DataFrame:
+    # data.client_examples caches the partitioning per process.
+    return data.client_examples(
+        run.dataset, run.partitioner, partition_id, num_partitions, run.dirichlet_alpha, run.seed
+    )
+
+
+def _uses_base(spec: str) -> bool:
+    return any(stage in ("delta", "xor") for stage in spec.split("+"))
+
+
+def _reply(
+    msg: Message,
+    status: str,
+    store: BlockStore | None,
+    reason: str = "",
+    rule: str = "",
+    **records: Any,
+) -> Message:
+    state = ConfigRecord(
+        {
+            protocol.STATUS: status,
+            protocol.REASON: reason,
+            protocol.RULE: rule,
+            protocol.HOLDINGS: protocol.dump_holdings(store.holdings if store else {}),
+        }
+    )
+    return Message(RecordDict({protocol.STATE: state, **records}), reply_to=msg)
+
+
+def apply_downloads(
+    cm: ClientModel, store: BlockStore, downloads: ArrayRecord, max_bytes: int
+) -> int:
+    """Decode and install every downloaded block; returns the bytes received.
+
+    Raises ``CodecError`` on a bad payload; blocks already installed stay (each was verified).
+    """
+    received = 0
+    for block, array in downloads.items():
+        payload = payload_from_array(array)
+        received += len(payload)
+        header = read_header(payload, max_bytes=max_bytes)
+        base = None
+        if _uses_base(header.spec):
+            held = store.holdings.get(block, Holding(0, "")).version
+            if held != header.base_version:
+                raise CodecError(
+                    f"block '{block}': delta against version {header.base_version}, "
+                    f"but this client holds version {held}"
+                )
+            base = cm.blocks.get(cm.model, block)
+        decoded = decode(
+            payload,
+            base=base,
+            expect_block=block,
+            expect_shapes=cm.blocks.shapes(cm.model, block),
+            max_bytes=max_bytes,
+        )
+        holding = store.put(block, header.target_version, decoded.tensors)
+        cm.set_block(block, decoded.tensors, holding)
+    return received
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Handle one FedCyBGD assignment (see the module docstring)."""
+    run = RunConfig.from_run_config(context.run_config)
+    node = NodeConfig.from_node_config(context.node_config)
+    cfg = msg.content[protocol.CONFIG]
+    block = str(cfg[protocol.BLOCK])
+    server_round = int(cfg[protocol.ROUND])  # type: ignore[call-overload]
+    seed = int(cfg[protocol.SEED])  # type: ignore[call-overload]
+    rule_name = node.update_rule or str(cfg[protocol.RULE])
+    upload_codec = str(cfg[protocol.UPLOAD_CODEC])
+    max_bytes = int(run.max_payload_mb * 2**20)
+
+    cm = client_model(run.model, run.layers_per_block)
+    if str(cfg[protocol.BASE_HASH]) != cm.base_hash:
+        return _reply(
+            msg, protocol.REJECTED, None,
+            f"pretrained weights differ: server {cfg[protocol.BASE_HASH]}, "
+            f"client {cm.base_hash}",
+        )
+    cache_dir = Path(node.cache_dir) if node.cache_dir else cache_root()
+    store = store_for(cache_dir, str(cfg[protocol.LINEAGE]), context.node_id, cm.base_hash)
+    cm.sync(store)
+
+    downloads = msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord())
+    try:
+        bytes_down = apply_downloads(cm, store, downloads, max_bytes)
+    except CodecError as err:
+        log.warning("round %s: rejected a download (%s); asking for a resync", server_round, err)
+        store.clear()
+        cm.sync(store)
+        return _reply(msg, protocol.RESYNC, store, f"bad download: {err}")
+    expected = protocol.load_holdings(str(cfg[protocol.EXPECT]))
+    if store.holdings != expected:
+        return _reply(msg, protocol.RESYNC, store, "cache differs from the server's record")
+
+    tokenizer = _tokenizer(run.model)
+    examples = _examples(run, node.partition_id, node.num_partitions)
+    batches = data.batches(
+        examples, tokenizer, run.batch_size, run.max_seq_len, seed=seed, shuffle=True
+    )
+    start = cm.blocks.get(cm.model, block)
+    start_holding = store.holdings.get(block, Holding(0, ""))
+    torch.manual_seed(seed)
+    task = TrainTask(
+        model=cm.model,
+        stack=cm.stack,
+        blocks=cm.blocks,
+        block=block,
+        batches=iter(batches),
+        steps=run.local_steps,
+        lr=run.lr,
+        weight_decay=run.weight_decay,
+        seed=seed,
+        options=dict(run.extra),
+        state_dir=cache_dir / "clients" / str(cfg[protocol.LINEAGE]) / f"node-{context.node_id}",
+    )
+    began = time.perf_counter()
+    with PeakMemory() as mem:
+        outcome = get_rule(rule_name).train(task)
+    train_s = time.perf_counter() - began
+
+    trained = cm.blocks.get(cm.model, block)
+    payload = encode(
+        trained,
+        upload_codec,
+        block=block,
+        target_version=server_round,
+        base_version=start_holding.version,
+        base=start if _uses_base(upload_codec) else None,
+    )
+    # The cache keeps the block as the server had it; the new version arrives like any other.
+    cm.blocks.set(cm.model, block, start)
+
+    metrics = MetricRecord(
+        {
+            protocol.NUM_EXAMPLES: outcome.examples,
+            "train_loss": outcome.loss,
+            "steps": outcome.steps,
+            "skipped_steps": outcome.skipped_steps,
+            "peak_mem_mb": mem.peak_mb,
+            "train_s": train_s,
+            "bytes_up": len(payload),
+            "bytes_up_raw": raw_fp32_bytes(trained),
+            "bytes_down": bytes_down,
+            **{k: float(v) for k, v in outcome.metrics.items()},
+        }
+    )
+    upload = ArrayRecord({block: payload_to_array(payload)})
+    return _reply(
+        msg, protocol.OK, store, "", rule_name,
+        **{protocol.UPLOAD: upload, protocol.METRICS: metrics},
+    )

@@ -1,0 +1,74 @@
+"""The model a client process keeps between messages, switched to a node's cached blocks.
+
+Loading the model costs seconds, so each client process loads it once and, for every message,
+brings each block to the version the node's cache holds. A block's pretrained tensors are kept
+aside the first time they are overwritten, so going back costs no reload and no full copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from fedcybgd.blocks import BlockMap
+from fedcybgd.checksum import content_checksum
+from fedcybgd.client.store import BlockStore
+from fedcybgd.layerwise import LayerStack
+from fedcybgd.models import load_model
+from fedcybgd.protocol import Holding
+
+
+class ClientModel:
+    """A loaded model plus the version of each block it currently contains."""
+
+    def __init__(self, name: str, layers_per_block: int) -> None:
+        self.name = name
+        self.model = load_model(name)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.stack = LayerStack(self.model)
+        self.blocks = BlockMap(self.model, layers_per_block)
+        self.base_hash = content_checksum(dict(self.model.named_parameters()))
+        self._pristine: dict[str, dict[str, torch.Tensor]] = {}
+        self._loaded: dict[str, Holding] = {}  # absent: pretrained
+
+    def _remember_pristine(self, block: str) -> None:
+        if block not in self._pristine:
+            self._pristine[block] = self.blocks.get(self.model, block)
+
+    def set_block(self, block: str, tensors: dict[str, torch.Tensor], holding: Holding) -> None:
+        """Write a block version into the model."""
+        self._remember_pristine(block)
+        self.blocks.set(self.model, block, tensors)
+        self._loaded[block] = holding
+
+    def reset_block(self, block: str) -> None:
+        """Put a block back to its pretrained tensors."""
+        if block in self._loaded:
+            self.blocks.set(self.model, block, self._pristine[block])
+            del self._loaded[block]
+
+    def sync(self, store: BlockStore) -> None:
+        """Make the model hold exactly what ``store`` holds (pretrained elsewhere)."""
+        for block in self.blocks.names:
+            want = store.holdings.get(block)
+            if want == self._loaded.get(block):
+                continue
+            tensors = store.load(block) if want is not None else None
+            if tensors is None:
+                self.reset_block(block)
+            else:
+                self.set_block(block, tensors, want)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=2)
+def client_model(name: str, layers_per_block: int) -> ClientModel:
+    """The process's model for ``name`` (loaded once per process)."""
+    return ClientModel(name, layers_per_block)
+
+
+def store_for(cache_dir: Path, lineage: str, node_id: int, base_hash: str) -> BlockStore:
+    """The block store of one node in one server lineage."""
+    return BlockStore(cache_dir / "clients" / lineage / f"node-{node_id}", base_hash)

@@ -1,0 +1,138 @@
+"""The client's on-disk model cache: which version of each block it holds, and the tensors.
+
+Version 0 of every block is the pretrained model the client already has; only blocks at a
+later version are stored, one safetensors file each, named by block and version. The manifest
+is written last and atomically (temp file + rename), so a crash leaves the previous complete
+state; a file that fails its checksum is dropped and the server resends that block.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from fedcybgd.checksum import content_checksum
+from fedcybgd.protocol import Holding
+
+log = logging.getLogger(__name__)
+_MANIFEST = "manifest.json"
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class BlockStore:
+    """Blocks a client holds beyond the pretrained model, for one server lineage.
+
+    Parameters
+    ----------
+    root : Path
+        The store's folder (created if missing).
+    base_hash : str
+        Hash of the pretrained weights; a store built on other weights is discarded.
+    """
+
+    def __init__(self, root: Path, base_hash: str) -> None:
+        self.root = root
+        self.base_hash = base_hash
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.holdings: dict[str, Holding] = {}
+        self._files: dict[str, str] = {}
+        self._load_manifest()
+
+    def _load_manifest(self) -> None:
+        path = self.root / _MANIFEST
+        if not path.exists():
+            return
+        try:
+            manifest = json.loads(path.read_bytes())
+            if manifest.get("base_hash") != self.base_hash:
+                raise ValueError("built on different pretrained weights")
+            for name, entry in manifest["blocks"].items():
+                self.holdings[name] = Holding(int(entry["version"]), str(entry["checksum"]))
+                self._files[name] = str(entry["file"])
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            log.warning("client cache %s is unusable (%s); starting a fresh one", self.root, err)
+            self.clear()
+
+    def _write_manifest(self) -> None:
+        blocks = {
+            name: {"version": h.version, "checksum": h.checksum, "file": self._files[name]}
+            for name, h in self.holdings.items()
+        }
+        body = json.dumps({"base_hash": self.base_hash, "blocks": blocks}, indent=1)
+        _atomic_write(self.root / _MANIFEST, body.encode())
+
+    def clear(self) -> None:
+        """Forget everything: the client then holds the pretrained model only."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.holdings.clear()
+        self._files.clear()
+
+    def load(self, block: str) -> dict[str, torch.Tensor] | None:
+        """Tensors of a stored block, or ``None`` (and the entry dropped) if unreadable."""
+        if block not in self.holdings:
+            return None
+        try:
+            tensors = load_file(str(self.root / self._files[block]))
+        except (OSError, SafetensorError) as err:
+            log.warning("cached block %s unreadable (%s); dropping it", block, err)
+            self.drop(block)
+            return None
+        if content_checksum(tensors) != self.holdings[block].checksum:
+            log.warning("cached block %s fails its checksum; dropping it", block)
+            self.drop(block)
+            return None
+        return tensors
+
+    def put(self, block: str, version: int, tensors: dict[str, torch.Tensor]) -> Holding:
+        """Store a block version (version 0 means: back to pretrained, nothing stored)."""
+        old = self._files.get(block)
+        if version == 0:
+            self.drop(block)
+            return Holding(0, "")
+        holding = Holding(version, content_checksum(tensors))
+        name = f"{_SAFE.sub('_', block)}@v{version}-{holding.checksum[:12]}.safetensors"
+        fd, tmp = tempfile.mkstemp(prefix=".blk.", dir=self.root)
+        os.close(fd)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+            os.replace(tmp, self.root / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.holdings[block] = holding
+        self._files[block] = name
+        self._write_manifest()
+        if old and old != name:
+            (self.root / old).unlink(missing_ok=True)
+        return holding
+
+    def drop(self, block: str) -> None:
+        """Forget one block (the client falls back to its pretrained version)."""
+        self.holdings.pop(block, None)
+        old = self._files.pop(block, None)
+        self._write_manifest()
+        if old:
+            (self.root / old).unlink(missing_ok=True)

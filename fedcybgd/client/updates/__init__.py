@@ -1,0 +1,13 @@
+"""Local update rules, selected by name (``update-rule``)."""
+
+from fedcybgd.client.updates import fo  # noqa: F401  (registers "fo")
+from fedcybgd.client.updates.base import (
+    TrainOutcome,
+    TrainTask,
+    UpdateRule,
+    available_rules,
+    get_rule,
+    register,
+)
+
+__all__ = ["TrainOutcome", "TrainTask", "UpdateRule", "available_rules", "get_rule", "register"]

@@ -1,0 +1,175 @@
+"""The per-stage transforms, each a pure function on flat tensors or bytes.
+
+Decoders only multiply and add elementwise (never reduce or fuse), so a payload reconstructs to
+the same bits on every CPU and its checksum can be verified anywhere.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+import zstandard
+
+from fedcybgd.compression.errors import CodecError
+
+_QMAX = {"int8": 127, "int4": 7}
+_CAST_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def cast_values(values: torch.Tensor, cast: str, *, tensor: str) -> torch.Tensor:
+    """Round to fp16/bf16; values that overflow the target's range are an error, not inf."""
+    out = values.to(_CAST_DTYPE[cast])
+    if out.numel() and not bool(torch.isfinite(out).all()):
+        raise CodecError(f"tensor {tensor!r}: values out of {cast} range")
+    return out
+
+
+def quantize(
+    values: torch.Tensor, quant: str, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise absmax quantization of a flat tensor.
+
+    Returns
+    -------
+    (q, scales)
+        ``q``: int8 codes in [-qmax, qmax], one per value; ``scales``: float32, one per group
+        (``absmax / qmax``; 0 for an all-zero group, whose codes are then all 0).
+    """
+    qmax = _QMAX[quant]
+    n = values.numel()
+    groups = -(-n // group_size)
+    padded = torch.zeros(groups * group_size, dtype=torch.float32)
+    padded[:n] = values.to(torch.float32)
+    grid = padded.view(groups, group_size)
+    scales = grid.abs().amax(dim=1) / qmax
+    # Divide by 1 where the scale is 0 (all-zero group, or underflow): the codes round to 0.
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(grid / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    return q.reshape(-1)[:n].contiguous(), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Inverse of :func:`quantize`: float32 values, ``q * scale`` of their group."""
+    n = q.numel()
+    groups = scales.numel()
+    padded = torch.zeros(groups * group_size, dtype=torch.float32)
+    padded[:n] = q.to(torch.float32)
+    return (padded.view(groups, group_size) * scales[:, None]).reshape(-1)[:n].contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Two int4 codes per byte, offset by 8 ([-7, 7] -> [1, 15]); first value in the low nibble."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    if u.numel() % 2:
+        u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8)])
+    pairs = u.view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``count`` int8 codes."""
+    low = (packed & 0x0F).to(torch.int16)
+    high = (packed >> 4).to(torch.int16)
+    both = torch.stack([low, high], dim=1).reshape(-1)[:count]
+    return (both - 8).to(torch.int8)
+
+
+def topk_count(numel: int, ratio: float) -> int:
+    """How many entries top-k keeps: ``ratio * numel`` rounded, at least 1 (0 if empty)."""
+    if numel == 0:
+        return 0
+    return min(numel, max(1, round(ratio * numel)))
+
+
+def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` largest magnitudes, ascending (int64)."""
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64)
+    idx = torch.topk(values.abs().to(torch.float32), k, sorted=False).indices
+    return torch.sort(idx).values
+
+
+def encode_indices(idx: torch.Tensor) -> bytes:
+    """Ascending indices as uint32 gaps (first one absolute): small numbers that zstd likes."""
+    arr = idx.numpy().astype(np.int64)
+    gaps = np.diff(arr, prepend=np.int64(0)) if arr.size else arr
+    return gaps.astype("<u4").tobytes()
+
+
+def decode_indices(buf: bytes | memoryview, numel: int, *, tensor: str) -> torch.Tensor:
+    """Inverse of :func:`encode_indices`, checking the indices are increasing and in range."""
+    gaps = np.frombuffer(buf, dtype="<u4").astype(np.int64)
+    if gaps.size == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if gaps.size > 1 and int(gaps[1:].min()) == 0:
+        raise CodecError(f"tensor {tensor!r}: top-k indices repeat")
+    idx = np.cumsum(gaps)
+    if int(idx[-1]) >= numel:
+        raise CodecError(f"tensor {tensor!r}: top-k index {int(idx[-1])} out of range {numel}")
+    return torch.from_numpy(idx)
+
+
+def xor_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Bitwise XOR of two same-dtype integer bit views."""
+    return torch.bitwise_xor(a, b)
+
+
+def shuffle(buf: bytes, itemsize: int) -> bytes:
+    """Split elements into byte planes (all first bytes, then all second bytes, ...).
+
+    Float exponents and small deltas then form long runs that zstd compresses well.
+    """
+    if itemsize == 1 or not buf:
+        return buf
+    return np.frombuffer(buf, dtype=np.uint8).reshape(-1, itemsize).T.tobytes()
+
+
+def unshuffle(buf: bytes | memoryview, itemsize: int) -> bytes | memoryview:
+    """Inverse of :func:`shuffle`."""
+    if itemsize == 1 or len(buf) == 0:
+        return buf
+    return np.frombuffer(buf, dtype=np.uint8).reshape(itemsize, -1).T.tobytes()
+
+
+def zstd_compress(buf: bytes, level: int) -> bytes:
+    """One zstd frame, with the content size in its header (the decoder checks it)."""
+    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(buf)
+
+
+def zstd_decompress(buf: bytes | memoryview, raw_length: int) -> bytes:
+    """Decompress exactly ``raw_length`` bytes from one frame, refusing anything bigger.
+
+    The size comes from our header, not from the frame, and output is read in a bounded call,
+    so a frame that expands further (a zip bomb) is refused without being materialised.
+    """
+    try:
+        # -1: the frame does not say (our encoder always writes it; the bounded read still holds)
+        declared = zstandard.frame_content_size(bytes(buf[:18]))
+        if declared not in (raw_length, -1):
+            raise CodecError(
+                f"zstd frame declares {declared} bytes but the header records {raw_length}"
+            )
+        reader = zstandard.ZstdDecompressor().stream_reader(
+            io.BytesIO(buf), read_across_frames=True
+        )
+        chunks: list[bytes] = []
+        got = 0
+        while got < raw_length:
+            chunk = reader.read(raw_length - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"zstd decompression failed: {exc}") from None
+    if got != raw_length:
+        raise CodecError(
+            f"zstd decompression failed: body ends after {got} of the {raw_length} bytes "
+            "the header records"
+        )
+    if extra:
+        raise CodecError(f"zstd body decompresses to more than the recorded {raw_length} bytes")
+    return b"".join(chunks)

@@ -1,0 +1,158 @@
+"""Federated partitions of a labelled frame: ``iid``, ``dirichlet`` (label skew), ``movie``.
+
+Each method returns disjoint row positions that together cover the frame, the same for the
+same seed. ``iid`` and ``dirichlet`` are Flower Datasets partitioners; ``movie`` is our own
+:class:`~flwr_datasets.partitioner.Partitioner`, because flwr-datasets' grouped natural-id
+partitioner groups a fixed number of ids per client, neither hitting an exact client count nor
+balancing rows.
+"""
+
+from __future__ import annotations
+
+import heapq
+import warnings
+
+import datasets
+import numpy as np
+import pandas as pd
+from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Partitioner
+
+PARTITIONERS = ("iid", "dirichlet", "movie")
+# A client needs at least one batch's worth of data to train on; below this the split is
+# refused instead of handing a client a nearly empty (or empty) share.
+MIN_PARTITION_SIZE = 8
+_ROW = "_row"
+
+
+class MoviePartitioner(Partitioner):
+    """Whole groups (movies) per client, groups dealt so client sizes are close.
+
+    Groups are shuffled by ``seed``, then dealt largest first to the client with the fewest
+    rows so far (longest-processing-time rule): sizes differ by at most one group.
+
+    Parameters
+    ----------
+    num_partitions : int
+        Number of clients.
+    partition_by : str
+        Column naming each row's group.
+    seed : int
+        Seeds the order in which equal-sized groups are dealt.
+    """
+
+    def __init__(self, num_partitions: int, partition_by: str = "movie_name", seed: int = 0):
+        super().__init__()
+        if num_partitions < 1:
+            raise ValueError(f"num-partitions must be >= 1, got {num_partitions}")
+        self._num_partitions = num_partitions
+        self._partition_by = partition_by
+        self._seed = seed
+        self._indices: list[np.ndarray] | None = None
+
+    @property
+    def num_partitions(self) -> int:
+        """Total number of partitions."""
+        return self._num_partitions
+
+    def load_partition(self, partition_id: int) -> datasets.Dataset:
+        """Rows of every group dealt to ``partition_id``."""
+        if self._indices is None:
+            self._indices = self._deal()
+        return self.dataset.select(self._indices[partition_id])
+
+    def _deal(self) -> list[np.ndarray]:
+        groups = np.asarray(self.dataset[self._partition_by])
+        # Sorted unique names: the deal does not depend on the row order of the data.
+        names, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
+        if len(names) < self._num_partitions:
+            raise ValueError(
+                f"num-partitions={self._num_partitions} exceeds the {len(names)} distinct "
+                f"'{self._partition_by}' values; every client needs a whole group"
+            )
+        order = np.random.default_rng(self._seed).permutation(len(names))
+        order = order[np.argsort(-counts[order], kind="stable")]
+        loads = [(0, pid) for pid in range(self._num_partitions)]
+        owner = np.empty(len(names), dtype=np.int64)
+        for group in order:
+            load, pid = heapq.heappop(loads)
+            owner[group] = pid
+            heapq.heappush(loads, (load + int(counts[group]), pid))
+        row_owner = owner[inverse]
+        return [np.flatnonzero(row_owner == pid) for pid in range(self._num_partitions)]
+
+
+def check_partition_args(method: str, partition_id: int, num_partitions: int, alpha: float) -> None:
+    """Reject arguments no partitioning can serve (ValueError naming the run-config key)."""
+    if method not in PARTITIONERS:
+        raise ValueError(f"unknown partitioner '{method}'; allowed: {', '.join(PARTITIONERS)}")
+    if num_partitions < 1:
+        raise ValueError(f"num-partitions must be >= 1, got {num_partitions}")
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(
+            f"partition-id={partition_id} is out of range for num-partitions={num_partitions}"
+        )
+    # alpha only matters for dirichlet; other methods ignore whatever the config holds.
+    if method == "dirichlet" and not alpha > 0:
+        raise ValueError(f"dirichlet-alpha must be > 0, got {alpha}")
+
+
+def _make_partitioner(method: str, num_partitions: int, alpha: float, seed: int) -> Partitioner:
+    if method == "iid":
+        return IidPartitioner(num_partitions=num_partitions)
+    if method == "dirichlet":
+        return DirichletPartitioner(
+            num_partitions=num_partitions,
+            partition_by="label",
+            alpha=float(alpha),
+            min_partition_size=MIN_PARTITION_SIZE,
+            seed=seed,
+        )
+    return MoviePartitioner(num_partitions=num_partitions, partition_by="movie_name", seed=seed)
+
+
+def partition_positions(
+    frame: pd.DataFrame, method: str, num_partitions: int, alpha: float, seed: int
+) -> list[np.ndarray]:
+    """Row positions of ``frame`` for every client, index = partition id.
+
+    Raises
+    ------
+    ValueError
+        On an unknown method, bad ``num-partitions``/``dirichlet-alpha``, or when some client
+        would get fewer than ``MIN_PARTITION_SIZE`` rows.
+    """
+    check_partition_args(method, 0, num_partitions, alpha)
+    if len(frame) < num_partitions * MIN_PARTITION_SIZE:
+        raise ValueError(
+            f"num-partitions={num_partitions} is too many for {len(frame)} training examples: "
+            f"each client needs at least {MIN_PARTITION_SIZE}"
+        )
+    columns = frame[["label", "movie_name"]].assign(**{_ROW: np.arange(len(frame))})
+    if method == "iid":
+        # IidPartitioner shards contiguously; permute first so the run seed picks the shares.
+        columns = columns.iloc[np.random.default_rng(seed).permutation(len(frame))]
+    partitioner = _make_partitioner(method, num_partitions, alpha, seed)
+    partitioner.dataset = datasets.Dataset.from_pandas(columns, preserve_index=False)
+    try:
+        with warnings.catch_warnings():
+            # Dirichlet warns on each resampling; a final failure is reported below instead.
+            warnings.simplefilter("ignore", UserWarning)
+            shares = [
+                np.asarray(partitioner.load_partition(pid)[_ROW], dtype=np.int64)
+                for pid in range(num_partitions)
+            ]
+    except ValueError as err:
+        if method != "dirichlet" or "attempts" not in str(err):
+            raise
+        raise ValueError(
+            f"dirichlet-alpha={alpha} with num-partitions={num_partitions} left some client "
+            f"with fewer than {MIN_PARTITION_SIZE} examples in 10 draws: raise dirichlet-alpha "
+            "or lower num-partitions"
+        ) from err
+    smallest = min(len(share) for share in shares)
+    if smallest < MIN_PARTITION_SIZE:
+        raise ValueError(
+            f"num-partitions={num_partitions} with partitioner '{method}' gives a client only "
+            f"{smallest} examples (minimum {MIN_PARTITION_SIZE}): lower num-partitions"
+        )
+    return shares

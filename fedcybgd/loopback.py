@@ -1,0 +1,113 @@
+"""An in-process Flower ``Grid``: a ServerApp talks to ClientApps in the same process.
+
+For tests and quick experiments: no SuperLink, no network, no Ray. Each node has its own
+``Context`` (node config and persistent state), as on a real SuperNode. A ClientApp that raises
+yields an error reply, as Flower's runtimes do; a node can be made to drop its replies to
+simulate a timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+from uuid import uuid4
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+
+class LoopbackGrid(Grid):
+    """A Grid whose nodes are ClientApp calls in this process.
+
+    Parameters
+    ----------
+    client_app : ClientApp
+        The app every node runs.
+    num_nodes : int
+        Number of nodes; node ``i`` gets ``partition-id = i`` and ``num-partitions``.
+    run_config : dict
+        The run config every node's Context sees.
+    node_config : Callable[[int], dict], optional
+        Extra node config for node ``i`` (e.g. a per-node update rule or cache folder).
+    """
+
+    def __init__(
+        self,
+        client_app: ClientApp,
+        num_nodes: int,
+        run_config: dict[str, Any],
+        node_config: Callable[[int], dict[str, Any]] | None = None,
+        first_node_id: int = 1001,
+    ) -> None:
+        self.client_app = client_app
+        self.contexts: dict[int, Context] = {}
+        for i in range(num_nodes):
+            node_id = first_node_id + i
+            config = {"partition-id": i, "num-partitions": num_nodes}
+            if node_config is not None:
+                config.update(node_config(i))
+            self.contexts[node_id] = Context(
+                run_id=1, node_id=node_id, node_config=config, state=RecordDict(),
+                run_config=dict(run_config),
+            )
+        self.silent: set[int] = set()  # nodes whose replies are lost (timeouts)
+        self.sent: list[Message] = []
+        self._replies: dict[str, Message] = {}
+        self._run = Run.create_empty(run_id=1)
+
+    def set_run(self, run: Run) -> None:
+        """Set the run."""
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        """The run."""
+        return self._run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """Deprecated in Flower; kept for the interface."""
+        return Message(content, dst_node_id=dst_node_id, message_type=message_type,
+                       group_id=group_id, ttl=ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """All node ids."""
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Deliver each message to its node's ClientApp and keep the reply."""
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = str(uuid4())
+            self.sent.append(message)
+            node = message.metadata.dst_node_id
+            try:
+                reply = self.client_app(message, self.contexts[node])
+            except Exception as err:  # the runtime turns a crash into an error reply
+                reply = Message(
+                    Error(int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION), f"{type(err).__name__}: {err}"),
+                    reply_to=message,
+                )
+            if node not in self.silent:
+                self._replies[message.metadata.message_id] = reply
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Replies to the given message ids (missing ones are simply absent)."""
+        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Push, then pull."""
+        return self.pull_messages(self.push_messages(messages))

@@ -1,0 +1,75 @@
+"""Names both sides of the wire agree on: record keys, config keys and reply statuses.
+
+The strategy and the client never import each other; they share these names, the payload
+format of :mod:`fedcybgd.compression` and Flower records.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# Records of a train instruction (server -> client).
+CONFIG = "config"  # ConfigRecord: the round's assignment
+DOWNLOAD = "download"  # ArrayRecord: block name -> payload Array
+
+# Records of a reply (client -> server).
+UPLOAD = "upload"  # ArrayRecord: block name -> payload Array
+METRICS = "metrics"  # MetricRecord: train metrics, "num-examples"
+STATE = "state"  # ConfigRecord: status, holdings, rule used
+
+# Keys of the instruction's ConfigRecord.
+ROUND = "server-round"
+BLOCK = "block"
+RULE = "update-rule"
+SEED = "seed"
+LINEAGE = "lineage"  # identifies the server's model history; caches are kept per lineage
+BASE_HASH = "base-hash"  # hash of the pretrained weights the run starts from
+EXPECT = "expect-holdings"  # JSON: what the server assumes the client holds after download
+UPLOAD_CODEC = "upload-codec"
+TARGET_VERSION = "target-version"
+
+# Keys of the reply's ConfigRecord.
+STATUS = "status"
+HOLDINGS = "holdings"  # JSON: block -> [version, checksum]
+REASON = "reason"
+
+# Reply statuses.
+OK = "ok"
+RESYNC = "resync"  # the client's cache differs from what the server assumed; nothing trained
+REJECTED = "rejected"  # the client cannot take part (different base model, no fitting rule)
+
+NUM_EXAMPLES = "num-examples"
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A block version a client holds: the server's version number and a content checksum."""
+
+    version: int
+    checksum: str
+
+
+def dump_holdings(holdings: Mapping[str, Holding]) -> str:
+    """Holdings as compact JSON (ConfigRecords cannot nest)."""
+    return json.dumps({k: [h.version, h.checksum] for k, h in sorted(holdings.items())})
+
+
+def load_holdings(text: str) -> dict[str, Holding]:
+    """Parse :func:`dump_holdings` output; ``ValueError`` on anything malformed."""
+    raw = json.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError("holdings must be a JSON object")
+    out: dict[str, Holding] = {}
+    for name, value in raw.items():
+        if (
+            not isinstance(name, str)
+            or not isinstance(value, list)
+            or len(value) != 2
+            or not isinstance(value[0], int)
+            or not isinstance(value[1], str)
+        ):
+            raise ValueError(f"bad holdings entry for {name!r}: {value!r}")
+        out[name] = Holding(value[0], value[1])
+    return out

@@ -1,0 +1,231 @@
+"""The ServerApp: build everything from the run config, run FedCyBGD rounds, write outputs.
+
+Per round: the strategy picks nodes and blocks and sends each node its assignment; replies are
+merged into the global model (the server's own model object, updated in place); the model is
+evaluated on the held-out test split every ``eval-every`` rounds; a checkpoint and a
+``metrics.jsonl`` line are written. At the end the model is saved with ``save_pretrained`` and
+``summary.json`` is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedcybgd import data
+from fedcybgd.blocks import BlockMap
+from fedcybgd.checksum import content_checksum
+from fedcybgd.config import ConfigError, RunConfig
+from fedcybgd.layerwise import LayerStack
+from fedcybgd.models import load_model, load_tokenizer
+from fedcybgd.objective import EvalResult, evaluate
+from fedcybgd.server.checkpoint import Checkpointer
+from fedcybgd.server.metrics import MetricsWriter, write_summary
+from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.strategies.fedcybgd import FedCyBGD
+
+log = logging.getLogger(__name__)
+app = ServerApp()
+
+
+def resolve_output_dir(path: str) -> Path:
+    """Relative output dirs are taken from ``FEDCYBGD_OUTPUT_ROOT`` (default: the cwd)."""
+    out = Path(path).expanduser()
+    if not out.is_absolute():
+        out = Path(os.environ.get("FEDCYBGD_OUTPUT_ROOT", os.getcwd())) / out
+    return out
+
+
+class Evaluator:
+    """Evaluate the global model on the first ``eval-examples`` rows of the test split."""
+
+    def __init__(self, run: RunConfig, stack: LayerStack) -> None:
+        self.stack = stack
+        self.frame = data.load_split(run.dataset, "test").head(run.eval_examples)
+        self.tokenizer = load_tokenizer(run.model)
+        self.run = run
+
+    def __call__(self) -> EvalResult:
+        batches = data.eval_batches(
+            self.frame, self.tokenizer, self.run.eval_batch_size, self.run.max_seq_len
+        )
+        return evaluate(self.stack, batches)
+
+
+def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
+                   lineage: str, base_hash: str) -> FedCyBGD:
+    """The FedCyBGD strategy for ``run``."""
+    return FedCyBGD(
+        block_map=blocks,
+        weights=weights,
+        cycle=blocks.cycle(run.train_embeddings, run.train_head),
+        block_schedule=run.block_schedule,
+        clients_per_round=run.clients_per_round,
+        clients_per_block=run.clients_per_block,
+        update_rule=run.update_rule,
+        upload_codec=run.upload_codec,
+        download_codec=run.download_codec,
+        seed=run.seed,
+        lineage=lineage,
+        base_hash=base_hash,
+        max_payload_bytes=int(run.max_payload_mb * 2**20),
+        return_arrays=False,
+    )
+
+
+def require_nodes(grid: Grid, wanted: int, wait_s: float) -> int:
+    """Wait until ``wanted`` nodes are connected; a clear error if they never are."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        count = len(list(grid.get_node_ids()))
+        if count >= wanted:
+            return count
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"clients-per-round = {wanted}, but only {count} nodes are connected after "
+                f"{wait_s:.0f} s; lower clients-per-round or start more SuperNodes "
+                "(simulation: --federation-config 'num-supernodes=N')"
+            )
+        time.sleep(1.0)
+
+
+def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[str, Any]:
+    """Run a whole FedCyBGD training; returns the summary it also writes."""
+    started = time.perf_counter()
+    require_nodes(grid, run.clients_per_round, node_wait_s)
+    out = resolve_output_dir(run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_model(run.model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    stack = LayerStack(model)
+    blocks = BlockMap(model, run.layers_per_block)
+    weights = dict(model.named_parameters())
+    base_hash = content_checksum(weights)
+    checkpointer = Checkpointer(out / "checkpoint")
+
+    lineage = uuid.uuid4().hex[:16]
+    first_round = 1
+    resumed = run.resume and checkpointer.exists()
+    saved: dict[str, Any] = {}
+    if resumed:
+        saved, saved_blocks = checkpointer.load()
+        if saved.get("base_hash") != base_hash:
+            raise ValueError(
+                f"resume: the checkpoint in {checkpointer.root} was made from other pretrained "
+                "weights (base hash differs); use another output-dir or resume = false"
+            )
+        lineage = str(saved["lineage"])
+        for name, tensors in saved_blocks.items():
+            blocks.set(model, name, tensors)
+        first_round = int(saved["round"]) + 1
+        log.info("resuming from %s after round %d", checkpointer.root, first_round - 1)
+    elif run.resume:
+        log.info("resume requested but %s holds no checkpoint: starting fresh",
+                 checkpointer.root)
+
+    strategy = build_strategy(run, blocks, weights, lineage, base_hash)
+    if resumed:
+        strategy.load_state(saved["strategy"])
+    strategy.summary()
+    writer = MetricsWriter(out, resume=resumed)
+    evaluator = Evaluator(run, stack)
+
+    initial: EvalResult | None = None
+    if resumed and saved.get("initial_eval"):
+        initial = EvalResult(**saved["initial_eval"])
+    else:
+        initial = evaluator()
+        writer.write({"round": 0, "eval_loss": initial.loss, "eval_accuracy": initial.accuracy,
+                      "eval_examples": initial.examples})
+    log.info("round 0: eval loss %.4f, accuracy %.3f", initial.loss, initial.accuracy)
+    last_eval = initial
+
+    for server_round in range(first_round, run.num_server_rounds + 1):
+        round_start = time.perf_counter()
+        messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid)
+        replies = grid.send_and_receive(messages, timeout=run.round_timeout)
+        strategy.aggregate_train(server_round, replies)
+        entry = strategy.history[-1]
+        record: dict[str, Any] = {
+            "round": server_round,
+            "blocks": entry.blocks,
+            "clients": [str(c) for c in entry.clients],
+            "update_rule": sorted(set(entry.update_rules)) or [run.update_rule],
+            "failed_blocks": entry.failed_blocks,
+            "bytes_down": entry.bytes_down,
+            "bytes_up": entry.bytes_up,
+            "bytes_down_raw": entry.bytes_down_raw,
+            "bytes_up_raw": entry.bytes_up_raw,
+            "train_loss": entry.train_loss,
+            "client_peak_mem_mb": entry.client_peak_mem_mb,
+            "client_train_s": entry.client_train_s,
+            "examples": entry.examples,
+        }
+        is_last = server_round == run.num_server_rounds
+        if is_last or (run.eval_every and server_round % run.eval_every == 0):
+            last_eval = evaluator()
+            record.update(eval_loss=last_eval.loss, eval_accuracy=last_eval.accuracy)
+        record["round_s"] = time.perf_counter() - round_start
+        writer.write(record)
+        checkpointer.save(
+            server_round,
+            {b: (v, strategy.block_tensors(b)) for b, v in strategy.versions.items() if v > 0},
+            {
+                "lineage": lineage,
+                "base_hash": base_hash,
+                "strategy": strategy.state(),
+                "initial_eval": asdict(initial),
+                "run_config": run.to_run_config(),
+            },
+        )
+        print_progress(record, run.num_server_rounds)
+
+    final_dir = out / "final"
+    model.save_pretrained(final_dir)
+    load_tokenizer(run.model).save_pretrained(final_dir)
+    records = writer.records
+    trained = [r for r in records if r.get("round", 0) > 0]
+    summary = {
+        "model": run.model,
+        "update_rule": run.update_rule,
+        "rounds": run.num_server_rounds,
+        "initial_eval_loss": initial.loss,
+        "initial_eval_accuracy": initial.accuracy,
+        "final_eval_loss": last_eval.loss,
+        "final_eval_accuracy": last_eval.accuracy,
+        "best_eval_accuracy": max(
+            [r["eval_accuracy"] for r in records if r.get("eval_accuracy") is not None]
+        ),
+        "bytes_down": sum(r.get("bytes_down", 0) for r in trained),
+        "bytes_up": sum(r.get("bytes_up", 0) for r in trained),
+        "bytes_down_raw": sum(r.get("bytes_down_raw", 0) for r in trained),
+        "bytes_up_raw": sum(r.get("bytes_up_raw", 0) for r in trained),
+        "client_peak_mem_mb": max([r.get("client_peak_mem_mb") or 0.0 for r in trained] or [0]),
+        "mean_round_s": (sum(r["round_s"] for r in trained) / len(trained)) if trained else None,
+        "wall_s": time.perf_counter() - started,
+        "blocks": blocks.names,
+        "cycle": strategy.schedule.blocks,
+        "block_versions": strategy.versions,
+        "output_dir": str(out),
+        "run_config": run.to_run_config(),
+    }
+    write_summary(out, summary)
+    print_summary_table(summary)
+    return summary
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Flower entry point."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    run = RunConfig.from_run_config(context.run_config)
+    run_server(grid, run)

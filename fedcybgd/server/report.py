@@ -1,0 +1,56 @@
+"""Human-readable progress lines and the final table (rich), printed by the ServerApp."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+_console = Console(highlight=False)
+
+
+def _mb(value: float | int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f} MB"
+
+
+def print_progress(record: dict[str, Any], total_rounds: int) -> None:
+    """One line per round: a bar, the blocks trained, loss, bytes and eval when there is one."""
+    done = int(record["round"])
+    width = 20
+    filled = round(width * done / total_rounds)
+    bar = "█" * filled + "·" * (width - filled)
+    parts = [
+        f"[{bar}] round {done}/{total_rounds}",
+        f"blocks {','.join(record['blocks']) or '-'}",
+        f"loss {record['train_loss']:.4f}" if record.get("train_loss") is not None else "loss -",
+        f"down {_mb(record['bytes_down'])} up {_mb(record['bytes_up'])}",
+        f"mem {record['client_peak_mem_mb']:.0f} MB",
+        f"{record['round_s']:.1f} s",
+    ]
+    if record.get("eval_accuracy") is not None:
+        parts.append(f"eval acc {record['eval_accuracy']:.3f} loss {record['eval_loss']:.4f}")
+    if record.get("failed_blocks"):
+        parts.append(f"re-queued {','.join(record['failed_blocks'])}")
+    _console.print(" | ".join(parts))
+
+
+def print_summary_table(summary: dict[str, Any]) -> None:
+    """The closing table of a run."""
+    table = Table(title=f"FedCyBGD on {summary['model']} ({summary['update_rule']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("eval accuracy before", f"{summary['initial_eval_accuracy']:.3f}")
+    table.add_row("eval accuracy after", f"{summary['final_eval_accuracy']:.3f}")
+    table.add_row("eval loss before", f"{summary['initial_eval_loss']:.4f}")
+    table.add_row("eval loss after", f"{summary['final_eval_loss']:.4f}")
+    table.add_row("rounds", str(summary["rounds"]))
+    table.add_row("bytes down (sent / as fp32)",
+                  f"{_mb(summary['bytes_down'])} / {_mb(summary['bytes_down_raw'])}")
+    table.add_row("bytes up (sent / as fp32)",
+                  f"{_mb(summary['bytes_up'])} / {_mb(summary['bytes_up_raw'])}")
+    table.add_row("client peak memory", f"{summary['client_peak_mem_mb']:.0f} MB")
+    if summary.get("mean_round_s") is not None:
+        table.add_row("mean round time", f"{summary['mean_round_s']:.1f} s")
+    table.add_row("outputs", summary["output_dir"])
+    _console.print(table)

@@ -1,0 +1,428 @@
+"""FedCyBGD: federated cycle block gradient descent as a Flower Message-API strategy.
+
+Each round, ``clients-per-round`` nodes are sampled and ``clients-per-round /
+clients-per-block`` distinct blocks are taken from a cycle over the model's blocks; every block
+goes to ``clients-per-block`` nodes, which train only it and upload only it. Distinct blocks
+train in parallel and are merged (a Jacobi step over disjoint blocks); the copies of one block
+are averaged, weighted by examples. A block whose clients all failed goes back to the front of
+the queue, so a cycle never skips a block.
+
+The server keeps a version per block (the round it last changed) and, per node, what that node
+holds, from the node's own replies. A node downloads only the blocks whose version it lacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedcybgd import protocol
+from fedcybgd.blocks import BlockMap
+from fedcybgd.checksum import content_checksum
+from fedcybgd.compression import (
+    CodecError,
+    decode,
+    encode,
+    payload_from_array,
+    payload_to_array,
+    raw_fp32_bytes,
+)
+from fedcybgd.protocol import Holding
+from fedcybgd.strategies.schedule import BlockSchedule
+
+log = logging.getLogger(__name__)
+
+
+def _uses_base(spec: str) -> bool:
+    return any(stage in ("delta", "xor") for stage in spec.split("+"))
+
+
+@dataclass
+class RoundLog:
+    """What happened in one round; the server turns it into a ``metrics.jsonl`` line."""
+
+    round: int
+    blocks: list[str] = field(default_factory=list)
+    clients: list[int] = field(default_factory=list)
+    update_rules: list[str] = field(default_factory=list)
+    failed_blocks: list[str] = field(default_factory=list)
+    bytes_down: int = 0
+    bytes_up: int = 0
+    bytes_down_raw: int = 0
+    bytes_up_raw: int = 0
+    train_loss: float | None = None
+    client_peak_mem_mb: float = 0.0
+    client_train_s: float = 0.0
+    examples: int = 0
+
+
+class FedCyBGD(Strategy):
+    """Cycle block gradient descent over Flower nodes.
+
+    Parameters
+    ----------
+    block_map : BlockMap
+        The model's block partition (names and the parameter names each block owns).
+    weights : Mapping[str, torch.Tensor]
+        The global weights by parameter name. Updated in place, so passing a model's own
+        parameters keeps that model current (the server evaluates it directly).
+    cycle : list[str], optional
+        Blocks to train, in model order. Default: every block.
+    block_schedule : str
+        ``ascending``, ``descending`` or ``random``.
+    clients_per_round, clients_per_block : int
+        Nodes per round, and nodes sharing (and averaging) one block.
+    update_rule : str
+        Rule the clients are asked to use (a node may override it for itself).
+    upload_codec, download_codec : str
+        Codec specs (see :mod:`fedcybgd.compression`) for uploads and downloads.
+    seed : int
+        Seeds node sampling, block order and the clients' round seeds.
+    lineage, base_hash : str
+        Identity of this model history and hash of the pretrained weights it started from.
+    max_payload_bytes : int
+        Uploads larger than this are rejected.
+    node_wait_s : float
+        How long to wait for enough nodes to connect.
+    return_arrays : bool
+        Return the full global weights from :meth:`aggregate_train`, as ``Strategy.start``
+        expects. A ServerApp reading ``weights`` directly turns this off to skip the copy.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_map: BlockMap,
+        weights: Mapping[str, torch.Tensor],
+        cycle: list[str] | None = None,
+        block_schedule: str = "ascending",
+        clients_per_round: int = 4,
+        clients_per_block: int = 1,
+        update_rule: str = "fo",
+        upload_codec: str = "fp32",
+        download_codec: str = "fp32",
+        seed: int = 0,
+        lineage: str = "default",
+        base_hash: str = "",
+        max_payload_bytes: int = 2**31,
+        node_wait_s: float = 300.0,
+        return_arrays: bool = True,
+    ) -> None:
+        if clients_per_round < 1 or clients_per_block < 1:
+            raise ValueError("clients-per-round and clients-per-block must be >= 1")
+        if clients_per_round % clients_per_block:
+            raise ValueError(
+                f"clients-per-round ({clients_per_round}) must be a multiple of "
+                f"clients-per-block ({clients_per_block})"
+            )
+        self.block_map = block_map
+        self.weights = dict(weights)
+        self.schedule = BlockSchedule(cycle or block_map.names, block_schedule, seed)
+        self.clients_per_round = clients_per_round
+        self.clients_per_block = clients_per_block
+        self.update_rule = update_rule
+        self.upload_codec = upload_codec
+        self.download_codec = download_codec
+        self.seed = seed
+        self.lineage = lineage
+        self.base_hash = base_hash
+        self.max_payload_bytes = max_payload_bytes
+        self.node_wait_s = node_wait_s
+        self.return_arrays = return_arrays
+
+        self.versions: dict[str, int] = {name: 0 for name in block_map.names}
+        self.checksums: dict[str, str] = {}  # block -> checksum of its current (version > 0)
+        self.holdings: dict[int, dict[str, Holding]] = {}  # node -> what it holds
+        self.excluded: dict[int, str] = {}  # node -> why it takes no part
+        self.history: list[RoundLog] = []
+        self._assigned: dict[int, str] = {}  # node -> block, for the round in flight
+        self._returned: ArrayRecord | None = None
+
+    # ----------------------------------------------------------------- global model access
+    def block_tensors(self, block: str) -> dict[str, torch.Tensor]:
+        """The global tensors of ``block`` (views, not copies)."""
+        return {name: self.weights[name] for name in self.block_map.info(block).param_names}
+
+    def global_holdings(self) -> dict[str, Holding]:
+        """What a fully synced node holds: every block changed since pretraining."""
+        return {
+            b: Holding(v, self.checksums[b]) for b, v in self.versions.items() if v > 0
+        }
+
+    def _load_arrays(self, arrays: ArrayRecord) -> None:
+        state = arrays.to_torch_state_dict()
+        missing = set(self.weights) - set(state)
+        if missing:
+            raise ValueError(f"initial arrays lack parameters {sorted(missing)[:5]} ...")
+        with torch.no_grad():
+            for name, tensor in self.weights.items():
+                tensor.copy_(state[name])
+
+    # ----------------------------------------------------------------------- node handling
+    def _sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
+        deadline = time.monotonic() + self.node_wait_s
+        while True:
+            nodes = sorted(n for n in grid.get_node_ids() if n not in self.excluded)
+            if len(nodes) >= self.clients_per_round or time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        if len(nodes) < self.clients_per_block:
+            raise RuntimeError(
+                f"round {server_round}: {len(nodes)} usable nodes connected, fewer than "
+                f"clients-per-block={self.clients_per_block}"
+            )
+        count = min(self.clients_per_round, len(nodes) // self.clients_per_block
+                    * self.clients_per_block)
+        if count < self.clients_per_round:
+            log.warning(
+                "round %d: only %d usable nodes for clients-per-round=%d; training %d blocks",
+                server_round, len(nodes), self.clients_per_round,
+                count // self.clients_per_block,
+            )
+        rng = random.Random(f"{self.seed}:nodes:{server_round}")
+        return rng.sample(nodes, count)
+
+    def _node_seed(self, server_round: int, node: int) -> int:
+        return random.Random(f"{self.seed}:client:{server_round}:{node}").randrange(2**31)
+
+    # --------------------------------------------------------------------------- training
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One message per sampled node: its block, and the blocks it must download."""
+        if len(arrays) and arrays is not self._returned:
+            self._load_arrays(arrays)
+        nodes = self._sample_nodes(grid, server_round)
+        blocks = self.schedule.take(len(nodes) // self.clients_per_block)
+        nodes = nodes[: len(blocks) * self.clients_per_block]
+        self._assigned = {}
+        self._round = RoundLog(server_round)
+        expect = self.global_holdings()
+        payloads: dict[tuple[str, int], bytes] = {}
+        messages = []
+        for index, node in enumerate(nodes):
+            block = blocks[index // self.clients_per_block]
+            self._assigned[node] = block
+            held = self.holdings.get(node, {})
+            download = ArrayRecord()
+            for name, want in expect.items():
+                if held.get(name) == want:
+                    continue
+                key = (name, want.version)
+                if key not in payloads:
+                    payloads[key] = encode(
+                        self.block_tensors(name),
+                        self.download_codec,
+                        block=name,
+                        target_version=want.version,
+                    )
+                download[name] = payload_to_array(payloads[key])
+                self._round.bytes_down += len(payloads[key])
+                self._round.bytes_down_raw += raw_fp32_bytes(self.block_tensors(name))
+            cfg = ConfigRecord(dict(config))
+            cfg.update(
+                {
+                    protocol.ROUND: server_round,
+                    protocol.BLOCK: block,
+                    protocol.RULE: self.update_rule,
+                    protocol.SEED: self._node_seed(server_round, node),
+                    protocol.LINEAGE: self.lineage,
+                    protocol.BASE_HASH: self.base_hash,
+                    protocol.EXPECT: protocol.dump_holdings(expect),
+                    protocol.UPLOAD_CODEC: self.upload_codec,
+                    protocol.TARGET_VERSION: server_round,
+                }
+            )
+            content = RecordDict({protocol.CONFIG: cfg, protocol.DOWNLOAD: download})
+            messages.append(
+                Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
+                        group_id=str(server_round))
+            )
+        self._round.blocks = list(blocks)
+        self._round.clients = list(nodes)
+        return messages
+
+    def _read_reply(
+        self, reply: Message, node: int, block: str
+    ) -> tuple[float, dict[str, torch.Tensor], MetricRecord] | None:
+        """Decode one reply; ``None`` (logged) when it brings no usable update."""
+        if reply.has_error():
+            log.warning("node %d failed block %s: %s", node, block, reply.error.reason)
+            return None
+        content = reply.content
+        state = content.config_records.get(protocol.STATE)
+        if state is None:
+            log.warning("node %d sent a reply without a state record; dropped", node)
+            return None
+        try:
+            self.holdings[node] = protocol.load_holdings(str(state[protocol.HOLDINGS]))
+        except (ValueError, KeyError) as err:
+            log.warning("node %d sent unreadable holdings (%s); will resync it", node, err)
+            self.holdings.pop(node, None)
+        status = str(state.get(protocol.STATUS, ""))
+        if status == protocol.REJECTED:
+            self.excluded[node] = str(state.get(protocol.REASON, ""))
+            log.warning("node %d takes no part: %s", node, self.excluded[node])
+            return None
+        if status != protocol.OK:
+            log.info("node %d did not train block %s: %s (%s)", node, block, status,
+                     state.get(protocol.REASON, ""))
+            return None
+        try:
+            upload = content.array_records[protocol.UPLOAD]
+            metrics = content.metric_records[protocol.METRICS]
+            if list(upload.keys()) != [block]:
+                raise CodecError(f"expected an upload of block '{block}', got {list(upload)}")
+            payload = payload_from_array(upload[block])
+            self._round.bytes_up += len(payload)
+            decoded = decode(
+                payload,
+                base=self.block_tensors(block) if _uses_base(self.upload_codec) else None,
+                expect_block=block,
+                expect_shapes={k: tuple(v.shape) for k, v in self.block_tensors(block).items()},
+                max_bytes=self.max_payload_bytes,
+            )
+            weight = float(metrics[protocol.NUM_EXAMPLES])  # type: ignore[arg-type]
+        except (CodecError, KeyError, TypeError, ValueError) as err:
+            log.warning("dropped node %d's upload of block %s: %s", node, block, err)
+            return None
+        self._round.bytes_up_raw += raw_fp32_bytes(decoded.tensors)
+        self._round.update_rules.append(str(state.get(protocol.RULE, "")))
+        return max(weight, 1e-12), decoded.tensors, metrics
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Average each block's uploads, install them, re-queue blocks that got none."""
+        results: dict[str, list[tuple[float, dict[str, torch.Tensor]]]] = {}
+        losses: list[tuple[float, float]] = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            block = self._assigned.pop(node, None)
+            if block is None:
+                log.warning("ignored a reply from node %d, which had no assignment", node)
+                continue
+            read = self._read_reply(reply, node, block)
+            if read is None:
+                continue
+            weight, tensors, metrics = read
+            results.setdefault(block, []).append((weight, tensors))
+            losses.append((weight, float(metrics.get("train_loss", float("nan")))))  # type: ignore[arg-type]
+            self._round.examples += int(weight)
+            self._round.client_peak_mem_mb = max(
+                self._round.client_peak_mem_mb, float(metrics.get("peak_mem_mb", 0.0))  # type: ignore[arg-type]
+            )
+            self._round.client_train_s = max(
+                self._round.client_train_s, float(metrics.get("train_s", 0.0))  # type: ignore[arg-type]
+            )
+        for node, block in self._assigned.items():
+            log.warning("node %d sent no reply for block %s (timeout or lost)", node, block)
+        self._assigned = {}
+
+        for block in self._round.blocks:
+            if block not in results:
+                self.schedule.requeue(block)
+                self._round.failed_blocks.append(block)
+                continue
+            self._install(block, results[block], server_round)
+        finite = [(w, loss) for w, loss in losses if loss == loss]
+        if finite:
+            self._round.train_loss = sum(w * x for w, x in finite) / sum(w for w, _ in finite)
+        self.history.append(self._round)
+
+        metrics = MetricRecord(
+            {
+                "blocks_trained": len(results),
+                "blocks_failed": len(self._round.failed_blocks),
+                "bytes_down": self._round.bytes_down,
+                "bytes_up": self._round.bytes_up,
+                "bytes_down_raw": self._round.bytes_down_raw,
+                "bytes_up_raw": self._round.bytes_up_raw,
+                "client_peak_mem_mb": self._round.client_peak_mem_mb,
+                **({"train_loss": self._round.train_loss} if finite else {}),
+            }
+        )
+        if not results or not self.return_arrays:
+            return None, metrics
+        self._returned = ArrayRecord(
+            {k: v.detach().clone() for k, v in self.weights.items()}  # type: ignore[arg-type]
+        )
+        return self._returned, metrics
+
+    def _install(
+        self, block: str, uploads: list[tuple[float, dict[str, torch.Tensor]]], version: int
+    ) -> None:
+        if len(uploads) == 1:
+            merged = uploads[0][1]
+        else:
+            total = sum(w for w, _ in uploads)
+            merged = {}
+            for name in uploads[0][1]:
+                acc = sum((w / total) * t[name].double() for w, t in uploads)
+                merged[name] = acc.to(uploads[0][1][name].dtype)  # type: ignore[union-attr]
+        with torch.no_grad():
+            for name, tensor in merged.items():
+                self.weights[name].copy_(tensor)
+        self.versions[block] = version
+        self.checksums[block] = content_checksum(self.block_tensors(block))
+
+    # ------------------------------------------------------------------------- evaluation
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """No federated evaluation: the server evaluates the global model itself."""
+        return []
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Nothing to aggregate (see :meth:`configure_evaluate`)."""
+        return None
+
+    def summary(self) -> None:
+        """Log the strategy's settings."""
+        log.info(
+            "FedCyBGD: %d blocks in the cycle (%s order), %d clients/round, %d clients/block, "
+            "rule %s, upload %s, download %s",
+            len(self.schedule.blocks), self.schedule.order, self.clients_per_round,
+            self.clients_per_block, self.update_rule, self.upload_codec, self.download_codec,
+        )
+
+    # ------------------------------------------------------------------------- checkpoints
+    def state(self) -> dict[str, Any]:
+        """JSON-able state (weights are saved separately, per block)."""
+        return {
+            "versions": dict(self.versions),
+            "checksums": dict(self.checksums),
+            "schedule": self.schedule.state(),
+            "holdings": {
+                str(node): protocol.dump_holdings(h) for node, h in self.holdings.items()
+            },
+            "excluded": {str(node): why for node, why in self.excluded.items()},
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state`'s output (weights must be restored by the caller)."""
+        self.versions.update({k: int(v) for k, v in state["versions"].items()})
+        self.checksums = {k: str(v) for k, v in state["checksums"].items()}
+        self.schedule.load_state(state["schedule"])
+        self.holdings = {
+            int(node): protocol.load_holdings(text) for node, text in state["holdings"].items()
+        }
+        self.excluded = {int(node): str(why) for node, why in state["excluded"].items()}

@@ -1,0 +1,82 @@
+"""Which blocks train next: a cycle over the blocks, with failed blocks retried first."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+SCHEDULES = ("ascending", "descending", "random")
+
+
+class BlockSchedule:
+    """Cycle through ``blocks``; a block handed back with :meth:`requeue` comes first.
+
+    Parameters
+    ----------
+    blocks : list[str]
+        The blocks of one cycle, in model order (bottom-up).
+    order : str
+        ``ascending`` (bottom-up), ``descending`` (top-down) or ``random`` (a fresh
+        permutation every cycle, derived from ``seed`` and the cycle number).
+    seed : int
+        Seed of the random order.
+    """
+
+    def __init__(self, blocks: list[str], order: str = "ascending", seed: int = 0) -> None:
+        if order not in SCHEDULES:
+            raise ValueError(f"block-schedule {order!r} is not allowed; choose one of {SCHEDULES}")
+        if not blocks:
+            raise ValueError("the block cycle is empty: nothing to train")
+        self.blocks = list(blocks)
+        self.order = order
+        self.seed = seed
+        self.cycle = 0  # number of cycles started
+        self.pending: list[str] = []  # rest of the current cycle, next first
+        self.retry: list[str] = []  # failed blocks, next first
+
+    def _cycle_order(self, cycle: int) -> list[str]:
+        if self.order == "ascending":
+            return list(self.blocks)
+        if self.order == "descending":
+            return list(reversed(self.blocks))
+        permuted = list(self.blocks)
+        random.Random(f"{self.seed}:{cycle}").shuffle(permuted)
+        return permuted
+
+    def take(self, count: int) -> list[str]:
+        """Up to ``count`` distinct blocks for this round (fewer only if the model has fewer)."""
+        chosen: list[str] = []
+        count = min(count, len(self.blocks))
+        while len(chosen) < count:
+            if self.retry:
+                source = self.retry
+            else:
+                if not self.pending:
+                    self.pending = self._cycle_order(self.cycle)
+                    self.cycle += 1
+                source = self.pending
+            index = next((i for i, b in enumerate(source) if b not in chosen), None)
+            if index is None:
+                # Every queued block is already in this round: start the next cycle early.
+                if source is self.retry:
+                    break
+                self.pending.extend(b for b in self._cycle_order(self.cycle) if b not in chosen)
+                self.cycle += 1
+                continue
+            chosen.append(source.pop(index))
+        return chosen
+
+    def requeue(self, block: str) -> None:
+        """Put a block whose training failed at the front, so the cycle never skips it."""
+        if block not in self.retry:
+            self.retry.append(block)
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able state for checkpoints."""
+        return {"cycle": self.cycle, "pending": list(self.pending), "retry": list(self.retry)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state`'s output."""
+        self.cycle = int(state["cycle"])
+        self.pending = [str(b) for b in state["pending"]]
+        self.retry = [str(b) for b in state["retry"]]

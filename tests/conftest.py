@@ -1,0 +1,50 @@
+"""Shared fixtures: offline hub, Flower task identity, tiny-model run configs."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _flower_task_identity() -> Iterator[None]:
+    """Building an instruction Message outside a Flower runtime needs a task identity."""
+    TaskIdentity.run_id = 1
+    TaskIdentity.node_id = 1
+    TaskIdentity.task_id = 1
+    yield
+
+
+@pytest.fixture
+def tiny_run_config(tmp_path: Path) -> dict[str, Any]:
+    """A run config for a 4-layer tiny Llama that trains in well under a second per round."""
+    return {
+        "model": "tiny-llama",
+        "partitioner": "iid",
+        "num-server-rounds": 2,
+        "clients-per-round": 2,
+        "clients-per-block": 1,
+        "block-schedule": "ascending",
+        "layers-per-block": 1,
+        "train-embeddings": False,
+        "train-head": False,
+        "update-rule": "fo",
+        "local-steps": 2,
+        "batch-size": 4,
+        "max-seq-len": 48,
+        "lr": 1e-3,
+        "eval-every": 1,
+        "eval-examples": 16,
+        "eval-batch-size": 16,
+        "output-dir": str(tmp_path / "out"),
+        "seed": 0,
+    }
