@@ -60,7 +60,9 @@ def _join(header: dict[str, Any] | bytes, body: bytes, *, fix_body: bool = True)
     return b"FCYB" + struct.pack("<HI", FORMAT_VERSION, len(head)) + head + body
 
 
-def _group_errors(x: torch.Tensor, y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_errors(
+    x: torch.Tensor, y: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group: max |x - y| and absmax of x (last group zero-padded)."""
     n = x.numel()
     pad = -n % group
@@ -353,7 +355,11 @@ def test_delta_int8_zstd_of_small_update_is_small():
 
 def test_raw_fp32_bytes_counts_four_per_element():
     # Execute / Assert
-    tensors = {"a": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5), "c": torch.zeros(0)}
+    tensors = {
+        "a": torch.zeros(3, 4, dtype=torch.bfloat16),
+        "b": torch.zeros(5),
+        "c": torch.zeros(0),
+    }
     assert raw_fp32_bytes(tensors) == 4 * (12 + 5)
 
 
@@ -490,21 +496,21 @@ def test_unknown_dtype_in_header(payload: bytes):
 
 
 def test_unknown_dtype_at_encode():
-    with pytest.raises(CodecError, match="tensor 'c': unknown dtype torch.complex64"):
+    with pytest.raises(CodecError, match=r"tensor 'c': unknown dtype torch.complex64"):
         _enc({"c": torch.zeros(2, dtype=torch.complex64)}, "fp32")
 
 
 def test_shape_length_mismatch(payload: bytes):
     header, body = _split(payload)
     header["entries"][1]["shape"] = [8, 9]
-    with pytest.raises(CodecError, match="tensor 'w'.*shape/length mismatch"):
+    with pytest.raises(CodecError, match=r"tensor 'w'.*shape/length mismatch"):
         decode(_join(header, body))
 
 
 def test_part_length_mismatch(payload: bytes):
     header, body = _split(payload)
     header["entries"][0]["parts"]["data"]["length"] = 31
-    with pytest.raises(CodecError, match="tensor 'b'.*shape/length mismatch"):
+    with pytest.raises(CodecError, match=r"tensor 'b'.*shape/length mismatch"):
         decode(_join(header, body))
 
 
@@ -523,7 +529,9 @@ def test_overlapping_parts(payload: bytes):
 
 
 def test_expect_block_mismatch(payload: bytes):
-    with pytest.raises(CodecError, match="block mismatch: payload is for 'layer.0', expected 'head'"):
+    with pytest.raises(
+        CodecError, match=r"block mismatch: payload is for 'layer.0', expected 'head'"
+    ):
         decode(payload, expect_block="head")
 
 
@@ -678,7 +686,7 @@ def test_encode_rejects_bad_arguments(kw: dict[str, Any], message: str):
 
 
 def test_encode_rejects_non_tensors():
-    with pytest.raises(CodecError, match="'w' is not a dense torch.Tensor"):
+    with pytest.raises(CodecError, match=r"'w' is not a dense torch.Tensor"):
         _enc({"w": [1.0, 2.0]}, "fp32")  # type: ignore[dict-item]
 
 
@@ -754,6 +762,39 @@ def test_fuzz_mutated_payloads(fuzz_cases):
 
 
 @pytest.mark.timeout(60)
+def test_fuzz_corrupt_bodies_with_matching_body_hash(fuzz_cases):
+    """Past the body hash: zstd, index, quantizer and checksum checks must hold on their own."""
+    rng = random.Random(4321)
+    for _ in range(600):
+        data, base = rng.choice(fuzz_cases)
+        header, body = _split(data)
+        buf = bytearray(body)
+        for _ in range(rng.choice([1, 2, 5])):
+            pos = rng.randrange(len(buf))
+            op = rng.choice(["flip", "set", "insert", "delete"])
+            if op == "flip":
+                buf[pos] ^= 1 << rng.randrange(8)
+            elif op == "set":
+                buf[pos] = rng.randrange(256)
+            elif op == "insert":
+                buf[pos:pos] = bytes([rng.randrange(256)])
+            else:
+                del buf[pos]
+        if not header["spec"].endswith("zstd"):
+            header = {**header, "raw_body_length": len(buf)}  # get past the length check
+        _decode_or_codec_error(_join(header, bytes(buf)), base)
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=100, deadline=None)
+@given(blob=st.binary(max_size=400), framed=st.booleans())
+def test_fuzz_random_bytes_hypothesis(blob: bytes, framed: bool):
+    if framed:
+        blob = b"FCYB" + struct.pack("<HI", 1, len(blob)) + blob
+    assert not _decode_or_codec_error(blob, None)
+
+
+@pytest.mark.timeout(60)
 @settings(max_examples=150, deadline=None)
 @given(case=st.integers(0, 7), seed=st.integers(0, 2**32 - 1))
 def test_fuzz_mutated_payloads_hypothesis(fuzz_cases, case, seed):
@@ -798,7 +839,7 @@ def test_payload_from_array_rejects_other_arrays():
     numpy_array = Array(dtype="uint8", shape=(3,), stype="numpy.ndarray", data=b"abc")
     wrong_dtype = Array(dtype="int8", shape=(3,), stype=PAYLOAD_STYPE, data=b"abc")
     wrong_shape = Array(dtype="uint8", shape=(4,), stype=PAYLOAD_STYPE, data=b"abc")
-    with pytest.raises(CodecError, match="stype 'numpy.ndarray' is not 'fedcybgd.payload.v1'"):
+    with pytest.raises(CodecError, match=r"stype 'numpy.ndarray' is not 'fedcybgd.payload.v1'"):
         payload_from_array(numpy_array)
     with pytest.raises(CodecError, match="dtype 'int8' is not 'uint8'"):
         payload_from_array(wrong_dtype)

@@ -1,8 +1,19 @@
 """Codecs and the wire format of block payloads.
 
-A payload is one ``bytes`` object: a small JSON header (block, versions, codec spec, per-tensor
-layout, checksums) and a body, encoded by a pipeline such as ``"delta+int8+zstd"``. Decoding
-checks everything and raises :class:`CodecError` for any bad input.
+A payload is one ``bytes`` object::
+
+    b"FCYB" | u16 format version | u32 header length | UTF-8 JSON header | body
+
+The header names the block, the base and target versions, the codec spec, each tensor's
+dtype/shape/parts/codec metadata, a sha256 of the stored body and the content checksum of the
+reconstructed tensors (:func:`fedcybgd.checksum.content_checksum`, the same one client caches
+keep). The body is the parts back to back, byte-shuffled and zstd-compressed when the spec
+ends in ``zstd``.
+
+Specs compose stages with ``+`` in the order ``[delta|xor] [topk] [fp32|fp16|bf16]
+[int8|int4] [zstd]`` (see :mod:`fedcybgd.compression.spec`). ``fp32``, ``zstd`` and
+``xor(+zstd)`` are bit-exact; the rest are lossy. Decoding validates everything and raises
+:class:`CodecError` (a ``ValueError``) for any bad input; nothing is ever unpickled.
 """
 
 from fedcybgd.compression.errors import CodecError

@@ -351,7 +351,9 @@ def split_frame(data: object, *, max_bytes: int | None) -> tuple[PayloadHeader, 
     return header, view[start:end]
 
 
-def read_header(data: bytes, *, max_bytes: int | None = None) -> PayloadHeader:
+def read_header(
+    data: bytes | bytearray | memoryview, *, max_bytes: int | None = None
+) -> PayloadHeader:
     """Validate the frame and header of a payload without decoding any tensor.
 
     Raises

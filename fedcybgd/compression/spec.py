@@ -12,6 +12,7 @@ tensor's own dtype" (no cast). Canonical form follows ``order``; the empty pipel
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,13 +111,13 @@ def parse_spec(spec: str) -> CodecSpec:
         any(_SLOT.get(n) == 0 for n in names[topk_at:]) or "zstd" in names[:topk_at]
     ):
         raise CodecError(f"'topk' must come after delta/xor and before zstd in spec {spec!r}")
-    cast = values.get(1)
+    cast_name = values.get(1)
     parsed = CodecSpec(
-        base=values.get(0),  # type: ignore[arg-type]
+        base=typing.cast(BaseStage | None, values.get(0)),
         topk=topk_at is not None,
-        cast=None if cast in (None, "fp32", "raw") else cast,  # type: ignore[arg-type]
-        quant=values.get(2),  # type: ignore[arg-type]
-        zstd="zstd" in values.values(),
+        cast=typing.cast(CastStage | None, None if cast_name in ("fp32", "raw") else cast_name),
+        quant=typing.cast(QuantStage | None, values.get(2)),
+        zstd=3 in values,
     )
     if parsed.cast and parsed.quant:
         # Both set the stored precision; quantizing cast values only adds rounding.

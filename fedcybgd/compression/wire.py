@@ -21,6 +21,7 @@ from fedcybgd.compression.header import (
     read_header,
     split_frame,
 )
+from fedcybgd.compression.layout import MAX_TOPK_NUMEL
 from fedcybgd.compression.spec import CodecSpec, parse_spec
 from fedcybgd.compression.tensors import (
     BITS_DTYPE,
@@ -123,7 +124,7 @@ def _encode_tensor(
     parts: list[tuple[str, str, int, bytes]] = []
     topk: int | None = None
     if codec.topk:
-        if values.numel() > 2**32 - 1:
+        if values.numel() > MAX_TOPK_NUMEL:
             raise CodecError(f"tensor {name!r}: {values.numel()} elements is too many for top-k")
         topk = codecs.topk_count(values.numel(), topk_ratio)
         idx = codecs.topk_indices(values, topk)
@@ -327,7 +328,7 @@ def _check_shapes(header: PayloadHeader, expect: Mapping[str, tuple[int, ...]]) 
 
 
 def decode(
-    data: bytes,
+    data: bytes | bytearray | memoryview,
     *,
     base: Mapping[str, torch.Tensor] | None = None,
     expect_block: str | None = None,

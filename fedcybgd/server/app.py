@@ -223,9 +223,20 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
     return summary
 
 
+def configure_logging() -> None:
+    """Our INFO lines on stderr, without raising the level of Flower's or httpx's loggers."""
+    logger = logging.getLogger("fedcybgd")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Flower entry point."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     run = RunConfig.from_run_config(context.run_config)
     run_server(grid, run)
