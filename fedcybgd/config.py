@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
+from fedcybgd.compression import CodecError, parse_spec
+
 UPDATE_RULES = ("fo", "zerolock", "lezo", "mezo")
 SCHEDULES = ("ascending", "descending", "random")
 PARTITIONERS = ("iid", "dirichlet", "movie")
@@ -50,7 +52,9 @@ class RunConfig:
     seed: int = 0
     round_timeout: float = 3600.0
     upload_codec: str = "fp32"
-    download_codec: str = "fp32"
+    download_codec: str = "fp32"  # for frozen blocks; the trained block always arrives exact
+    download_fraction: float = 1.0  # the paper's random dropping of stale frozen blocks
+    version_history: int = 2  # past exact block versions the server keeps for deltas
     max_payload_mb: float = 2048.0
     extra: dict[str, Any] = field(default_factory=dict)  # unknown keys, kept for plug-ins
 
@@ -73,6 +77,17 @@ class RunConfig:
         _positive("dirichlet-alpha", self.dirichlet_alpha)
         _positive("round-timeout", self.round_timeout)
         _positive("max-payload-mb", self.max_payload_mb)
+        if not 0 < self.download_fraction <= 1:
+            raise ConfigError(
+                f"download-fraction must be in (0, 1], got {self.download_fraction}"
+            )
+        _at_least("version-history", self.version_history, 0)
+        for key, spec in (("upload-codec", self.upload_codec),
+                          ("download-codec", self.download_codec)):
+            try:
+                parse_spec(spec)
+            except CodecError as err:
+                raise ConfigError(f"{key} = {spec!r}: {err}") from None
         if self.weight_decay < 0:
             raise ConfigError(f"weight-decay must be >= 0, got {self.weight_decay}")
         if self.clients_per_round % self.clients_per_block:

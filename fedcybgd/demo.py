@@ -8,6 +8,7 @@ Extra arguments are passed to ``flwr run`` (e.g. ``--run-config "num-server-roun
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -33,10 +34,8 @@ def stop_local_superlink(flwr_home: Path) -> None:
     result = subprocess.run(["pgrep", "-f", f"flower-superlink.*{flwr_home}"],
                             capture_output=True, text=True, check=False)
     for pid in result.stdout.split():
-        try:
+        with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGTERM)
-        except (ProcessLookupError, ValueError):
-            pass
 
 
 def main(argv: list[str] | None = None) -> int:

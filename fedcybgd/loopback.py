@@ -93,10 +93,9 @@ class LoopbackGrid(Grid):
             try:
                 reply = self.client_app(message, self.contexts[node])
             except Exception as err:  # the runtime turns a crash into an error reply
-                reply = Message(
-                    Error(int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION), f"{type(err).__name__}: {err}"),
-                    reply_to=message,
-                )
+                reason = f"{type(err).__name__}: {err}"
+                error = Error(int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION), reason)
+                reply = Message(error, reply_to=message)
             if node not in self.silent:
                 self._replies[message.metadata.message_id] = reply
             ids.append(message.metadata.message_id)

@@ -9,6 +9,7 @@ a local folder, or a hub id (loaded offline unless ``HF_HUB_OFFLINE=0``).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -152,3 +154,36 @@ def load_model(name: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel
         model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype)
     model.eval()
     return model
+
+
+def safetensors_index(name: str) -> dict[str, Path]:
+    """Parameter name -> the safetensors file holding its pretrained value (empty if none).
+
+    Lets a client or server read one block's pretrained tensors back from disk (memory-mapped)
+    instead of keeping a second copy of the model in memory.
+    """
+    if name.startswith("tiny-"):
+        return {}
+    folder = Path(resolve(name))
+    if not folder.is_dir():
+        return {}
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {param: folder / file for param, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        return {}
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def read_tensors(
+    files: dict[str, Path], names: tuple[str, ...] | list[str]
+) -> dict[str, torch.Tensor]:
+    """Read the named tensors from the files :func:`safetensors_index` mapped them to."""
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        with safe_open(str(files[name]), framework="pt") as f:
+            out[name] = f.get_tensor(name)
+    return out

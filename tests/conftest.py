@@ -7,12 +7,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
-import pytest  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+import pytest
+from flwr.supercore.task_identity import TaskIdentity
 
 
 @pytest.fixture(autouse=True)

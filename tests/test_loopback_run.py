@@ -91,7 +91,7 @@ def test_failed_client_block_is_retried_next_round(tiny_run_config, tmp_path):
     config = dict(tiny_run_config, **{"clients-per-round": 1})
     run = RunConfig.from_run_config(config)
     grid = make_grid(config, tmp_path)
-    model, strategy, blocks = make_strategy(run)
+    _, strategy, _ = make_strategy(run)
     grid.silent = set(grid.get_node_ids())
     # Execute
     play_round(strategy, grid, 1)
@@ -143,7 +143,7 @@ def test_delta_sync_downloads_only_changed_blocks(tiny_run_config, tmp_path):
     config = dict(tiny_run_config, **{"clients-per-round": 4})
     run = RunConfig.from_run_config(config)
     grid = make_grid(config, tmp_path)
-    _, strategy, blocks = make_strategy(run)
+    _, strategy, _ = make_strategy(run)
     # Execute: round 1 changes 4 blocks; round 2 each node needs exactly those
     play_round(strategy, grid, 1)
     play_round(strategy, grid, 2)

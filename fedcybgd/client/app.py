@@ -90,13 +90,18 @@ def apply_downloads(
         header = read_header(payload, max_bytes=max_bytes)
         base = None
         if _uses_base(header.spec):
+            # Deltas are against the pretrained block (v0, always at hand) or the exact version
+            # this node holds; decode verifies the base's checksum against the header.
             held = store.holdings.get(block, Holding(0, "")).version
-            if held != header.base_version:
+            if header.base_version == 0:
+                base = cm.pretrained(block)
+            elif held == header.base_version:
+                base = cm.blocks.get(cm.model, block)
+            else:
                 raise CodecError(
                     f"block '{block}': delta against version {header.base_version}, "
                     f"but this client holds version {held}"
                 )
-            base = cm.blocks.get(cm.model, block)
         decoded = decode(
             payload,
             base=base,

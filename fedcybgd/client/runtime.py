@@ -1,8 +1,10 @@
 """The model a client process keeps between messages, switched to a node's cached blocks.
 
 Loading the model costs seconds, so each client process loads it once and, for every message,
-brings each block to the version the node's cache holds. A block's pretrained tensors are kept
-aside the first time they are overwritten, so going back costs no reload and no full copy.
+brings each block to the version the node's cache holds. Going back to a block's pretrained
+tensors reads just that block from the model's safetensors files (memory-mapped), so the client
+never holds a second copy of the model; models built in memory (tiny test models) keep a copy of
+each block the first time it is overwritten instead.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.store import BlockStore
 from fedcybgd.layerwise import LayerStack
-from fedcybgd.models import load_model
+from fedcybgd.models import load_model, read_tensors, safetensors_index
 from fedcybgd.protocol import Holding
 
 
@@ -31,12 +33,25 @@ class ClientModel:
         self.stack = LayerStack(self.model)
         self.blocks = BlockMap(self.model, layers_per_block)
         self.base_hash = content_checksum(dict(self.model.named_parameters()))
+        self._weight_files = safetensors_index(name)
         self._pristine: dict[str, dict[str, torch.Tensor]] = {}
         self._loaded: dict[str, Holding] = {}  # absent: pretrained
 
     def _remember_pristine(self, block: str) -> None:
-        if block not in self._pristine:
-            self._pristine[block] = self.blocks.get(self.model, block)
+        names = self.blocks.info(block).param_names
+        if block in self._pristine or (
+            self._weight_files and all(n in self._weight_files for n in names)
+        ):
+            return
+        self._pristine[block] = self.blocks.get(self.model, block)
+
+    def pretrained(self, block: str) -> dict[str, torch.Tensor]:
+        """The block's pretrained tensors (read from disk where the model came from a folder)."""
+        if block in self._pristine:
+            return self._pristine[block]
+        if block not in self._loaded:
+            return self.blocks.get(self.model, block)  # the model still holds version 0
+        return read_tensors(self._weight_files, self.blocks.info(block).param_names)
 
     def set_block(self, block: str, tensors: dict[str, torch.Tensor], holding: Holding) -> None:
         """Write a block version into the model."""
@@ -47,7 +62,7 @@ class ClientModel:
     def reset_block(self, block: str) -> None:
         """Put a block back to its pretrained tensors."""
         if block in self._loaded:
-            self.blocks.set(self.model, block, self._pristine[block])
+            self.blocks.set(self.model, block, self.pretrained(block))
             del self._loaded[block]
 
     def sync(self, store: BlockStore) -> None:

@@ -13,10 +13,12 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -25,7 +27,7 @@ from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.layerwise import LayerStack
-from fedcybgd.models import load_model, load_tokenizer
+from fedcybgd.models import load_model, load_tokenizer, read_tensors, safetensors_index
 from fedcybgd.objective import EvalResult, evaluate
 from fedcybgd.server.checkpoint import Checkpointer
 from fedcybgd.server.metrics import MetricsWriter, write_summary
@@ -60,6 +62,16 @@ class Evaluator:
         return evaluate(self.stack, batches)
 
 
+def pretrained_reader(
+    model: str, blocks: BlockMap
+) -> Callable[[str], dict[str, torch.Tensor]] | None:
+    """Read a block's pretrained tensors from the model's files (no second copy in memory)."""
+    files = safetensors_index(model)
+    if not files:
+        return None
+    return lambda block: read_tensors(files, blocks.info(block).param_names)
+
+
 def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
                    lineage: str, base_hash: str) -> FedCyBGD:
     """The FedCyBGD strategy for ``run``."""
@@ -73,6 +85,9 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
         update_rule=run.update_rule,
         upload_codec=run.upload_codec,
         download_codec=run.download_codec,
+        download_fraction=run.download_fraction,
+        version_history=run.version_history,
+        pretrained=pretrained_reader(run.model, blocks),
         seed=run.seed,
         lineage=lineage,
         base_hash=base_hash,

@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-_console = Console(highlight=False)
+_console = Console(highlight=False, soft_wrap=True)
 
 
 def _mb(value: float | int | None) -> str:

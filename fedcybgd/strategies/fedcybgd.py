@@ -14,9 +14,10 @@ holds, from the node's own replies. A node downloads only the blocks whose versi
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ from fedcybgd.compression import (
     payload_from_array,
     payload_to_array,
     raw_fp32_bytes,
+    read_header,
 )
 from fedcybgd.protocol import Holding
 from fedcybgd.strategies.schedule import BlockSchedule
@@ -90,8 +92,23 @@ class FedCyBGD(Strategy):
         Nodes per round, and nodes sharing (and averaging) one block.
     update_rule : str
         Rule the clients are asked to use (a node may override it for itself).
-    upload_codec, download_codec : str
-        Codec specs (see :mod:`fedcybgd.compression`) for uploads and downloads.
+    upload_codec : str
+        Codec spec (see :mod:`fedcybgd.compression`) of uploads: a ``delta`` is against the
+        block the client started from.
+    download_codec : str
+        Codec spec for blocks a node only needs frozen; a lossy spec leaves the node an
+        approximate copy, marked as such by its checksum.
+    exact_codec : str
+        Lossless codec spec for the block a node will train (default: exact XOR delta + zstd).
+    download_fraction : float
+        The paper's random dropping: the fraction of a node's stale frozen blocks it is sent
+        each round (1.0 sends all). The node's own block is always sent.
+    version_history : int
+        Past exact versions kept per block, so a node holding one of them gets a delta against
+        it; otherwise deltas are against the pretrained block.
+    pretrained : Callable[[str], dict[str, torch.Tensor]], optional
+        Reads a block's pretrained tensors (e.g. from the model's safetensors files). Without
+        it the strategy keeps a copy of each block before first overwriting it.
     seed : int
         Seeds node sampling, block order and the clients' round seeds.
     lineage, base_hash : str
@@ -117,6 +134,10 @@ class FedCyBGD(Strategy):
         update_rule: str = "fo",
         upload_codec: str = "fp32",
         download_codec: str = "fp32",
+        exact_codec: str = "xor+zstd",
+        download_fraction: float = 1.0,
+        version_history: int = 2,
+        pretrained: Callable[[str], dict[str, torch.Tensor]] | None = None,
         seed: int = 0,
         lineage: str = "default",
         base_hash: str = "",
@@ -126,6 +147,10 @@ class FedCyBGD(Strategy):
     ) -> None:
         if clients_per_round < 1 or clients_per_block < 1:
             raise ValueError("clients-per-round and clients-per-block must be >= 1")
+        if not 0 < download_fraction <= 1:
+            raise ValueError(f"download-fraction must be in (0, 1], got {download_fraction}")
+        if version_history < 0:
+            raise ValueError(f"version-history must be >= 0, got {version_history}")
         if clients_per_round % clients_per_block:
             raise ValueError(
                 f"clients-per-round ({clients_per_round}) must be a multiple of "
@@ -139,6 +164,12 @@ class FedCyBGD(Strategy):
         self.update_rule = update_rule
         self.upload_codec = upload_codec
         self.download_codec = download_codec
+        self.exact_codec = exact_codec
+        self.download_fraction = download_fraction
+        self.version_history = version_history
+        self._read_pretrained = pretrained
+        self._pristine: dict[str, dict[str, torch.Tensor]] = {}
+        self._kept: dict[str, dict[Holding, dict[str, torch.Tensor]]] = {}
         self.seed = seed
         self.lineage = lineage
         self.base_hash = base_hash
@@ -158,12 +189,6 @@ class FedCyBGD(Strategy):
     def block_tensors(self, block: str) -> dict[str, torch.Tensor]:
         """The global tensors of ``block`` (views, not copies)."""
         return {name: self.weights[name] for name in self.block_map.info(block).param_names}
-
-    def global_holdings(self) -> dict[str, Holding]:
-        """What a fully synced node holds: every block changed since pretraining."""
-        return {
-            b: Holding(v, self.checksums[b]) for b, v in self.versions.items() if v > 0
-        }
 
     def _load_arrays(self, arrays: ArrayRecord) -> None:
         state = arrays.to_torch_state_dict()
@@ -213,28 +238,12 @@ class FedCyBGD(Strategy):
         nodes = nodes[: len(blocks) * self.clients_per_block]
         self._assigned = {}
         self._round = RoundLog(server_round)
-        expect = self.global_holdings()
-        payloads: dict[tuple[str, int], bytes] = {}
+        payloads: dict[tuple[Any, ...], bytes] = {}
         messages = []
         for index, node in enumerate(nodes):
             block = blocks[index // self.clients_per_block]
             self._assigned[node] = block
-            held = self.holdings.get(node, {})
-            download = ArrayRecord()
-            for name, want in expect.items():
-                if held.get(name) == want:
-                    continue
-                key = (name, want.version)
-                if key not in payloads:
-                    payloads[key] = encode(
-                        self.block_tensors(name),
-                        self.download_codec,
-                        block=name,
-                        target_version=want.version,
-                    )
-                download[name] = payload_to_array(payloads[key])
-                self._round.bytes_down += len(payloads[key])
-                self._round.bytes_down_raw += raw_fp32_bytes(self.block_tensors(name))
+            download, expect = self._plan_download(server_round, node, block, payloads)
             cfg = ConfigRecord(dict(config))
             cfg.update(
                 {
@@ -257,6 +266,81 @@ class FedCyBGD(Strategy):
         self._round.blocks = list(blocks)
         self._round.clients = list(nodes)
         return messages
+
+    def pretrained_block(self, block: str) -> dict[str, torch.Tensor]:
+        """Version 0 of ``block``: what every node has without downloading anything."""
+        if block in self._pristine:
+            return self._pristine[block]
+        if self._read_pretrained is not None:
+            return self._read_pretrained(block)
+        return self.block_tensors(block)  # never overwritten yet: still pretrained
+
+    def _base_for(
+        self, block: str, held: Holding | None
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """The best delta base a node has: its exact held version if we kept it, else v0."""
+        if held is not None:
+            if held == self.current(block):
+                return held.version, self.block_tensors(block)
+            kept = self._kept.get(block, {}).get(held)
+            if kept is not None:
+                return held.version, kept
+        return 0, self.pretrained_block(block)
+
+    def current(self, block: str) -> Holding | None:
+        """The global version of ``block`` as a holding (``None`` while pretrained)."""
+        version = self.versions[block]
+        return Holding(version, self.checksums[block]) if version else None
+
+    def _plan_download(
+        self, server_round: int, node: int, assigned: str, payloads: dict[tuple[Any, ...], bytes]
+    ) -> tuple[ArrayRecord, dict[str, Holding]]:
+        """Payloads a node needs and what it will hold after applying them.
+
+        The assigned block must arrive exact. A frozen block the node lacks comes through
+        ``download_codec`` (possibly lossy, then the node's copy is approximate); a frozen block
+        already held at the current version, even approximately, is not sent again.
+        """
+        held = self.holdings.get(node, {})
+        download = ArrayRecord()
+        expect: dict[str, Holding] = {}
+        stale: list[str] = []
+        exact: list[str] = []
+        for block in self.block_map.names:
+            have, want = held.get(block), self.current(block)
+            if have == want:
+                pass
+            elif block == assigned:
+                exact.append(block)
+            elif want is not None and have is not None and have.version == want.version:
+                pass  # an approximate copy of the current version is good enough frozen
+            else:
+                stale.append(block)
+            if have is not None:
+                expect[block] = have
+        if self.download_fraction < 1 and stale:
+            rng = random.Random(f"{self.seed}:drop:{server_round}:{node}")
+            stale = rng.sample(stale, math.ceil(self.download_fraction * len(stale)))
+        for block, spec in [(b, self.exact_codec) for b in exact] + [
+            (b, self.download_codec) for b in stale
+        ]:
+            base_version, base = self._base_for(block, held.get(block))
+            key = (block, self.versions[block], spec, base_version, held.get(block))
+            if key not in payloads:
+                payloads[key] = encode(
+                    self.block_tensors(block),
+                    spec,
+                    block=block,
+                    target_version=self.versions[block],
+                    base_version=base_version,
+                    base=base if _uses_base(spec) else None,
+                )
+            payload = payloads[key]
+            download[block] = payload_to_array(payload)
+            expect[block] = Holding(self.versions[block], read_header(payload).checksum)
+            self._round.bytes_down += len(payload)
+            self._round.bytes_down_raw += raw_fp32_bytes(self.block_tensors(block))
+        return download, expect
 
     def _read_reply(
         self, reply: Message, node: int, block: str
@@ -376,6 +460,16 @@ class FedCyBGD(Strategy):
             for name in uploads[0][1]:
                 acc = sum((w / total) * t[name].double() for w, t in uploads)
                 merged[name] = acc.to(uploads[0][1][name].dtype)  # type: ignore[union-attr]
+        previous = self.current(block)
+        if previous is None:
+            if self._read_pretrained is None:
+                self._pristine[block] = {k: v.detach().clone()
+                                         for k, v in self.block_tensors(block).items()}
+        elif self.version_history:
+            kept = self._kept.setdefault(block, {})
+            kept[previous] = {k: v.detach().clone() for k, v in self.block_tensors(block).items()}
+            while len(kept) > self.version_history:
+                del kept[min(kept, key=lambda h: h.version)]
         with torch.no_grad():
             for name, tensor in merged.items():
                 self.weights[name].copy_(tensor)

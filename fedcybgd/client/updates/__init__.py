@@ -1,6 +1,10 @@
 """Local update rules, selected by name (``update-rule``)."""
 
-from fedcybgd.client.updates import fo  # noqa: F401  (registers "fo")
+from fedcybgd.client.updates import (
+    fo,  # noqa: F401  (registers "fo")
+    lezo,  # noqa: F401
+    zerolock,  # noqa: F401  (registers "zerolock")
+)
 from fedcybgd.client.updates.base import (
     TrainOutcome,
     TrainTask,

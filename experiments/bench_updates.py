@@ -1,0 +1,194 @@
+"""Step time and peak memory of the local update rules, side by side, on one batch.
+
+Every configuration runs in a fresh subprocess (the allocator never gives memory back, so a
+shared process would hide later peaks); each loads the model, takes one warm-up step and then
+times ``--steps`` steps on the same batches. Reported per configuration: seconds per step, peak
+RSS and peak RSS above the loaded model's RSS. ``full`` is whole-model AdamW fine-tuning and
+``inference`` a no-grad forward: the two reference points.
+
+    python experiments/bench_updates.py                      # all rules, SmolLM2, batch 16x32
+    python experiments/bench_updates.py --rules fo,full --blocks bottom,top
+
+Results: printed, and saved to ``experiments/results/bench_updates.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# name -> (update rule, rule options)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "inference": ("inference", {}),
+    "full": ("full", {}),
+    "fo": ("fo", {}),
+    "zerolock": ("zerolock", {}),
+    "zerolock-tuned": ("zerolock", {"zerolock-head": "tuned"}),
+    "mezo": ("mezo", {}),
+    "lezo-0.25": ("lezo", {"lezo-density": 0.25}),
+    "lezo-0.5": ("lezo", {"lezo-density": 0.5}),
+}
+
+
+def pick_block(names: list[str], where: str) -> str:
+    """bottom / middle / top decoder-layer block, or the whole stack."""
+    layers = [n for n in names if n.startswith("layer.")]
+    if where == "bottom":
+        return layers[0]
+    if where == "middle":
+        return layers[len(layers) // 2]
+    if where == "top":
+        return layers[-1]
+    raise ValueError(f"unknown block position {where!r}")
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration, in this process (called in a subprocess by :func:`main`)."""
+    import torch
+
+    from fedcybgd import data
+    from fedcybgd.blocks import BlockMap
+    from fedcybgd.client.updates import TrainTask, get_rule
+    from fedcybgd.layerwise import LayerStack
+    from fedcybgd.memory import PeakMemory, rss_bytes
+    from fedcybgd.models import load_model, load_tokenizer
+    from fedcybgd.objective import label_loss
+
+    torch.manual_seed(0)
+    rule_name, options = VARIANTS[args.variant]
+    model = load_model(args.model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tokenizer = load_tokenizer(args.model)
+    frame = data.load_split("rotten-tomatoes", "train")
+    batches = list(
+        __import__("itertools").islice(
+            data.batches(frame, tokenizer, args.batch, args.seq, seed=0), args.steps + 1
+        )
+    )
+    stack = LayerStack(model)
+    whole = args.where == "whole"
+    blocks = BlockMap(model, stack.num_layers if whole else args.layers_per_block)
+    block = pick_block(blocks.names, "bottom" if whole else args.where)
+    loaded_mb = rss_bytes() / 2**20
+
+    def step_fn(batch_index: int) -> None:
+        batch = batches[batch_index]
+        if rule_name == "inference":
+            with torch.no_grad():
+                stack.forward_logits(batch.input_ids, batch.attention_mask, batch.last_index)
+            return
+        if rule_name == "full":
+            for p in model.parameters():
+                p.requires_grad_(True)
+            logits = stack.forward_logits(batch.input_ids, batch.attention_mask,
+                                          batch.last_index)
+            label_loss(logits, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return
+        task = TrainTask(model=model, stack=stack, blocks=blocks, block=block,
+                         batches=iter([batch]), steps=1, lr=1e-6, weight_decay=0.0,
+                         seed=batch_index, options=dict(options),
+                         state_dir=Path(args.state_dir) if args.state_dir else None)
+        get_rule(rule_name).train(task)
+
+    optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=1e-6) if rule_name == "full" else None
+    )
+    step_fn(0)  # warm-up: allocator, optimizer state, lazy inits
+    with PeakMemory() as mem:
+        started = time.perf_counter()
+        for i in range(1, args.steps + 1):
+            step_fn(i)
+        elapsed = time.perf_counter() - started
+    return {
+        "variant": args.variant,
+        "rule": rule_name,
+        "block": "all layers" if whole else block,
+        "where": args.where,
+        "step_s": elapsed / args.steps,
+        "peak_rss_mb": mem.peak_mb,
+        "loaded_rss_mb": loaded_mb,
+        "peak_above_loaded_mb": mem.peak_mb - loaded_mb,
+        "batch": args.batch,
+        "seq": args.seq,
+        "tokens": int(sum(int(b.attention_mask.sum()) for b in batches[1:]) / args.steps),
+    }
+
+
+def main() -> None:
+    """Run every requested configuration in its own process and tabulate."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--variants", "--rules", default=",".join(VARIANTS))
+    parser.add_argument("--blocks", default="bottom,middle,top,whole",
+                        help="bottom,middle,top (one block each) and/or whole (all layers)")
+    parser.add_argument("--layers-per-block", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS / "bench_updates.json"))
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--where", help=argparse.SUPPRESS)
+    parser.add_argument("--state-dir", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.one:
+        print(json.dumps(measure(args)))
+        return
+
+    from fedcybgd.client.updates import available_rules
+
+    rules = set(available_rules()) | {"inference", "full"}
+    rows: list[dict[str, Any]] = []
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            raise SystemExit(f"unknown variant {variant!r}; known: {list(VARIANTS)}")
+        if VARIANTS[variant][0] not in rules:
+            print(f"skip {variant}: rule {VARIANTS[variant][0]!r} is not available")
+            continue
+        wheres = args.blocks.split(",")
+        if variant in ("inference", "full"):
+            wheres = ["whole"]
+        for where in wheres:
+            command = [
+                sys.executable, __file__, "--one", "--variant", variant, "--where", where,
+                "--model", args.model, "--layers-per-block", str(args.layers_per_block),
+                "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+                "--state-dir", str(RESULTS / ".state" / f"{variant}-{where}"),
+            ]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                print(f"FAILED {variant}/{where}:\n{done.stderr[-2000:]}")
+                continue
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(f"{variant:>15} {row['block']:>12}  {row['step_s']:7.3f} s/step  "
+                  f"peak {row['peak_rss_mb']:7.0f} MB  "
+                  f"above model {row['peak_above_loaded_mb']:7.0f} MB", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": " ".join(sys.argv),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""Zeroth-order rules: LeZO (``lezo``) and MeZO (``mezo``, LeZO with every unit perturbed).
+
+Forward passes only, at inference memory. One step on a batch:
+
+1. pick ``ceil(density * units)`` units of the block (a unit is a decoder layer of a
+   multi-layer block, or one tensor of a single-layer/``embed``/``head`` block; see
+   :mod:`fedcybgd.client.updates.seedlog`) with a generator seeded from ``(seed, step)``;
+2. ``theta += eps * z`` on those units, forward -> ``l+``; ``theta -= 2 eps z``, forward ->
+   ``l-``; restore ``theta`` exactly; ``g = (l+ - l-) / (2 eps)``;
+3. ``theta -= lr * (g * z + wd * theta)`` on the chosen units; a non-finite ``l+``, ``l-`` or
+   ``g`` skips the update (counted in ``skipped_steps``), the weights stay bit-identical.
+
+z of a unit comes from the unit's own generator (``seedlog.unit_z_chunks``), in chunks, so it
+is drawn three times per step (perturb, swap sign, restore+update) and never stored.
+
+**Exact restore.** fp32 ``(theta + d) - d`` is not always ``theta`` (about 7 % of elements
+differ by an ulp when ``theta + d`` lands in a coarser binade, for weights ~0.02 and
+``eps = 1e-3``). Saving the chosen units would cost their full size (2x the weights for MeZO on
+a whole model). Instead each perturbation checks, chunk by chunk, which elements would not
+come back bit-exactly (comparing bit patterns, so -0.0 and NaN are handled) and saves only
+those: int32 index + fp32 value, ~0.6 bytes per perturbed element instead of 4. The restore
+recomputes ``theta + d - d`` and patches the saved elements back: bit-identical, always.
+
+**Precision.** Arithmetic is fp32. fp32 weights are perturbed and updated in place. fp16/bf16
+weights get an fp32 master copy of the block for the round (4 bytes/parameter of the block):
+the model holds ``cast(master + eps z)`` during forwards and ``cast(master)`` otherwise, so
+restore is exact by construction and small updates accumulate in the master (research/zo.md:
+bf16 round trips destroy the update). Other dtypes are refused.
+
+**Prefix reuse.** The layers below the block are frozen: their output is computed once per
+batch and feeds both perturbed forwards; only the block and the layers above run twice.
+
+**Seed log.** Every applied step is recorded (seed, units, fp32 ``g`` and ``lr``);
+``rule.last_log`` holds the :class:`~fedcybgd.client.updates.seedlog.SeedLog` after
+:meth:`ZerothOrder.train`, and ``seedlog.replay`` rebuilds the trained block from it.
+
+Options (``task.options``, run-config keys): ``zo-eps`` (1e-3), ``lezo-density`` (0.25;
+``mezo`` ignores it), ``zo-weight-decay`` (default ``task.weight_decay``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedcybgd.checksum import content_checksum
+from fedcybgd.client.updates import seedlog
+from fedcybgd.client.updates.base import TrainOutcome, TrainTask, register
+from fedcybgd.data.prompts import Batch
+from fedcybgd.layerwise import Hidden, LayerStack
+from fedcybgd.objective import label_loss
+
+
+@dataclass(frozen=True)
+class ZoOptions:
+    """The knobs of a zeroth-order round, fp32-rounded as the arithmetic uses them."""
+
+    eps: float
+    density: float
+    weight_decay: float
+    lr: float
+
+    @classmethod
+    def from_task(cls, task: TrainTask, density: float | None) -> ZoOptions:
+        """Read ``zo-eps``, ``lezo-density``, ``zo-weight-decay`` (``density`` fixes it)."""
+        options = task.options
+        eps = _number(options, "zo-eps", 1e-3)
+        if density is None:
+            density = _number(options, "lezo-density", 0.25)
+        wd = _number(options, "zo-weight-decay", task.weight_decay)
+        if not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"zo-eps must be finite and > 0, got {eps}")
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"lezo-density must be in (0, 1], got {density}")
+        if not (math.isfinite(wd) and wd >= 0):
+            raise ValueError(f"zo-weight-decay must be finite and >= 0, got {wd}")
+        if not (math.isfinite(task.lr) and task.lr >= 0):
+            raise ValueError(f"lr must be finite and >= 0, got {task.lr}")
+        to32 = seedlog.to_f32
+        return cls(to32(eps), density, to32(wd), to32(task.lr))
+
+
+def _number(options: dict[str, Any], key: str, default: float) -> float:
+    value = options.get(key, default)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be a number, got {value!r}") from None
+
+
+def perturbed_loss(stack: LayerStack, batch: Batch, prefix: Hidden | None, start: int) -> float:
+    """Task loss from layer ``start`` up, given the frozen prefix (``None``: embed too)."""
+    hidden = prefix if prefix is not None else stack.embed(batch.input_ids, batch.attention_mask)
+    hidden = stack.run(hidden, start, stack.num_layers)
+    logits = stack.logits_at(hidden.states, batch.last_index)
+    return float(label_loss(logits, batch))
+
+
+def _offenders(candidate: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Flat int32 positions where ``candidate``'s bits differ from ``exact``'s."""
+    differ = torch.ne(candidate.view(torch.int32), exact.view(torch.int32))
+    return differ.nonzero().view(-1).to(torch.int32)
+
+
+class _Slot:
+    """One parameter tensor of the block and its perturbation state (see module docstring)."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        if param.dtype not in seedlog.SUPPORTED_DTYPES:
+            raise ValueError(
+                f"zeroth-order rules need fp32/fp16/bf16 weights, got {param.dtype}"
+            )
+        if not param.is_contiguous():
+            raise ValueError("zeroth-order rules need contiguous parameters")
+        self.param = param
+        self.flat = param.data.view(-1)
+        self.master = (
+            None if param.dtype == torch.float32 else param.detach().reshape(-1).float().clone()
+        )
+        self.decay = seedlog.decays(param.shape)
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.patched = 0  # elements restored from ``saved`` (a diagnostic)
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+    def _save(self, offset: int, candidate: torch.Tensor, exact: torch.Tensor) -> None:
+        idx = _offenders(candidate, exact)
+        self.saved[offset] = (idx, exact[idx.long()].clone())
+
+    def _patch(self, offset: int, values: torch.Tensor) -> torch.Tensor:
+        idx, exact = self.saved.pop(offset)
+        if idx.numel():
+            values[idx.long()] = exact
+            self.patched += idx.numel()
+        return values
+
+    def plus(self, offset: int, d: torch.Tensor) -> None:
+        """theta -> theta + d."""
+        x = self.flat[offset:offset + d.numel()]
+        if self.master is not None:
+            x.copy_(self.master[offset:offset + d.numel()] + d)
+            return
+        new = x + d
+        self._save(offset, new - d, x)
+        x.copy_(new)
+
+    def swap(self, offset: int, d: torch.Tensor) -> None:
+        """theta + d -> theta - d (restoring theta exactly in between)."""
+        x = self.flat[offset:offset + d.numel()]
+        if self.master is not None:
+            x.copy_(self.master[offset:offset + d.numel()] - d)
+            return
+        theta = self._patch(offset, x - d)
+        new = theta - d
+        self._save(offset, new + d, theta)
+        x.copy_(new)
+
+    def unplus(self, offset: int, d: torch.Tensor) -> None:
+        """theta + d -> theta (after a failure between the two forwards)."""
+        x = self.flat[offset:offset + d.numel()]
+        if self.master is not None:
+            x.copy_(self.master[offset:offset + d.numel()])
+            return
+        x.copy_(self._patch(offset, x - d))
+
+    def finish(self, offset: int, z: torch.Tensor, d: torch.Tensor,
+               update: tuple[float, float, float] | None) -> None:
+        """theta - d -> theta, then the update ``(g, lr, wd)`` if given."""
+        n = d.numel()
+        x = self.flat[offset:offset + n]
+        if self.master is not None:
+            theta = self.master[offset:offset + n]
+        else:
+            theta = self._patch(offset, x + d)
+        if update is not None:
+            g, lr, wd = update
+            seedlog.apply_update(theta, z, g, lr, wd, self.decay)
+        x.copy_(theta)
+
+
+class _Block:
+    """The block's units and the chunked passes over the chosen ones."""
+
+    def __init__(self, task: TrainTask) -> None:
+        self.layout = seedlog.unit_layout(task.blocks, task.block)
+        params = dict(task.model.named_parameters())
+        self.units = [[_Slot(params[name]) for name in unit] for unit in self.layout]
+        self.device = params[self.layout[0][0]].device
+        self.perturbed = 0
+
+    def _chunks(
+        self, seed_of_step: int, chosen: tuple[int, ...]
+    ) -> Iterator[tuple[_Slot, int, torch.Tensor]]:
+        for unit in chosen:
+            slots = self.units[unit]
+            seed = seedlog.unit_seed(seed_of_step, unit)
+            for pos, offset, z in seedlog.unit_z_chunks(seed, [s.numel for s in slots]):
+                yield slots[pos], offset, z.to(self.device)
+
+    def plus(self, seed_of_step: int, chosen: tuple[int, ...], eps: float) -> None:
+        for slot, offset, z in self._chunks(seed_of_step, chosen):
+            slot.plus(offset, z.mul_(eps))
+            self.perturbed += z.numel()
+
+    def swap(self, seed_of_step: int, chosen: tuple[int, ...], eps: float) -> None:
+        for slot, offset, z in self._chunks(seed_of_step, chosen):
+            slot.swap(offset, z.mul_(eps))
+
+    def unplus(self, seed_of_step: int, chosen: tuple[int, ...], eps: float) -> None:
+        for slot, offset, z in self._chunks(seed_of_step, chosen):
+            slot.unplus(offset, z.mul_(eps))
+
+    def finish(self, seed_of_step: int, chosen: tuple[int, ...], eps: float,
+               update: tuple[float, float, float] | None) -> None:
+        for slot, offset, z in self._chunks(seed_of_step, chosen):
+            slot.finish(offset, z, z * eps, update)
+
+    @property
+    def patched(self) -> int:
+        return sum(slot.patched for unit in self.units for slot in unit)
+
+
+class ZerothOrder:
+    """LeZO with a configurable density; see the module docstring."""
+
+    name = "lezo"
+    fixed_density: float | None = None  # MeZO: 1.0, whatever lezo-density says
+
+    def __init__(self) -> None:
+        self.last_log: seedlog.SeedLog | None = None
+
+    def train(self, task: TrainTask) -> TrainOutcome:
+        """Run ``task.steps`` zeroth-order steps on ``task.block``; the log goes to ``last_log``."""
+        opts = ZoOptions.from_task(task, self.fixed_density)
+        model, stack = task.model, task.stack
+        block = _Block(task)
+        count = seedlog.units_per_step(opts.density, len(block.layout))
+        lowest = task.blocks.lowest_layer([task.block])
+        start = max(lowest, 0)
+        began = time.perf_counter()
+        base = content_checksum(task.blocks.get(model, task.block))
+        times = {"prefix_s": 0.0, "zo_forward_s": 0.0, "perturb_s": 0.0}
+        times["seedlog_s"] = time.perf_counter() - began
+        steps: list[seedlog.SeedStep] = []
+        losses: list[float] = []
+        examples = skipped = 0
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for step in range(task.steps):
+                    batch = next(task.batches).to(block.device)
+                    examples += len(batch)
+                    seed = seedlog.step_seed(task.seed, step)
+                    chosen = seedlog.choose_units(seed, len(block.layout), count)
+                    record = self._step(task, block, opts, batch, lowest, start, seed, chosen,
+                                        times)
+                    if record is None:
+                        skipped += 1
+                        continue
+                    steps.append(record[0])
+                    losses.append(record[1])
+        finally:
+            model.train(was_training)
+        began = time.perf_counter()
+        self.last_log = seedlog.SeedLog(
+            block=task.block,
+            units=len(block.layout),
+            layout=seedlog.layout_id(block.layout),
+            eps=opts.eps,
+            weight_decay=opts.weight_decay,
+            torch=torch.__version__,
+            z=seedlog.z_fingerprint(),
+            steps=tuple(steps),
+            base=base,
+            result=content_checksum(task.blocks.get(model, task.block)),
+        )
+        encoded = seedlog.encode_seedlog(self.last_log)
+        times["seedlog_s"] += time.perf_counter() - began
+        mean = sum(losses) / len(losses) if losses else float("nan")
+        metrics = dict(times)
+        metrics.update(
+            units_per_step=float(count),
+            units_total=float(len(block.layout)),
+            restore_patch_frac=block.patched / max(block.perturbed, 1),
+            seedlog_bytes=float(len(encoded)),
+        )
+        return TrainOutcome(mean, len(steps), examples, skipped, metrics)
+
+    def _step(
+        self,
+        task: TrainTask,
+        block: _Block,
+        opts: ZoOptions,
+        batch: Batch,
+        lowest: int,
+        start: int,
+        seed: int,
+        chosen: tuple[int, ...],
+        times: dict[str, float],
+    ) -> tuple[seedlog.SeedStep, float] | None:
+        """One step; ``None`` when skipped. The weights are restored whatever happens."""
+        stack = task.stack
+        clock = time.perf_counter()
+        prefix = None
+        if lowest >= 0:
+            prefix = stack.run(stack.embed(batch.input_ids, batch.attention_mask), 0, start)
+        times["prefix_s"] += time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        block.plus(seed, chosen, opts.eps)
+        times["perturb_s"] += time.perf_counter() - clock
+        try:
+            clock = time.perf_counter()
+            loss_plus = perturbed_loss(stack, batch, prefix, start)
+            times["zo_forward_s"] += time.perf_counter() - clock
+        except BaseException:
+            block.unplus(seed, chosen, opts.eps)
+            raise
+        clock = time.perf_counter()
+        block.swap(seed, chosen, opts.eps)
+        times["perturb_s"] += time.perf_counter() - clock
+        update = None
+        try:
+            clock = time.perf_counter()
+            loss_minus = perturbed_loss(stack, batch, prefix, start)
+            times["zo_forward_s"] += time.perf_counter() - clock
+            g = seedlog.to_f32((loss_plus - loss_minus) / (2 * opts.eps))
+            if math.isfinite(loss_plus) and math.isfinite(loss_minus) and math.isfinite(g):
+                update = (g, opts.lr, opts.weight_decay)
+        finally:
+            clock = time.perf_counter()
+            block.finish(seed, chosen, opts.eps, update)
+            times["perturb_s"] += time.perf_counter() - clock
+        if update is None:
+            return None
+        return seedlog.SeedStep(seed, chosen, update[0], opts.lr), (loss_plus + loss_minus) / 2
+
+
+@register("lezo")
+class LeZO(ZerothOrder):
+    """LeZO: ``lezo-density`` of the block's units perturbed and updated per step."""
+
+    name = "lezo"
+
+
+@register("mezo")
+class MeZO(ZerothOrder):
+    """MeZO: every unit of the block perturbed and updated every step."""
+
+    name = "mezo"
+    fixed_density = 1.0

@@ -1,0 +1,634 @@
+"""ZeroLock rule: train a block on a local objective; the layers above it are never run.
+
+For a layer block ``[s..e]`` each local step is:
+
+1. **Prefix** (no grad): embeddings + layers ``0..s-1``. Their outputs are cached per example
+   for the round (keyed by the example's tokens; right padding and causal attention make a
+   row's states independent of its batch), so an example met again, in a repeated batch or a
+   later local epoch, costs no prefix forward. ``zerolock-cache-mb`` bounds the cache.
+2. **Block** (grad): the block's layers, split into ``zerolock-chunks`` chunks. Each chunk
+   reads its input detached, runs forward, hands its detached output to the next chunk
+   (**early forwarding**: before its own backward and step), computes its local loss through
+   the local head, backpropagates inside itself (+ the head's trainable part) and steps its own
+   AdamW. Chunks run one after another in one thread (see the note at ``_train_step``).
+3. Layers ``e+1..`` are **never run**; no activation of them exists.
+
+Local heads (``local_heads.py``): ``zerolock-head = frozen-lm`` (default): the model's frozen
+final norm + LM head on the chunk output; ``tuned``: a residual affine map (identity at start,
+``zerolock-head-rank`` > 0 for low rank) before them, trained by the chunk's optimizer and kept
+in ``task.state_dir`` between rounds (``zerolock/heads/<block>.safetensors``, one map per chunk
+output layer), so it keeps learning from round to round.
+
+Special blocks:
+
+* ``head`` (final norm, + LM head when untied): it is the top, so its local loss is the true
+  loss: prefix = all decoder layers (cached, no grad), then the trainable norm/head. No chunks,
+  no translator.
+* ``embed``: the embedding output, read at the label position, is the embedding of the prompt's
+  last token, the same token (":") for every example; a loss there could only move that one
+  row towards the label prior. So the embed block's local head reads the output of the first
+  ``zerolock-embed-layers`` (default 1) decoder layers, FROZEN (weights never change; grad
+  flows through their activations only), then the frozen norm + LM head: an AugLocal-style
+  auxiliary head built from the next layer(s). Layers at and above ``zerolock-embed-layers``
+  are never run. ``zerolock-embed-layers = 0`` puts the head on the raw embeddings.
+
+Tied embeddings: the LM head's weight is then the embedding block's tensor. A client training
+the ``embed`` block would change its own local objective's head at every step, so its local
+head uses a frozen COPY of the head weight taken at round start (= the weights every client of
+this round started from). Clients training any other block never change the head during their
+round, so their live, frozen head is the round-start head without a copy (a copy of a 49k x 576
+matrix would cost more memory than the activations saved). Across rounds every client uses the
+current global head, as the true loss does; a tuned map learned against an older head keeps
+training against the new one.
+
+Failure recovery: after a step, the in-round progress (fp32 master weights of the block, each
+chunk's AdamW state, translators, step counter, loss sums; round identity = ``task.seed`` +
+block + objective-changing options) is written atomically to ``zerolock/checkpoint.safetensors``
+when ``zerolock-checkpoint-every`` steps have passed (``> 0``) or, with the default ``0``, when
+``zerolock-checkpoint-seconds`` (default 60) have passed since the round's start or the last
+checkpoint: the work lost in a crash is bounded by time and the write cost stays a small
+fraction of the round; a short round writes nothing. A client that starts a round with a
+checkpoint of the same identity restores it, skips the batches already consumed and continues
+from that step; the checkpoint is deleted when the round completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from fedcybgd.blocks import EMBED, HEAD
+from fedcybgd.client.updates.base import TrainOutcome, TrainTask, register
+from fedcybgd.client.updates.local_heads import OBJECTIVES, LocalHead, Translator
+from fedcybgd.data import BatchIterator
+from fedcybgd.data.prompts import Batch
+from fedcybgd.layerwise import Hidden, LayerStack
+
+log = logging.getLogger(__name__)
+
+HEADS = ("frozen-lm", "tuned")
+_STATE = "zerolock"
+_CHECKPOINT = "checkpoint.safetensors"
+
+
+# ----------------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class ZeroLockOptions:
+    """The rule's run-config keys (``zerolock-*``), validated."""
+
+    head: str = "frozen-lm"  # zerolock-head: frozen-lm | tuned
+    head_rank: int = 0  # zerolock-head-rank: 0 = full d x d map, r > 0 = rank-r update
+    head_lr: float = 0.0  # zerolock-head-lr: translator lr; 0 = the task's lr
+    objective: str = "label"  # zerolock-objective: label | next-token
+    slice: int = 256  # zerolock-slice: rows per head slice (logits alive: slice x vocab)
+    chunks: int = 1  # zerolock-chunks: chunks per layer block, each with its own loss/optimizer
+    embed_layers: int = 1  # zerolock-embed-layers: frozen layers in the embed block's head
+    checkpoint_every: int = 0  # zerolock-checkpoint-every: steps; 0 = by time; < 0 = off
+    checkpoint_seconds: float = 60.0  # zerolock-checkpoint-seconds: the time rule; 0 = off
+    cache_mb: float = 256.0  # zerolock-cache-mb: prefix cache bound; 0 = no cache
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> ZeroLockOptions:
+        """Read ``zerolock-*`` keys of ``options``; other keys belong to other rules."""
+        known = {f"zerolock-{name.replace('_', '-')}": name for name in cls.__dataclass_fields__}
+        values: dict[str, Any] = {}
+        for key, value in options.items():
+            if not key.startswith("zerolock-"):
+                continue
+            if key not in known:
+                raise ValueError(f"unknown option {key!r}; zerolock knows {sorted(known)}")
+            name = known[key]
+            kind = type(getattr(cls, name))
+            values[name] = _coerce(key, value, kind)
+        opts = cls(**values)
+        if opts.head not in HEADS:
+            raise ValueError(f"zerolock-head must be one of {HEADS}, got {opts.head!r}")
+        if opts.objective not in OBJECTIVES:
+            raise ValueError(
+                f"zerolock-objective must be one of {OBJECTIVES}, got {opts.objective!r}"
+            )
+        for name in ("head_rank", "embed_layers"):
+            if getattr(opts, name) < 0:
+                raise ValueError(f"zerolock-{name.replace('_', '-')} must be >= 0")
+        for name in ("slice", "chunks"):
+            if getattr(opts, name) < 1:
+                raise ValueError(f"zerolock-{name} must be >= 1, got {getattr(opts, name)}")
+        for name in ("head_lr", "checkpoint_seconds", "cache_mb"):
+            if getattr(opts, name) < 0:
+                raise ValueError(f"zerolock-{name.replace('_', '-')} must be >= 0")
+        return opts
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be a number, got {value!r}") from None
+    if kind is int:
+        if number != int(number):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return int(number)
+    return number
+
+
+# ------------------------------------------------------------------------------ prefix cache
+
+
+class PrefixCache:
+    """Outputs of the frozen layers ``0..end-1`` per example, for one round.
+
+    A row is keyed by its real tokens; only right-padded rows are cached (their states at real
+    positions do not depend on the batch's width or other rows). A batch is served from the
+    cache only when every row is there; otherwise the prefix runs on the whole batch and its
+    rows are stored while the bound allows.
+    """
+
+    def __init__(self, stack: LayerStack, end: int, max_bytes: int) -> None:
+        self.stack = stack
+        self.end = end
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch) -> Hidden:
+        """The hidden states entering layer ``end`` for ``batch`` (no grad)."""
+        hidden = self.stack.embed(batch.input_ids, batch.attention_mask)
+        if self.end == 0:
+            return hidden
+        keys = self._keys(batch) if self.max_bytes > 0 else None
+        if keys is not None and all(k in self._rows for k in keys):
+            states = hidden.states.clone()
+            for row, key in enumerate(keys):
+                cached = self._rows[key]
+                states[row, : cached.shape[0]] = cached
+            self.hits += 1
+            return hidden.with_states(states)
+        self.misses += 1
+        out = self.stack.run(hidden, 0, self.end)
+        if keys is not None:
+            for row, key in enumerate(keys):
+                if key in self._rows:
+                    continue
+                length = int(batch.attention_mask[row].sum())
+                size = length * out.states.shape[-1] * out.states.element_size()
+                if self.bytes + size > self.max_bytes:
+                    break
+                self._rows[key] = out.states[row, :length].clone()
+                self.bytes += size
+        return out
+
+    @staticmethod
+    def _keys(batch: Batch) -> list[bytes] | None:
+        mask = batch.attention_mask
+        lengths = mask.sum(dim=1)
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        if not torch.equal(mask.bool(), positions[None, :] < lengths[:, None]):
+            return None  # not right-padded: states at real positions may depend on padding
+        return [
+            batch.input_ids[row, : int(lengths[row])].cpu().numpy().tobytes()
+            for row in range(mask.shape[0])
+        ]
+
+
+# ------------------------------------------------------------------------------------ chunks
+
+
+@dataclass
+class _Chunk:
+    """A trainable piece of the block with its own local head, optimizer and loss record."""
+
+    index: int
+    kind: str  # "embed" | "layers" | "top"
+    layers: tuple[int, int]  # decoder layers [a, b) run with grad (empty for embed/top)
+    key: str  # where the head reads: names the translator in the heads file
+    params: list[nn.Parameter]
+    masters: list[torch.Tensor]
+    shared: bool  # masters are the params themselves (fp32 weights)
+    head: LocalHead
+    optimizer: torch.optim.Optimizer
+    loss_sum: float = 0.0
+    loss_count: int = 0
+
+    def forward(self, stack: LayerStack, source: Hidden, batch: Batch) -> Hidden:
+        """The chunk's output (with grad) for its input ``source`` (detached)."""
+        if self.kind == "embed":
+            return stack.embed(batch.input_ids, batch.attention_mask)
+        if self.kind == "top":
+            return source
+        return stack.run(source, *self.layers)
+
+    def update(self, out: Hidden, batch: Batch) -> float | None:
+        """Local loss, backward inside the chunk, AdamW step; ``None`` if skipped."""
+        loss = self.head.backward(out, batch)
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            for p in self.params:
+                p.grad = None
+            return None
+        if not self.shared:
+            for master, p in zip(self.masters, self.params, strict=True):
+                master.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self.shared:
+            with torch.no_grad():
+                for master, p in zip(self.masters, self.params, strict=True):
+                    p.copy_(master)
+        self.loss_sum += loss
+        self.loss_count += 1
+        return loss
+
+
+def split_layers(start: int, end: int, chunks: int) -> list[tuple[int, int]]:
+    """Split layers ``start..end`` (inclusive) into ``chunks`` contiguous ``[a, b)`` ranges.
+
+    As LoPT's ``build_block_ranges``: equal sizes, the remainder going to the earliest chunks;
+    never more chunks than layers.
+    """
+    count = end - start + 1
+    chunks = max(1, min(chunks, count))
+    base, extra = divmod(count, chunks)
+    ranges = []
+    at = start
+    for i in range(chunks):
+        size = base + (1 if i < extra else 0)
+        ranges.append((at, at + size))
+        at += size
+    return ranges
+
+
+def live_hidden_size(stack: LayerStack) -> int:
+    """Width of the hidden states entering the final norm (read from the norm's weight)."""
+    weight = getattr(stack.norm, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError("cannot tell the hidden size: config.hidden_size and norm.weight absent")
+    return int(weight.shape[0])
+
+
+def _layer_index(name: str, layers_name: str) -> int:
+    return int(name[len(layers_name) + 1 :].split(".", 1)[0])
+
+
+# ------------------------------------------------------------------------------- persistence
+
+
+def _atomic_save(tensors: Mapping[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
+    """Write a safetensors file via a temp file in the same folder + ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(
+            {k: v.detach().contiguous().clone() for k, v in tensors.items()}, tmp, metadata=meta
+        )
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """Tensors and metadata of a safetensors file, ``None`` if absent or unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+        return load_file(str(path)), meta
+    except Exception as err:  # a corrupt file must not stop the client: start afresh
+        log.warning("ignoring unreadable %s (%s)", path, err)
+        return None
+
+
+def heads_path(state_dir: Path, block: str) -> Path:
+    """Where the tuned maps of ``block`` are kept between rounds."""
+    return state_dir / _STATE / "heads" / f"{block}.safetensors"
+
+
+def checkpoint_path(state_dir: Path) -> Path:
+    """Where a round's in-progress checkpoint is kept."""
+    return state_dir / _STATE / _CHECKPOINT
+
+
+@dataclass
+class _Progress:
+    """Round progress besides the tensors: what a resumed round continues from."""
+
+    step: int = 0  # batches consumed (applied + skipped steps)
+    losses: list[float] = field(default_factory=list)  # final chunk's loss per applied step
+    examples: int = 0
+    skipped: int = 0
+    chunk_sums: list[float] = field(default_factory=list)
+    chunk_counts: list[int] = field(default_factory=list)
+
+
+def _save_checkpoint(
+    path: Path, identity: dict[str, Any], progress: _Progress, chunks: list[_Chunk]
+) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        c = f"c{chunk.index}"
+        for j, master in enumerate(chunk.masters):
+            tensors[f"{c}.w.{j}"] = master
+        for name, p in _translator_params(chunk):
+            tensors[f"{c}.map.{name}"] = p
+        for idx, state in chunk.optimizer.state_dict()["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{c}.opt.{idx}.{key}"] = value
+    progress.chunk_sums = [c.loss_sum for c in chunks]
+    progress.chunk_counts = [c.loss_count for c in chunks]
+    meta = {
+        "identity": json.dumps(identity, sort_keys=True),
+        "progress": json.dumps(asdict(progress)),
+    }
+    _atomic_save(tensors, path, meta)
+
+
+def _restore_checkpoint(
+    tensors: dict[str, torch.Tensor], meta: dict[str, str], chunks: list[_Chunk]
+) -> _Progress:
+    progress = _Progress(**json.loads(meta["progress"]))
+    with torch.no_grad():
+        for chunk in chunks:
+            c = f"c{chunk.index}"
+            for j, (master, p) in enumerate(zip(chunk.masters, chunk.params, strict=True)):
+                master.copy_(tensors[f"{c}.w.{j}"])
+                if not chunk.shared:
+                    p.copy_(master)
+            for name, param in _translator_params(chunk):
+                param.copy_(tensors[f"{c}.map.{name}"])
+            state_dict = chunk.optimizer.state_dict()
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            prefix = f"{c}.opt."
+            for key, value in tensors.items():
+                if key.startswith(prefix):
+                    idx, name = key[len(prefix) :].split(".", 1)
+                    state.setdefault(int(idx), {})[name] = value
+            state_dict["state"] = state
+            chunk.optimizer.load_state_dict(state_dict)
+            chunk.loss_sum = progress.chunk_sums[chunk.index]
+            chunk.loss_count = progress.chunk_counts[chunk.index]
+    return progress
+
+
+def _translator_params(chunk: _Chunk) -> list[tuple[str, nn.Parameter]]:
+    translator = chunk.head.translator
+    return [] if translator is None else list(translator.named_parameters())
+
+
+def _skip(batches: Iterator[Batch], count: int) -> None:
+    """Consume ``count`` batches (a BatchIterator skips without tokenizing)."""
+    if isinstance(batches, BatchIterator):
+        batches.step += count
+        return
+    for _ in range(count):
+        next(batches)
+
+
+# -------------------------------------------------------------------------------------- rule
+
+
+@register("zerolock")
+class ZeroLock:
+    """Block training on a local objective; see the module docstring."""
+
+    name = "zerolock"
+
+    def train(self, task: TrainTask) -> TrainOutcome:
+        """Run ``task.steps`` local steps on ``task.block``."""
+        opts = ZeroLockOptions.from_options(task.options)
+        model, stack, blocks = task.model, task.stack, task.blocks
+        info = blocks.info(task.block)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        params = blocks.parameters(model, task.block)
+
+        if task.block == HEAD:
+            kind, prefix_end = "top", stack.num_layers
+            ranges = [(stack.num_layers, stack.num_layers)]
+        elif task.block == EMBED:
+            kind, prefix_end = "embed", 0
+            ranges = [(0, 0)]
+        else:
+            assert info.layers is not None
+            kind, prefix_end = "layers", info.layers[0]
+            ranges = split_layers(info.layers[0], info.layers[1], opts.chunks)
+
+        # Tied embeddings: see the module docstring. Only a block that owns the head's tensor
+        # and is not the top needs a frozen copy of it.
+        head_weight: torch.Tensor | None = None
+        live_head = getattr(stack.head, "weight", None)
+        if kind != "top" and live_head is not None and any(p is live_head for p in params):
+            head_weight = live_head.detach().clone()
+
+        saved_maps = self._load_maps(task, opts) if kind != "top" else {}
+        by_name = dict(model.named_parameters())
+        hidden_size = int(getattr(model.config, "hidden_size", 0) or live_hidden_size(stack))
+        chunks = []
+        for index, (a, b) in enumerate(ranges):
+            if kind == "layers":
+                names = [
+                    n for n in info.param_names if a <= _layer_index(n, blocks.layers_name) < b
+                ]
+                chunk_params = [by_name[n] for n in names]
+                key = f"layer.{b - 1}"
+            else:
+                chunk_params = list(params)
+                key = kind
+            translator = None
+            if opts.head == "tuned" and kind != "top":
+                translator = Translator(hidden_size, opts.head_rank, seed=task.seed + index)
+                self._apply_map(translator, saved_maps, key)
+            head = LocalHead(
+                stack,
+                translator=translator,
+                head_weight=head_weight,
+                aux_layers=min(opts.embed_layers, stack.num_layers) if kind == "embed" else 0,
+                objective=opts.objective,
+                slice_rows=opts.slice,
+            )
+            chunks.append(self._make_chunk(index, kind, (a, b), key, chunk_params, head, task,
+                                           opts))
+
+        identity = {
+            "seed": task.seed,
+            "block": task.block,
+            "head": opts.head,
+            "head_rank": opts.head_rank,
+            "objective": opts.objective,
+            "chunks": len(chunks),
+            "embed_layers": opts.embed_layers if kind == "embed" else 0,
+        }
+        ckpt = checkpoint_path(task.state_dir) if task.state_dir is not None else None
+        progress = _Progress()
+        resumed_from = 0
+        if ckpt is not None:
+            found = _read(ckpt)
+            if found is not None:
+                tensors, meta = found
+                if json.loads(meta.get("identity", "null")) == identity:
+                    progress = _restore_checkpoint(tensors, meta, chunks)
+                    resumed_from = progress.step
+                    _skip(task.batches, progress.step)
+                    log.info("zerolock: resuming %s at step %d", task.block, progress.step)
+                else:
+                    ckpt.unlink(missing_ok=True)  # a previous round's leftover
+
+        cache = PrefixCache(stack, prefix_end, int(opts.cache_mb * 2**20))
+        for chunk in chunks:
+            for p in chunk.params:
+                p.requires_grad_(True)
+        last_save = time.monotonic()
+        try:
+            while progress.step < task.steps:
+                batch = next(task.batches)
+                final = self._train_step(stack, cache, chunks, batch)
+                progress.step += 1
+                progress.examples += len(batch)
+                if final is None:
+                    progress.skipped += 1
+                else:
+                    progress.losses.append(final)
+                if ckpt is not None and progress.step < task.steps:
+                    due = (
+                        progress.step % opts.checkpoint_every == 0
+                        if opts.checkpoint_every > 0
+                        else opts.checkpoint_every == 0
+                        and opts.checkpoint_seconds > 0
+                        and time.monotonic() - last_save >= opts.checkpoint_seconds
+                    )
+                    if due:
+                        _save_checkpoint(ckpt, identity, progress, chunks)
+                        last_save = time.monotonic()
+        finally:
+            for p in params:
+                p.requires_grad_(False)
+                p.grad = None
+
+        if task.state_dir is not None and opts.head == "tuned" and kind != "top":
+            maps = {
+                f"{chunk.key}.{name}": p
+                for chunk in chunks
+                for name, p in _translator_params(chunk)
+            }
+            _atomic_save(maps, heads_path(task.state_dir, task.block),
+                         {"rank": str(opts.head_rank)})
+        if ckpt is not None:
+            ckpt.unlink(missing_ok=True)
+
+        losses = progress.losses
+        mean = sum(losses) / len(losses) if losses else float("nan")
+        metrics = {
+            f"zerolock_chunk{c.index}_loss": c.loss_sum / c.loss_count if c.loss_count else math.nan
+            for c in chunks
+        }
+        metrics["zerolock_resumed_step"] = float(resumed_from)
+        metrics["zerolock_cache_hits"] = float(cache.hits)
+        return TrainOutcome(mean, len(losses), progress.examples, progress.skipped, metrics)
+
+    @staticmethod
+    def _train_step(
+        stack: LayerStack, cache: PrefixCache, chunks: list[_Chunk], batch: Batch
+    ) -> float | None:
+        """One local step over all chunks; the final chunk's loss, ``None`` if any skipped.
+
+        Early forwarding, sequentially: chunk ``i`` runs forward, hands its detached output on
+        (``source``), and only then does its own backward and step; chunk ``i+1`` consumes an
+        output made by chunk ``i``'s pre-step weights, exactly as if it had started while chunk
+        ``i`` was still updating. One thread runs the chunks: torch already spreads each op over
+        the cores, and a thread per chunk measured no faster on a 2-core CPU (see the report of
+        issue 5).
+        """
+        # The embed chunk makes its own input; every other block starts from the prefix.
+        source = Hidden(torch.empty(0), (), {}) if chunks[0].kind == "embed" else cache(batch)
+        final: float | None = None
+        skipped = False
+        for chunk in chunks:
+            with torch.enable_grad():
+                out = chunk.forward(stack, source, batch)
+            source = out.detach()  # early forwarding: the next chunk's input, detached
+            with torch.enable_grad():
+                loss = chunk.update(out, batch)
+            del out
+            skipped = skipped or loss is None
+            final = loss
+        return None if skipped else final
+
+    @staticmethod
+    def _make_chunk(
+        index: int,
+        kind: str,
+        layers: tuple[int, int],
+        key: str,
+        params: list[nn.Parameter],
+        head: LocalHead,
+        task: TrainTask,
+        opts: ZeroLockOptions,
+    ) -> _Chunk:
+        shared = all(p.dtype == torch.float32 for p in params)
+        masters: list[torch.Tensor] = (
+            list(params)
+            if shared
+            else [p.detach().float().clone().requires_grad_(True) for p in params]
+        )
+        groups: list[dict[str, Any]] = [
+            {"params": masters, "lr": task.lr, "weight_decay": task.weight_decay}
+        ]
+        head_params = list(head.parameters())
+        if head_params:
+            groups.append(
+                {"params": head_params, "lr": opts.head_lr or task.lr, "weight_decay": 0.0}
+            )
+        optimizer = torch.optim.AdamW(groups, lr=task.lr, weight_decay=task.weight_decay)
+        return _Chunk(index, kind, layers, key, list(params), masters, shared, head, optimizer)
+
+    @staticmethod
+    def _load_maps(task: TrainTask, opts: ZeroLockOptions) -> dict[str, torch.Tensor]:
+        if opts.head != "tuned" or task.state_dir is None:
+            return {}
+        found = _read(heads_path(task.state_dir, task.block))
+        return {} if found is None else found[0]
+
+    @staticmethod
+    def _apply_map(translator: Translator, saved: dict[str, torch.Tensor], key: str) -> None:
+        """Load the saved map for ``key`` if it matches the translator's shapes."""
+        own = dict(translator.named_parameters())
+        found = {name: saved.get(f"{key}.{name}") for name in own}
+        if any(v is None for v in found.values()):
+            return
+        if any(tuple(v.shape) != tuple(own[n].shape) for n, v in found.items() if v is not None):
+            log.warning("zerolock: saved tuned head for %s has other shapes; starting afresh", key)
+            return
+        with torch.no_grad():
+            for name, value in found.items():
+                assert value is not None
+                own[name].copy_(value)

@@ -1,0 +1,6 @@
+"""Run the app on Flower's Deployment Engine: real SuperLink and SuperNode processes.
+
+``commands`` builds the exact argument lists (shared by the loopback launcher and
+``docker-compose.yml``), ``certs`` makes the TLS certificates and SuperNode keys, and ``local``
+starts the whole topology on 127.0.0.1 (``python -m fedcybgd.deploy.local``).
+"""

@@ -1,0 +1,366 @@
+"""``make deploy-local``: a SuperLink and N SuperNodes as real processes on 127.0.0.1.
+
+The same topology as ``docker-compose.yml``, for machines without Docker: ``flower-superlink``,
+N ``flower-supernode`` (each with its ``partition-id`` / ``num-partitions`` / ``cache-dir``), a
+``config.toml`` connection, then ``flwr run`` and a poll of ``flwr ls`` until the run finishes.
+With ``--tls`` the SuperLink serves HTTPS with a freshly made CA and server certificate and
+requires SuperNode authentication; each node's key is registered with
+``flwr supernode register`` before the node starts.
+
+    python -m fedcybgd.deploy.local --nodes 3 [--tls] [--run-config "num-server-rounds=2"]
+
+Every process gets its own ``FLWR_HOME`` under a state folder outside the project (everything in
+the project folder may be bundled into the app), logs to ``<output-dir>/logs/`` and is stopped
+(its whole process group) at the end. The :class:`LocalDeployment` class is the library the
+end-to-end tests use, so the tests and the command run one code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from fedcybgd.deploy import certs
+from fedcybgd.deploy.commands import (
+    ServerTls,
+    format_config,
+    merge_config,
+    node_config,
+    parse_config,
+    superlink_command,
+    supernode_command,
+)
+from fedcybgd.deploy.control import Control, DeployError, healthy
+
+PROJECT = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+BIN_DIR = Path(sys.executable).parent  # flower-superlink & co. live beside python
+
+# A run config that trains a 4-layer random Llama for 2 rounds: seconds per round on a CPU.
+QUICK_RUN_CONFIG: dict[str, object] = {
+    "model": "tiny-llama",
+    "layers-per-block": 1,
+    "num-server-rounds": 2,
+    "eval-examples": 16,
+    "local-steps": 2,
+    "batch-size": 4,
+    "max-seq-len": 48,
+}
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def app_default(key: str, project: Path = PROJECT) -> Any:
+    """A run-config default from the project's ``[tool.flwr.app.config]``."""
+    with (project / "pyproject.toml").open("rb") as f:
+        return tomllib.load(f)["tool"]["flwr"]["app"]["config"].get(key)
+
+
+@dataclass
+class Proc:
+    """A started process, its log file and the log's handle."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    handle: TextIO
+
+    def exit_code(self) -> int | None:
+        """None while the process runs."""
+        return self.popen.poll()
+
+
+@dataclass
+class LocalDeployment:
+    """A SuperLink, SuperNodes and the ``flwr`` CLI on 127.0.0.1, each with its own FLWR_HOME.
+
+    ``state`` holds the FLWR_HOMEs, the SuperLink's database, certificates, node keys and node
+    caches; keep it outside the project folder. ``logs`` receives one log file per process.
+    Use as a context manager (or call :meth:`stop`) so no process outlives it.
+    """
+
+    state: Path
+    logs: Path
+    tls: bool = False
+    threads_per_process: int | None = None
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    port: int = 0
+    procs: dict[str, Proc] = field(default_factory=dict)
+    cert_files: certs.CertFiles | None = None
+
+    def __post_init__(self) -> None:
+        self.state = Path(self.state).resolve()
+        self.logs = Path(self.logs).resolve()
+        if self.state.is_relative_to(PROJECT):
+            raise DeployError(f"state folder {self.state} is inside the project {PROJECT}: "
+                              "it would be bundled into the app; choose one outside it")
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        if self.tls:
+            self.cert_files = certs.make_ca_and_server_cert(self.state / "certs")
+        ca = str(self.cert_files.ca_cert) if self.cert_files else None
+        self.control = Control(self.state / "flwr-cli", self.address, root_certificates=ca,
+                               env=self.env(self.state / "flwr-cli"),
+                               log=self.logs / "flwr-cli.log")
+
+    # -- plumbing ---------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The SuperLink's ``host:port`` (Fleet, Control and Runtime APIs)."""
+        return f"{HOST}:{self.port}"
+
+    def env(self, flwr_home: Path) -> dict[str, str]:
+        """Environment of every process: offline hub, no runtime dependency installation."""
+        env = dict(os.environ)
+        env.update(
+            FLWR_HOME=str(flwr_home),
+            HF_HUB_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+            PATH=f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
+        )
+        if self.threads_per_process:
+            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                env.setdefault(var, str(self.threads_per_process))
+        env.update(self.extra_env)
+        return env
+
+    def _spawn(self, name: str, cmd: list[str]) -> Proc:
+        if name in self.procs and self.procs[name].exit_code() is None:
+            raise DeployError(f"{name} is already running")
+        home = self.state / name
+        home.mkdir(parents=True, exist_ok=True)
+        log = self.logs / f"{name}.log"
+        handle = log.open("a")
+        handle.write(f"$ {shlex.join(cmd)}\n")
+        handle.flush()
+        popen = subprocess.Popen(
+            [str(BIN_DIR / cmd[0]), *cmd[1:]], stdout=handle, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=self.env(home), cwd=home, start_new_session=True,
+        )
+        proc = Proc(name, popen, log, handle)
+        self.procs[name] = proc
+        return proc
+
+    # -- SuperLink --------------------------------------------------------------------------
+    def superlink_args(self) -> list[str]:
+        """The SuperLink's command (what ``docker-compose.yml`` runs, with local paths)."""
+        tls = None
+        if self.cert_files:
+            tls = ServerTls(str(self.cert_files.ca_cert), str(self.cert_files.server_cert),
+                            str(self.cert_files.server_key))
+        return superlink_command(host=HOST, port=self.port,
+                                 database=str(self.state / "superlink" / "state.db"),
+                                 tls=tls, supernode_auth=self.tls)
+
+    def start_superlink(self, timeout: float = 60.0) -> Proc:
+        """Start the SuperLink and wait until ``GET /health`` answers."""
+        proc = self._spawn("superlink", self.superlink_args())
+        self.wait_health(timeout)
+        return proc
+
+    def wait_health(self, timeout: float) -> None:
+        """Poll the SuperLink's ``/health`` until it answers 200."""
+        ca = str(self.cert_files.ca_cert) if self.cert_files else None
+        deadline = time.monotonic() + timeout
+        while not healthy(self.address, ca):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise DeployError(f"no answer from {self.address}/health after {timeout:.0f} s;"
+                                  f" see {self.procs['superlink'].log}")
+            time.sleep(0.5)
+
+    # -- SuperNodes -------------------------------------------------------------------------
+    def node_key(self, name: str, register: bool = True) -> certs.NodeKey:
+        """Make ``name``'s key pair and (by default) register its public key."""
+        key = certs.make_node_key(self.state / "keys", name)
+        if register:
+            self.control.register(key.public, name)
+        return key
+
+    def supernode_args(self, name: str, config: Mapping[str, object], port: int,
+                       key: certs.NodeKey | None = None) -> list[str]:
+        """A SuperNode's command (what ``docker-compose.yml`` runs, with local paths)."""
+        ca = str(self.cert_files.ca_cert) if self.cert_files else None
+        return supernode_command(superlink=self.address, port=port, node_config=config,
+                                 root_certificates=ca,
+                                 auth_private_key=str(key.private) if key else None)
+
+    def start_supernode(self, name: str, partition_id: int, num_partitions: int,
+                        key: certs.NodeKey | None = None, **extra: object) -> Proc:
+        """Start one SuperNode; under TLS it authenticates with ``key`` (default: a fresh,
+        registered key named after the node). ``extra``: more node-config (``update_rule``...)."""
+        if self.tls and key is None:
+            key = self.node_key(name)
+        cache = self.state / name / "cache"
+        config = node_config(partition_id, num_partitions, str(cache), **extra)
+        return self._spawn(name, self.supernode_args(name, config, free_port(), key))
+
+    def start_supernodes(self, count: int, per_node: Mapping[int, Mapping[str, object]] | None
+                         = None) -> list[Proc]:
+        """Start ``supernode-1..count`` with partitions ``0..count-1``."""
+        per_node = per_node or {}
+        return [self.start_supernode(f"supernode-{i + 1}", i, count, **per_node.get(i, {}))
+                for i in range(count)]
+
+    def check_alive(self, nodes: int = 0) -> None:
+        """Raise if the SuperLink died, or fewer than ``nodes`` SuperNodes still run."""
+        link = self.procs.get("superlink")
+        if link and link.exit_code() is not None:
+            raise DeployError(f"the SuperLink exited with {link.exit_code()}; see {link.log}")
+        alive = [p for n, p in self.procs.items()
+                 if n.startswith("supernode") and p.exit_code() is None]
+        if len(alive) < nodes:
+            raise DeployError(f"only {len(alive)} SuperNodes still run, {nodes} needed; "
+                              f"logs in {self.logs}")
+
+    def wait_nodes(self, count: int, timeout: float = 120.0) -> None:
+        """Wait until ``count`` SuperNodes are online."""
+        self.control.wait_nodes(count, timeout, check=lambda: self.check_alive(count))
+
+    def submit(self, run_config: Mapping[str, object] | str, app: Path = PROJECT) -> int:
+        """``flwr run APP <connection> --run-config ...``; returns the run id."""
+        return self.control.submit(run_config, app)
+
+    def wait_run(self, run_id: int, timeout: float = 3600.0, poll_s: float = 2.0) -> str:
+        """Poll until the run's status starts with ``finished``; returns it."""
+        return self.control.wait_run(run_id, timeout, poll_s, check=self.check_alive)
+
+    def save_run_log(self, run_id: int) -> Path:
+        """Write the ServerApp's log (``flwr log --show``) to ``logs/run-<id>.log``."""
+        path = self.logs / f"run-{run_id}.log"
+        path.write_text(self.control.run_log(run_id))
+        return path
+
+    # -- teardown ---------------------------------------------------------------------------
+    def stop_process(self, name: str, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the process group of ``name``; SIGKILL what is left after ``grace_s``.
+
+        The group (``start_new_session``) holds the process, the SuperExec it spawned and the
+        ServerApp/ClientApp processes; once the leader has exited the rest of the group is
+        killed, so nothing outlives the deployment.
+        """
+        proc = self.procs[name]
+        pgid = proc.popen.pid  # start_new_session: the group id is the leader's pid
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=5.0)
+        proc.handle.close()
+        return proc.exit_code()
+
+    def stop(self) -> None:
+        """Stop the SuperNodes, then the SuperLink."""
+        names = sorted(self.procs, key=lambda n: n == "superlink")
+        for name in names:
+            if not self.procs[name].handle.closed:
+                self.stop_process(name)
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_deployment(
+    nodes: int,
+    run_config: str,
+    output_dir: Path,
+    tls: bool = False,
+    state: Path | None = None,
+    timeout: float = 3600.0,
+    per_node: Mapping[int, Mapping[str, object]] | None = None,
+) -> tuple[str, Path]:
+    """Bring the topology up, run the app once, bring it down; returns (status, logs folder)."""
+    output_dir = output_dir.resolve()
+    logs = output_dir / "logs"
+    temp_state = state is None
+    state = Path(tempfile.mkdtemp(prefix="fedcybgd-deploy-")) if state is None else state
+    threads = max(1, (os.cpu_count() or 1) // (nodes + 1))
+    defaults: dict[str, object] = {"output-dir": str(output_dir)}
+    if "clients-per-round" not in parse_config(run_config):
+        defaults["clients-per-round"] = min(int(app_default("clients-per-round") or nodes), nodes)
+    overrides = merge_config(defaults, run_config)
+    try:
+        with LocalDeployment(state, logs, tls=tls, threads_per_process=threads) as dep:
+            print(f"SuperLink on {'https' if tls else 'http'}://{dep.address} "
+                  f"(state {state}, logs {logs})", flush=True)
+            dep.start_superlink()
+            dep.start_supernodes(nodes, per_node)
+            dep.wait_nodes(nodes)
+            print(f"{nodes} SuperNodes online{' (TLS, authenticated)' if tls else ''}; "
+                  f"flwr run --run-config \"{overrides}\"", flush=True)
+            run_id = dep.submit(overrides)
+            print(f"run {run_id} submitted; waiting for it to finish", flush=True)
+            status = dep.wait_run(run_id, timeout=timeout)
+            dep.save_run_log(run_id)
+    finally:
+        if temp_state:
+            shutil.rmtree(state, ignore_errors=True)
+    return status, logs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the app once on a loopback deployment; exit 0 when it finished:completed."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=3, help="SuperNodes to start")
+    parser.add_argument("--tls", action="store_true",
+                        help="HTTPS with a fresh CA and SuperNode authentication")
+    parser.add_argument("--run-config", default="",
+                        help="run-config overrides, e.g. "
+                             "\"num-server-rounds=2 update-rule='lezo'\"")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a tiny random model for 2 rounds: {format_config(QUICK_RUN_CONFIG)}")
+    parser.add_argument("--output-dir", type=Path,
+                        default=PROJECT / "outputs" / "deploy-local")
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="keep FLWR_HOMEs, database, certificates and node caches here "
+                             "(default: a temporary folder, removed at the end)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the run")
+    args = parser.parse_args(argv)
+    if args.nodes < 1:
+        parser.error("--nodes must be >= 1")
+    run_config = args.run_config
+    if args.quick:
+        run_config = merge_config(QUICK_RUN_CONFIG, run_config)
+    try:
+        status, logs = run_deployment(args.nodes, run_config, args.output_dir, tls=args.tls,
+                                      state=args.state_dir, timeout=args.timeout)
+    except DeployError as err:
+        print(f"deploy-local failed: {err}", file=sys.stderr)
+        return 1
+    out = parse_config(run_config).get("output-dir", args.output_dir.resolve())
+    print(f"status: {status}")
+    print(f"outputs: {out} (metrics.jsonl, summary.json, final/, checkpoint/)")
+    print(f"logs: {logs} (superlink.log, supernode-*.log, flwr-cli.log, run-*.log)")
+    return 0 if status == "finished:completed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

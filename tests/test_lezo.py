@@ -1,0 +1,367 @@
+"""Zeroth-order rules (LeZO, MeZO) and their seed log, on the 4-layer tiny Llama."""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import fedcybgd.data as data
+from fedcybgd.blocks import BlockMap
+from fedcybgd.client.updates import TrainTask, get_rule, lezo, seedlog
+from fedcybgd.client.updates.fo import block_loss
+from fedcybgd.data.prompts import Batch
+from fedcybgd.layerwise import LayerStack
+from fedcybgd.models import load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[Batch]:
+    tokenizer = load_tokenizer("tiny-llama")
+    frame = data.load_split("rotten-tomatoes", "train").iloc[:64]
+    stream = data.batches(frame, tokenizer, 4, 32, seed=0)
+    return [next(stream) for _ in range(4)]
+
+
+def make_task(
+    batches: list[Batch],
+    block: str,
+    layers_per_block: int = 1,
+    *,
+    steps: int = 3,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+    **options: Any,
+) -> TrainTask:
+    model = load_model("tiny-llama", dtype=dtype)
+    cycle: Iterator[Batch] = iter(batches * 10)
+    return TrainTask(
+        model=model,
+        stack=LayerStack(model),
+        blocks=BlockMap(model, layers_per_block),
+        block=block,
+        batches=cycle,
+        steps=steps,
+        lr=lr,
+        weight_decay=weight_decay,
+        seed=7,
+        options=options,
+    )
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and bool(
+        torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+def test_projected_gradient_matches_directional_derivative(batches):
+    # Prepare: one MeZO step with lr=0 on a single-layer block (units = its 9 tensors)
+    task = make_task(batches, "layer.1", steps=1, lr=0.0, **{"zo-eps": 1e-3})
+    rule = get_rule("mezo")
+    layout = seedlog.unit_layout(task.blocks, "layer.1")
+    params = dict(task.model.named_parameters())
+
+    # Execute
+    rule.train(task)
+    step = rule.last_log.steps[0]
+    for p in params.values():
+        p.requires_grad_(False)
+    block_params = [params[name] for unit in layout for name in unit]
+    for p in block_params:
+        p.requires_grad_(True)
+    loss = block_loss(task.stack, batches[0], task.blocks.lowest_layer(["layer.1"]))
+    loss.backward()
+    directional = 0.0
+    for unit in step.units:
+        names = layout[unit]
+        zs = seedlog.unit_z(seedlog.unit_seed(step.seed, unit), [params[n].shape for n in names])
+        directional += sum(float((z * params[n].grad).sum()) for z, n in zip(zs, names, strict=True))
+
+    # Assert
+    assert step.units == tuple(range(len(layout)))
+    assert abs(directional) > 1e-3
+    assert step.g == pytest.approx(directional, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    ("rule_name", "block", "layers_per_block", "dtype"),
+    [
+        ("lezo", "layer.0-3", 4, torch.float32),
+        ("mezo", "layer.2", 1, torch.float32),
+        ("mezo", "embed", 1, torch.float32),  # 3.1M elements: several z chunks
+        ("lezo", "layer.0-3", 4, torch.bfloat16),  # fp32 master path
+    ],
+)
+def test_lr_zero_leaves_weights_bit_identical(batches, rule_name, block, layers_per_block, dtype):
+    # Prepare
+    task = make_task(batches, block, layers_per_block, steps=3, lr=0.0, dtype=dtype,
+                     **{"lezo-density": 0.5})
+    before = snapshot(task.model)
+
+    # Execute
+    outcome = get_rule(rule_name).train(task)
+
+    # Assert
+    after = snapshot(task.model)
+    assert outcome.steps == 3 and outcome.skipped_steps == 0
+    assert all(bit_equal(before[n], after[n]) for n in before)
+    if dtype == torch.float32 and block != "embed":
+        assert outcome.metrics["restore_patch_frac"] > 0  # the exact-restore patch was needed
+
+
+def test_only_chosen_units_change(batches):
+    # Prepare: one LeZO step, half of the 4 layers of block layer.0-3
+    task = make_task(batches, "layer.0-3", 4, steps=1, lr=1e-2, weight_decay=0.1,
+                     **{"lezo-density": 0.5})
+    rule = get_rule("lezo")
+    before = snapshot(task.model)
+    layout = seedlog.unit_layout(task.blocks, "layer.0-3")
+
+    # Execute
+    rule.train(task)
+
+    # Assert
+    after = snapshot(task.model)
+    chosen = rule.last_log.steps[0].units
+    assert len(chosen) == 2
+    inside = {name for unit in layout for name in unit}
+    for name in before:
+        if name not in inside:
+            assert bit_equal(before[name], after[name]), name
+    for index, unit in enumerate(layout):
+        for name in unit:
+            changed = not torch.equal(before[name], after[name])
+            assert changed == (index in chosen), (index, name)
+
+
+@pytest.mark.parametrize(
+    ("rule_name", "block", "layers_per_block", "density", "per_step", "units"),
+    [
+        ("lezo", "layer.0-3", 4, 0.25, 1, 4),
+        ("mezo", "layer.0-3", 4, 0.25, 4, 4),
+        ("lezo", "layer.1", 1, 0.25, 3, 9),  # a single layer: its 9 tensors are the units
+    ],
+)
+def test_density_sets_units_per_step(batches, rule_name, block, layers_per_block, density,
+                                     per_step, units):
+    # Prepare
+    task = make_task(batches, block, layers_per_block, steps=3, **{"lezo-density": density})
+    rule = get_rule(rule_name)
+
+    # Execute
+    outcome = rule.train(task)
+
+    # Assert
+    assert rule.last_log.units == units
+    assert [len(s.units) for s in rule.last_log.steps] == [per_step] * 3
+    assert outcome.metrics["units_per_step"] == per_step
+    if per_step < units:  # a fresh draw each step
+        assert len({s.units for s in rule.last_log.steps}) > 1 or units == 1
+
+
+def test_nan_loss_skips_the_step_and_restores(batches, monkeypatch):
+    # Prepare: the second forward of the first step returns NaN
+    task = make_task(batches, "layer.0-3", 4, steps=1, lr=1e-2, **{"lezo-density": 0.5})
+    before = snapshot(task.model)
+    real = lezo.perturbed_loss
+    calls = iter([None, math.nan])
+
+    def flaky(*args: Any) -> float:
+        value = real(*args)
+        fake = next(calls, None)
+        return value if fake is None else fake
+
+    monkeypatch.setattr(lezo, "perturbed_loss", flaky)
+    rule = get_rule("lezo")
+
+    # Execute
+    outcome = rule.train(task)
+
+    # Assert
+    after = snapshot(task.model)
+    assert outcome.skipped_steps == 1 and outcome.steps == 0
+    assert rule.last_log.steps == ()
+    assert all(bit_equal(before[n], after[n]) for n in before)
+
+
+def test_a_failing_forward_restores_the_weights(batches, monkeypatch):
+    # Prepare
+    task = make_task(batches, "layer.2", steps=1, lr=1e-2)
+    before = snapshot(task.model)
+
+    def broken(*args: Any) -> float:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(lezo, "perturbed_loss", broken)
+
+    # Execute
+    with pytest.raises(RuntimeError):
+        get_rule("mezo").train(task)
+
+    # Assert
+    after = snapshot(task.model)
+    assert all(bit_equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize(
+    ("block", "layers_per_block", "dtype"),
+    [("layer.0-3", 4, torch.float32), ("layer.1", 1, torch.bfloat16)],
+)
+def test_replay_reproduces_the_clients_block(batches, block, layers_per_block, dtype):
+    # Prepare
+    task = make_task(batches, block, layers_per_block, steps=3, lr=1e-2, weight_decay=0.1,
+                     dtype=dtype, **{"lezo-density": 0.5})
+    start = task.blocks.get(task.model, block)
+    rule = get_rule("lezo")
+
+    # Execute
+    rule.train(task)
+    log = seedlog.decode_seedlog(seedlog.encode_seedlog(rule.last_log))
+    replayed = seedlog.replay(start, log, seedlog.unit_layout(task.blocks, block))
+
+    # Assert
+    trained = task.blocks.get(task.model, block)
+    assert len(log.steps) == 3
+    assert any(not torch.equal(start[n], trained[n]) for n in start)
+    assert all(bit_equal(replayed[n], trained[n]) for n in trained)
+
+
+def test_replay_refuses_other_torch_and_other_starts(batches):
+    # Prepare
+    task = make_task(batches, "layer.1", steps=1, lr=1e-2)
+    start = task.blocks.get(task.model, "layer.1")
+    layout = seedlog.unit_layout(task.blocks, "layer.1")
+    rule = get_rule("lezo")
+    rule.train(task)
+    log = rule.last_log
+    other_torch = seedlog.SeedLog(**{**log.__dict__, "torch": "1.0.0"})
+    other_z = seedlog.SeedLog(**{**log.__dict__, "z": "0" * 16})
+    moved = {n: t + 1 for n, t in start.items()}
+
+    # Execute / Assert
+    with pytest.raises(seedlog.ReplayError, match="torch"):
+        seedlog.replay(start, other_torch, layout)
+    with pytest.raises(seedlog.ReplayError, match="fingerprint"):
+        seedlog.replay(start, other_z, layout)
+    with pytest.raises(seedlog.ReplayError, match="start"):
+        seedlog.replay(moved, log, layout)
+    with pytest.raises(ValueError, match="layout"):
+        seedlog.replay(start, log, layout[:-1])
+
+
+def _sample_log(units: int = 30) -> seedlog.SeedLog:
+    return seedlog.SeedLog(
+        block="layer.0-29", units=units, layout="0123456789abcdef", eps=1e-3, weight_decay=0.0,
+        torch=torch.__version__, z=seedlog.z_fingerprint(), base="a" * 64, result="",
+        steps=(
+            seedlog.SeedStep(2**64 - 1, (0, 7, 29), seedlog.to_f32(-1.25), seedlog.to_f32(1e-6)),
+            seedlog.SeedStep(3, tuple(range(units)), seedlog.to_f32(0.5), seedlog.to_f32(1e-6)),
+        ),
+    )
+
+
+def test_seedlog_round_trips_and_is_compact():
+    # Prepare
+    log = _sample_log()
+
+    # Execute
+    encoded = seedlog.encode_seedlog(log)
+
+    # Assert
+    assert seedlog.decode_seedlog(encoded) == log
+    assert len(seedlog.encode_seedlog(seedlog.SeedLog(**{**log.__dict__, "steps": ()}))) + 2 * 20 \
+        == len(encoded)  # 8 + 4 + 4 + 4 bytes per step for 30 units
+
+
+def _reframe(encoded: bytes, edit: Any) -> bytes:
+    """``encoded`` with its JSON header edited by ``edit`` and the header length fixed."""
+    _, _, head_len = struct.unpack_from("<4sHI", encoded)
+    header = edit(encoded[10:10 + head_len])
+    return encoded[:6] + struct.pack("<I", len(header)) + header + encoded[10 + head_len:]
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda b: b"",
+        lambda b: b[:5],
+        lambda b: b"XXXX" + b[4:],
+        lambda b: b[:4] + struct.pack("<H", 9) + b[6:],
+        lambda b: b[:6] + struct.pack("<I", 10**6) + b[10:],
+        lambda b: b[:-1],
+        lambda b: b + b"\x00",
+        lambda b: b[:-1] + b"\x80",  # unit 31 of 30
+        lambda b: bytes(range(256)),
+        lambda b: _reframe(b, lambda h: h.replace(b'"units":30', b'"units":"x"')),
+        lambda b: _reframe(b, lambda h: h.replace(b'"units":30', b'"units":true')),
+        lambda b: _reframe(b, lambda h: h.replace(b'"eps":0.001', b'"eps":-1.0')),
+        lambda b: _reframe(b, lambda h: h.replace(b'"layout":"', b'"layout":"Z')),
+        lambda b: _reframe(b, lambda h: h.replace(b'"steps":2', b'"steps":3')),
+        lambda b: _reframe(b, lambda h: h.replace(b',"base"', b',"bas"')),
+        lambda b: _reframe(b, lambda h: h.replace(b"{", b"[", 1)),
+        lambda b: _reframe(b, lambda h: b"\xff" + h),
+    ],
+)
+def test_seedlog_rejects_garbage(mangle):
+    # Prepare
+    encoded = seedlog.encode_seedlog(_sample_log())
+    bad = mangle(encoded)
+
+    # Execute / Assert
+    assert bad != encoded
+    with pytest.raises(ValueError):
+        seedlog.decode_seedlog(bad)
+
+
+def test_seedlog_refuses_to_encode_non_fp32_values():
+    # Prepare
+    log = _sample_log()
+    step = seedlog.SeedStep(1, (0,), 0.1, 1e-6)  # 0.1 is not an fp32 value
+
+    # Execute / Assert
+    with pytest.raises(ValueError, match="fp32"):
+        seedlog.encode_seedlog(seedlog.SeedLog(**{**log.__dict__, "steps": (step,)}))
+
+
+def test_prefix_layers_run_once_per_step(batches):
+    # Prepare: block layer.2 of 4; layers 0-1 are the prefix
+    task = make_task(batches, "layer.2", steps=3)
+    calls = [0] * 4
+    handles = [
+        layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        for i, layer in enumerate(task.stack.layers)
+    ]
+
+    # Execute
+    try:
+        outcome = get_rule("lezo").train(task)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    # Assert
+    assert calls == [3, 3, 6, 6]
+    assert outcome.metrics["prefix_s"] > 0 and outcome.metrics["zo_forward_s"] > 0
+
+
+def test_options_are_validated(batches):
+    # Prepare
+    bad = make_task(batches, "layer.1", **{"lezo-density": 0.0})
+    mezo_task = make_task(batches, "layer.1", steps=1, **{"lezo-density": 0.0})
+    rule = get_rule("mezo")
+
+    # Execute / Assert
+    with pytest.raises(ValueError, match="lezo-density"):
+        get_rule("lezo").train(bad)
+    rule.train(mezo_task)  # MeZO ignores lezo-density
+    assert len(rule.last_log.steps[0].units) == 9

@@ -1,0 +1,70 @@
+"""The real SmolLM2-135M: the block cut and a first-order step where quality is the point."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fedcybgd import data
+from fedcybgd.blocks import BlockMap
+from fedcybgd.client.updates import TrainTask, get_rule
+from fedcybgd.layerwise import LayerStack
+from fedcybgd.models import load_model, load_tokenizer
+from fedcybgd.objective import evaluate
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model = load_model("smollm2-135m")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, load_tokenizer("smollm2-135m")
+
+
+def test_smollm2_blocks_cover_the_model_once(smollm2):
+    model, _ = smollm2
+    blocks = BlockMap(model, layers_per_block=1)
+    # 30 decoder layers + embed + head (final norm only: the LM head is tied to the embedding)
+    assert len(blocks.names) == 32 and blocks.tied
+    assert sum(b.numel for b in blocks.blocks.values()) == 134_515_008
+    assert blocks.info("head").param_names == ("model.norm.weight",)
+
+
+def test_first_order_steps_on_one_block_lower_the_label_loss(smollm2):
+    # Prepare: 32 training examples, the top decoder layer as the block
+    model, tokenizer = smollm2
+    stack = LayerStack(model)
+    blocks = BlockMap(model, layers_per_block=1)
+    frame = data.load_split("rotten-tomatoes", "train").head(32)
+    fixed = list(itertools.islice(data.batches(frame, tokenizer, 8, 64, seed=0), 4))
+    before = evaluate(stack, fixed)
+    start = blocks.get(model, "layer.29")
+    task = TrainTask(model=model, stack=stack, blocks=blocks, block="layer.29",
+                     batches=itertools.cycle(fixed), steps=8, lr=1e-4, weight_decay=0.0, seed=0)
+    # Execute
+    outcome = get_rule("fo").train(task)
+    after = evaluate(stack, fixed)
+    # Assert
+    assert outcome.steps == 8 and outcome.skipped_steps == 0
+    assert after.loss < before.loss - 0.05
+    blocks.set(model, "layer.29", start)  # leave the shared fixture as it was
+    assert torch.equal(blocks.get(model, "layer.29")["model.layers.29.mlp.up_proj.weight"],
+                       start["model.layers.29.mlp.up_proj.weight"])
+
+
+def test_client_reads_pretrained_blocks_from_the_model_files(smollm2):
+    # Prepare
+    from fedcybgd.client.runtime import ClientModel
+
+    model, _ = smollm2
+    client = ClientModel("smollm2-135m", layers_per_block=8)
+    # Execute: the client keeps no copy; a reset reads the block back from disk
+    on_disk = client.pretrained("layer.8-15")
+    # Assert
+    assert client._pristine == {}
+    expected = BlockMap(model, 8).get(model, "layer.8-15")
+    assert all(torch.equal(on_disk[name], expected[name]) for name in expected)
