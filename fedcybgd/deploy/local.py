@@ -139,6 +139,7 @@ class LocalDeployment:
             FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
             PATH=f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
         )
+        env.setdefault("FEDCYBGD_OUTPUT_ROOT", str(PROJECT))  # relative output-dir
         if self.threads_per_process:
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
                 env.setdefault(var, str(self.threads_per_process))
@@ -287,6 +288,13 @@ class LocalDeployment:
         self.stop()
 
 
+def output_dir_of(run_config: str, default: Path) -> Path:
+    """The run's output folder: ``output-dir`` of ``run_config`` (relative ones are taken from
+    the project, as the ServerApp does with ``FEDCYBGD_OUTPUT_ROOT``), else ``default``."""
+    out = Path(str(parse_config(run_config).get("output-dir", default))).expanduser()
+    return (out if out.is_absolute() else PROJECT / out).resolve()
+
+
 def run_deployment(
     nodes: int,
     run_config: str,
@@ -296,8 +304,11 @@ def run_deployment(
     timeout: float = 3600.0,
     per_node: Mapping[int, Mapping[str, object]] | None = None,
 ) -> tuple[str, Path]:
-    """Bring the topology up, run the app once, bring it down; returns (status, logs folder)."""
-    output_dir = output_dir.resolve()
+    """Bring the topology up, run the app once, bring it down; returns (status, output dir).
+
+    ``output_dir`` applies unless ``run_config`` sets ``output-dir``; logs go to its ``logs/``.
+    """
+    output_dir = output_dir_of(run_config, output_dir)
     logs = output_dir / "logs"
     temp_state = state is None
     state = Path(tempfile.mkdtemp(prefix="fedcybgd-deploy-")) if state is None else state
@@ -306,23 +317,27 @@ def run_deployment(
     if "clients-per-round" not in parse_config(run_config):
         defaults["clients-per-round"] = min(int(app_default("clients-per-round") or nodes), nodes)
     overrides = merge_config(defaults, run_config)
+    print(f"logs: {logs}", flush=True)
     try:
         with LocalDeployment(state, logs, tls=tls, threads_per_process=threads) as dep:
-            print(f"SuperLink on {'https' if tls else 'http'}://{dep.address} "
-                  f"(state {state}, logs {logs})", flush=True)
             dep.start_superlink()
+            print(f"SuperLink on {'https' if tls else 'http'}://{dep.address} "
+                  f"({'TLS, SuperNode authentication' if tls else 'insecure'}; state {state})",
+                  flush=True)
             dep.start_supernodes(nodes, per_node)
             dep.wait_nodes(nodes)
-            print(f"{nodes} SuperNodes online{' (TLS, authenticated)' if tls else ''}; "
-                  f"flwr run --run-config \"{overrides}\"", flush=True)
+            print(f"{nodes} SuperNodes online; flwr run --run-config \"{overrides}\"",
+                  flush=True)
             run_id = dep.submit(overrides)
             print(f"run {run_id} submitted; waiting for it to finish", flush=True)
-            status = dep.wait_run(run_id, timeout=timeout)
-            dep.save_run_log(run_id)
+            try:
+                status = dep.wait_run(run_id, timeout=timeout)
+            finally:
+                dep.save_run_log(run_id)
     finally:
         if temp_state:
             shutil.rmtree(state, ignore_errors=True)
-    return status, logs
+    return status, output_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,15 +365,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         run_config = merge_config(QUICK_RUN_CONFIG, run_config)
     try:
-        status, logs = run_deployment(args.nodes, run_config, args.output_dir, tls=args.tls,
-                                      state=args.state_dir, timeout=args.timeout)
+        status, out = run_deployment(args.nodes, run_config, args.output_dir, tls=args.tls,
+                                     state=args.state_dir, timeout=args.timeout)
     except DeployError as err:
         print(f"deploy-local failed: {err}", file=sys.stderr)
         return 1
-    out = parse_config(run_config).get("output-dir", args.output_dir.resolve())
     print(f"status: {status}")
     print(f"outputs: {out} (metrics.jsonl, summary.json, final/, checkpoint/)")
-    print(f"logs: {logs} (superlink.log, supernode-*.log, flwr-cli.log, run-*.log)")
+    print(f"logs: {out / 'logs'} (superlink.log, supernode-*.log, flwr-cli.log, run-*.log)")
     return 0 if status == "finished:completed" else 1
 
 

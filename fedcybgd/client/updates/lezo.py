@@ -18,8 +18,10 @@ differ by an ulp when ``theta + d`` lands in a coarser binade, for weights ~0.02
 ``eps = 1e-3``). Saving the chosen units would cost their full size (2x the weights for MeZO on
 a whole model). Instead each perturbation checks, chunk by chunk, which elements would not
 come back bit-exactly (comparing bit patterns, so -0.0 and NaN are handled) and saves only
-those: int32 index + fp32 value, ~0.6 bytes per perturbed element instead of 4. The restore
-recomputes ``theta + d - d`` and patches the saved elements back: bit-identical, always.
+those: int32 index + fp32 value, ~0.6 bytes per perturbed element instead of 4 (a chunk where
+more than half would need saving is copied whole instead, so it never costs more than a copy).
+The restore recomputes ``theta + d - d`` and patches the saved elements back: bit-identical,
+always.
 
 **Precision.** Arithmetic is fp32. fp32 weights are perturbed and updated in place. fp16/bf16
 weights get an fp32 master copy of the block for the round (4 bytes/parameter of the block):
@@ -124,7 +126,7 @@ class _Slot:
             None if param.dtype == torch.float32 else param.detach().reshape(-1).float().clone()
         )
         self.decay = seedlog.decays(param.shape)
-        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.patched = 0  # elements restored from ``saved`` (a diagnostic)
 
     @property
@@ -132,12 +134,20 @@ class _Slot:
         return self.flat.numel()
 
     def _save(self, offset: int, candidate: torch.Tensor, exact: torch.Tensor) -> None:
+        """Keep what ``candidate`` gets wrong about ``exact``: sparse, or the whole chunk when
+        more than half of it is wrong (8 bytes per saved element would exceed a copy)."""
         idx = _offenders(candidate, exact)
-        self.saved[offset] = (idx, exact[idx.long()].clone())
+        if 2 * idx.numel() > exact.numel():
+            self.saved[offset] = (None, exact.clone())
+        else:
+            self.saved[offset] = (idx, exact[idx.long()].clone())
 
     def _patch(self, offset: int, values: torch.Tensor) -> torch.Tensor:
         idx, exact = self.saved.pop(offset)
-        if idx.numel():
+        if idx is None:
+            values.copy_(exact)
+            self.patched += values.numel()
+        elif idx.numel():
             values[idx.long()] = exact
             self.patched += idx.numel()
         return values
@@ -240,7 +250,7 @@ class ZerothOrder:
     def train(self, task: TrainTask) -> TrainOutcome:
         """Run ``task.steps`` zeroth-order steps on ``task.block``; the log goes to ``last_log``."""
         opts = ZoOptions.from_task(task, self.fixed_density)
-        model, stack = task.model, task.stack
+        model = task.model
         block = _Block(task)
         count = seedlog.units_per_step(opts.density, len(block.layout))
         lowest = task.blocks.lowest_layer([task.block])

@@ -55,7 +55,7 @@ _MASK64 = (1 << 64) - 1
 _PREAMBLE = struct.Struct("<4sHI")
 _STEP_HEAD = struct.Struct("<Qff")
 _MAX_HEADER = 1 << 16
-_HEX = re.compile(r"^[0-9a-f]*$")
+_HEX = re.compile(r"[0-9a-f]*")
 _DOMAIN_STEP, _DOMAIN_UNIT, _DOMAIN_CHOICE, _DOMAIN_PROBE = 1, 2, 3, 4
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -341,14 +341,14 @@ def _check_log(log: SeedLog) -> None:
         raise ValueError(f"seed log weight decay must be finite and >= 0, got {log.weight_decay}")
     if log.chunk != Z_CHUNK:
         raise ValueError(f"seed log z chunk {log.chunk} differs from this version's {Z_CHUNK}")
-    for key, value, lengths in (
+    for key, digest, lengths in (
         ("layout", log.layout, (16,)),
         ("z", log.z, (16,)),
         ("base", log.base, (0, 64)),
         ("result", log.result, (0, 64)),
     ):
-        if len(value) not in lengths or not _HEX.match(value):
-            raise ValueError(f"seed log '{key}' is not a hex digest: {value!r}")
+        if len(digest) not in lengths or not _HEX.fullmatch(digest):
+            raise ValueError(f"seed log '{key}' is not a hex digest: {digest!r}")
     if not log.block or len(log.block) > 256:
         raise ValueError("seed log block name is empty or too long")
     if len(log.torch) > 64:
@@ -360,9 +360,9 @@ def _check_log(log: SeedLog) -> None:
             raise ValueError(f"seed log step {index}: units must be distinct, sorted, non-empty")
         if step.units[0] < 0 or step.units[-1] >= log.units:
             raise ValueError(f"seed log step {index}: unit out of 0..{log.units - 1}")
-        for name, value in (("g", step.g), ("lr", step.lr)):
+        for label, value in (("g", step.g), ("lr", step.lr)):
             if not math.isfinite(value) or to_f32(value) != value:
-                raise ValueError(f"seed log step {index}: {name}={value} is not a finite fp32")
+                raise ValueError(f"seed log step {index}: {label}={value} is not a finite fp32")
 
 
 # -------------------------------------------------------------------------------- replay
@@ -410,7 +410,9 @@ def replay(
             f"({log.units} units, {log.layout}; here {len(layout)}, {layout_id(layout)})"
         )
     if sorted(names) != sorted(block_tensors) or len(set(names)) != len(names):
-        raise ValueError(f"block '{log.block}': tensors {sorted(block_tensors)} do not fit the layout")
+        raise ValueError(
+            f"block '{log.block}': tensors {sorted(block_tensors)} do not fit the layout"
+        )
     if check_torch and log.torch != torch.__version__:
         raise ReplayError(f"log written with torch {log.torch}, this is torch {torch.__version__}")
     if log.z != z_fingerprint():
