@@ -130,9 +130,9 @@ class BlockMap:
             for name, pnames in groups.items()
             if pnames
         }
-        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        self.tied = (
+        output = getattr(model, "get_output_embeddings", lambda: None)()
+        inputs = getattr(model, "get_input_embeddings", lambda: None)()
+        self.tied = bool(
             output is not None and inputs is not None and output.weight is inputs.weight
         )
 

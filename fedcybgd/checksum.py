@@ -11,7 +11,7 @@ import torch
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a tensor in its own dtype (bf16 included), without copying twice."""
     flat = tensor.detach().contiguous().reshape(-1).cpu()
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy().data)
 
 
 def content_checksum(tensors: Mapping[str, torch.Tensor]) -> str:

@@ -17,6 +17,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
 
 
 class LoopbackGrid(Grid):
@@ -46,7 +47,9 @@ class LoopbackGrid(Grid):
         self.contexts: dict[int, Context] = {}
         for i in range(num_nodes):
             node_id = first_node_id + i
-            config = {"partition-id": i, "num-partitions": num_nodes}
+            config: dict[str, bool | float | int | str] = {
+                "partition-id": i, "num-partitions": num_nodes
+            }
             if node_config is not None:
                 config.update(node_config(i))
             self.contexts[node_id] = Context(
@@ -57,6 +60,11 @@ class LoopbackGrid(Grid):
         self.sent: list[Message] = []
         self._replies: dict[str, Message] = {}
         self._run = Run.create_empty(run_id=1)
+        # Instruction messages read the sender's identity, which a Flower runtime would set:
+        # this process plays the SuperLink side (node id 1).
+        TaskIdentity.run_id = 1
+        TaskIdentity.node_id = 1
+        TaskIdentity.task_id = 1
 
     def set_run(self, run: Run) -> None:
         """Set the run."""

@@ -149,7 +149,8 @@ def load_model(name: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel
     """Load the causal LM ``name`` (see module docstring) in eval mode."""
     if name.startswith("tiny-"):
         family = name.removeprefix("tiny-").replace("-", "_")
-        model = build_tiny(family, load_tokenizer(name)).to(dtype)
+        model = build_tiny(family, load_tokenizer(name))
+        model = model.to(dtype)  # type: ignore[arg-type]  # transformers types .to oddly
     else:
         model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype)
     model.eval()

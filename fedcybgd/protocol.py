@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # Records of a train instruction (server -> client).
 CONFIG = "config"  # ConfigRecord: the round's assignment
@@ -49,6 +50,22 @@ class Holding:
 
     version: int
     checksum: str
+
+
+def get_int(record: Mapping[str, Any], key: str) -> int:
+    """An integer field of a record; ``ValueError`` naming the key if absent or mistyped."""
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"record field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def get_str(record: Mapping[str, Any], key: str) -> str:
+    """A string field of a record; ``ValueError`` naming the key if absent or mistyped."""
+    value = record.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"record field {key!r} must be a string, got {value!r}")
+    return value
 
 
 def dump_holdings(holdings: Mapping[str, Holding]) -> str:

@@ -120,22 +120,23 @@ def train(msg: Message, context: Context) -> Message:
     run = RunConfig.from_run_config(context.run_config)
     node = NodeConfig.from_node_config(context.node_config)
     cfg = msg.content[protocol.CONFIG]
-    block = str(cfg[protocol.BLOCK])
-    server_round = int(cfg[protocol.ROUND])  # type: ignore[call-overload]
-    seed = int(cfg[protocol.SEED])  # type: ignore[call-overload]
-    rule_name = node.update_rule or str(cfg[protocol.RULE])
-    upload_codec = str(cfg[protocol.UPLOAD_CODEC])
+    block = protocol.get_str(cfg, protocol.BLOCK)
+    server_round = protocol.get_int(cfg, protocol.ROUND)
+    seed = protocol.get_int(cfg, protocol.SEED)
+    rule_name = node.update_rule or protocol.get_str(cfg, protocol.RULE)
+    upload_codec = protocol.get_str(cfg, protocol.UPLOAD_CODEC)
+    lineage = protocol.get_str(cfg, protocol.LINEAGE)
+    server_base = protocol.get_str(cfg, protocol.BASE_HASH)
     max_bytes = int(run.max_payload_mb * 2**20)
 
     cm = client_model(run.model, run.layers_per_block)
-    if str(cfg[protocol.BASE_HASH]) != cm.base_hash:
+    if server_base != cm.base_hash:
         return _reply(
             msg, protocol.REJECTED, None,
-            f"pretrained weights differ: server {cfg[protocol.BASE_HASH]}, "
-            f"client {cm.base_hash}",
+            f"pretrained weights differ: server {server_base}, client {cm.base_hash}",
         )
     cache_dir = Path(node.cache_dir) if node.cache_dir else cache_root()
-    store = store_for(cache_dir, str(cfg[protocol.LINEAGE]), context.node_id, cm.base_hash)
+    store = store_for(cache_dir, lineage, context.node_id, cm.base_hash)
     cm.sync(store)
 
     downloads = msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord())
@@ -146,7 +147,7 @@ def train(msg: Message, context: Context) -> Message:
         store.clear()
         cm.sync(store)
         return _reply(msg, protocol.RESYNC, store, f"bad download: {err}")
-    expected = protocol.load_holdings(str(cfg[protocol.EXPECT]))
+    expected = protocol.load_holdings(protocol.get_str(cfg, protocol.EXPECT))
     if store.holdings != expected:
         return _reply(msg, protocol.RESYNC, store, "cache differs from the server's record")
 
@@ -169,7 +170,7 @@ def train(msg: Message, context: Context) -> Message:
         weight_decay=run.weight_decay,
         seed=seed,
         options=dict(run.extra),
-        state_dir=cache_dir / "clients" / str(cfg[protocol.LINEAGE]) / f"node-{context.node_id}",
+        state_dir=store.root.with_name(store.root.name + "-rule-state"),
     )
     began = time.perf_counter()
     with PeakMemory() as mem:

@@ -18,6 +18,7 @@ and exits 0 only when the run ends ``finished:completed``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "register":
             for key in args.keys:
-                node_id = _retry(lambda key=key: control.register(key, key.stem), args.timeout)
+                node_id = _retry(functools.partial(control.register, key, key.stem),
+                                 args.timeout)
                 print(f"{key}: " + (f"registered as node {node_id}" if node_id
                                     else "registered already"), flush=True)
             return 0

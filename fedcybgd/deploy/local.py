@@ -208,20 +208,24 @@ class LocalDeployment:
                                  auth_private_key=str(key.private) if key else None)
 
     def start_supernode(self, name: str, partition_id: int, num_partitions: int,
-                        key: certs.NodeKey | None = None, **extra: object) -> Proc:
-        """Start one SuperNode; under TLS it authenticates with ``key`` (default: a fresh,
-        registered key named after the node). ``extra``: more node-config (``update_rule``...)."""
+                        key: certs.NodeKey | None = None,
+                        extra: Mapping[str, object] | None = None) -> Proc:
+        """Start one SuperNode. Under TLS it authenticates with ``key`` (default: a fresh key
+        named after the node, registered first). ``extra``: more node-config, e.g.
+        ``{"update_rule": "lezo", "memory_budget_mb": 1024.0}``."""
         if self.tls and key is None:
             key = self.node_key(name)
         cache = self.state / name / "cache"
-        config = node_config(partition_id, num_partitions, str(cache), **extra)
+        config = node_config(partition_id, num_partitions, str(cache), **(extra or {}))
         return self._spawn(name, self.supernode_args(name, config, free_port(), key))
 
-    def start_supernodes(self, count: int, per_node: Mapping[int, Mapping[str, object]] | None
-                         = None) -> list[Proc]:
-        """Start ``supernode-1..count`` with partitions ``0..count-1``."""
+    def start_supernodes(self, count: int,
+                         per_node: Mapping[int, Mapping[str, object]] | None = None
+                         ) -> list[Proc]:
+        """Start ``supernode-1..count`` with partitions ``0..count-1``; ``per_node`` maps a
+        partition id to its extra node-config."""
         per_node = per_node or {}
-        return [self.start_supernode(f"supernode-{i + 1}", i, count, **per_node.get(i, {}))
+        return [self.start_supernode(f"supernode-{i + 1}", i, count, extra=per_node.get(i))
                 for i in range(count)]
 
     def check_alive(self, nodes: int = 0) -> None:
@@ -255,31 +259,45 @@ class LocalDeployment:
 
     # -- teardown ---------------------------------------------------------------------------
     def stop_process(self, name: str, grace_s: float = 10.0) -> int | None:
-        """SIGTERM the process group of ``name``; SIGKILL what is left after ``grace_s``.
+        """Stop ``name`` (see :meth:`stop`); returns its exit code."""
+        self._stop([self.procs[name]], grace_s)
+        return self.procs[name].exit_code()
 
-        The group (``start_new_session``) holds the process, the SuperExec it spawned and the
-        ServerApp/ClientApp processes; once the leader has exited the rest of the group is
-        killed, so nothing outlives the deployment.
-        """
+    def kill_process(self, name: str) -> int | None:
+        """SIGKILL ``name``'s whole process group at once: a crash, no goodbye to the SuperLink
+        (fault tests). Returns the exit code."""
         proc = self.procs[name]
-        pgid = proc.popen.pid  # start_new_session: the group id is the leader's pid
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGTERM)
+            os.killpg(proc.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(timeout=grace_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(timeout=5.0)
+            proc.popen.wait(timeout=10.0)
         proc.handle.close()
         return proc.exit_code()
 
-    def stop(self) -> None:
-        """Stop the SuperNodes, then the SuperLink."""
-        names = sorted(self.procs, key=lambda n: n == "superlink")
-        for name in names:
-            if not self.procs[name].handle.closed:
-                self.stop_process(name)
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop every process still running: SIGTERM to all their process groups at once,
+        SIGKILL to whatever is left after ``grace_s``.
+
+        Each group (``start_new_session``) holds the process, the SuperExec it spawned and the
+        ServerApp/ClientApp processes, so nothing outlives the deployment.
+        """
+        self._stop([p for p in self.procs.values() if not p.handle.closed], grace_s)
+
+    @staticmethod
+    def _stop(procs: list[Proc], grace_s: float) -> None:
+        for proc in procs:  # the group id is the leader's pid (start_new_session)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=5.0)
+            proc.handle.close()
 
     def __enter__(self) -> LocalDeployment:
         return self

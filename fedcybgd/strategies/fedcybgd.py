@@ -439,13 +439,14 @@ class FedCyBGD(Strategy):
                 "bytes_down_raw": self._round.bytes_down_raw,
                 "bytes_up_raw": self._round.bytes_up_raw,
                 "client_peak_mem_mb": self._round.client_peak_mem_mb,
-                **({"train_loss": self._round.train_loss} if finite else {}),
             }
         )
+        if self._round.train_loss is not None:
+            metrics["train_loss"] = self._round.train_loss
         if not results or not self.return_arrays:
             return None, metrics
         self._returned = ArrayRecord(
-            {k: v.detach().clone() for k, v in self.weights.items()}  # type: ignore[arg-type]
+            {k: v.detach().clone() for k, v in self.weights.items()}
         )
         return self._returned, metrics
 

@@ -42,15 +42,14 @@ class FirstOrder:
         lowest = task.blocks.lowest_layer([task.block])
         for p in model.parameters():
             p.requires_grad_(False)
-        masters = [p.detach().float().clone().requires_grad_(True) for p in params]
         shared = all(p.dtype == torch.float32 for p in params)
-        if shared:
-            masters = params
-            for p in params:
-                p.requires_grad_(True)
-        else:
-            for p in params:
-                p.requires_grad_(True)
+        masters: list[torch.Tensor] = (
+            list(params)
+            if shared
+            else [p.detach().float().clone().requires_grad_(True) for p in params]
+        )
+        for p in params:
+            p.requires_grad_(True)
         optimizer = torch.optim.AdamW(masters, lr=task.lr, weight_decay=task.weight_decay)
         losses: list[float] = []
         examples = 0

@@ -373,6 +373,24 @@ def _save_checkpoint(
     _atomic_save(tensors, path, meta)
 
 
+def _fits(tensors: dict[str, torch.Tensor], meta: dict[str, str], chunks: list[_Chunk]) -> bool:
+    """Does a checkpoint hold every tensor these chunks need, with the right shapes?"""
+    try:
+        progress = _Progress(**json.loads(meta["progress"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+    if len(progress.chunk_sums) != len(chunks) or len(progress.chunk_counts) != len(chunks):
+        return False
+    for chunk in chunks:
+        c = f"c{chunk.index}"
+        wanted = {f"{c}.w.{j}": m.shape for j, m in enumerate(chunk.masters)}
+        wanted.update({f"{c}.map.{n}": p.shape for n, p in _translator_params(chunk)})
+        for key, shape in wanted.items():
+            if key not in tensors or tensors[key].shape != shape:
+                return False
+    return True
+
+
 def _restore_checkpoint(
     tensors: dict[str, torch.Tensor], meta: dict[str, str], chunks: list[_Chunk]
 ) -> _Progress:
@@ -495,13 +513,14 @@ class ZeroLock:
             found = _read(ckpt)
             if found is not None:
                 tensors, meta = found
-                if json.loads(meta.get("identity", "null")) == identity:
+                same = json.loads(meta.get("identity", "null")) == identity
+                if same and _fits(tensors, meta, chunks):
                     progress = _restore_checkpoint(tensors, meta, chunks)
                     resumed_from = progress.step
                     _skip(task.batches, progress.step)
                     log.info("zerolock: resuming %s at step %d", task.block, progress.step)
                 else:
-                    ckpt.unlink(missing_ok=True)  # a previous round's leftover
+                    ckpt.unlink(missing_ok=True)  # a previous round's leftover (or unusable)
 
         cache = PrefixCache(stack, prefix_end, int(opts.cache_mb * 2**20))
         for chunk in chunks:

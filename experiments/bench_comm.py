@@ -1,0 +1,177 @@
+"""Bytes per client-round and over a run: FedAvg vs FedCyBGD, uncompressed, paper's, ours.
+
+Every FedCyBGD variant is a real run of the ServerApp logic and the ClientApp (in one process,
+over the loopback Grid: the payloads are exactly those a Flower runtime would carry) on the same
+partition, seeds and number of rounds; bytes are the encoded payload sizes. FedAvg full-model
+fp32 is not run (one client-round moves the whole model down and up, 2 x 538 MB for SmolLM2;
+training the full model on this CPU would take hours): its bytes are counted exactly from the
+model's size, and its accuracy is not reported.
+
+    python experiments/bench_comm.py                 # SmolLM2, 30 rounds, 8 clients, 4 per round
+    python experiments/bench_comm.py --quick         # tiny random model, a smoke test
+
+Results: printed; JSON and a PNG plot under ``experiments/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fedcybgd-fp32": {"upload-codec": "fp32", "download-codec": "fp32"},
+    "paper-drop-0.5": {"upload-codec": "fp16", "download-codec": "fp16",
+                       "download-fraction": 0.5},
+    "ours-int8": {"upload-codec": "delta+int8+zstd", "download-codec": "delta+int8+zstd"},
+    "ours-topk-int8": {"upload-codec": "delta+topk+int8+zstd",
+                       "download-codec": "delta+int8+zstd"},
+    "ours-topk-int4": {"upload-codec": "delta+topk+int8+zstd",
+                       "download-codec": "delta+int4+zstd"},
+}
+
+
+def run_variant(name: str, base: dict[str, Any], out: Path, nodes: int) -> dict[str, Any]:
+    """One FedCyBGD run; returns its per-round records and summary."""
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.config import RunConfig
+    from fedcybgd.loopback import LoopbackGrid
+    from fedcybgd.server.app import run_server
+
+    config = dict(base, **VARIANTS[name], **{"output-dir": str(out / name)})
+    cache = out / name / "client-cache"
+    grid = LoopbackGrid(client_app, nodes, config,
+                        node_config=lambda i: {"cache-dir": str(cache)})
+    started = time.perf_counter()
+    summary = run_server(grid, RunConfig.from_run_config(config))
+    records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+    return {"name": name, "config": config, "summary": summary, "records": records,
+            "wall_s": time.perf_counter() - started}
+
+
+def main() -> None:
+    """Run the variants and compare their traffic."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 6 rounds")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument("--clients-per-round", type=int, default=4)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+
+    from fedcybgd.models import load_model
+
+    model_name = "tiny-llama" if args.quick else "smollm2-135m"
+    rounds = 6 if args.quick else args.rounds
+    base = {
+        "model": model_name, "partitioner": "dirichlet", "dirichlet-alpha": 0.5,
+        "num-server-rounds": rounds, "clients-per-round": args.clients_per_round,
+        "layers-per-block": 1, "block-schedule": "ascending", "update-rule": "fo",
+        "local-steps": 2, "batch-size": 8, "max-seq-len": 48, "lr": 2e-5,
+        "eval-every": max(rounds // 3, 1), "eval-examples": 64 if args.quick else 400,
+        "seed": 0,
+    }
+    work = Path(args.out) / ("comm-quick" if args.quick else "comm")
+    model_bytes = sum(p.numel() for p in load_model(model_name).parameters()) * 4
+
+    runs = []
+    for name in args.variants.split(","):
+        print(f"--- {name}", flush=True)
+        runs.append(run_variant(name, base, work, args.nodes))
+
+    client_rounds = rounds * args.clients_per_round
+    table = [{
+        "variant": "fedavg-full-fp32 (counted, not run)",
+        "bytes_per_client_round": 2 * model_bytes,
+        "total_bytes": 2 * model_bytes * client_rounds,
+        "final_accuracy": None,
+    }]
+    curves: dict[str, list[int]] = {
+        "fedavg-full-fp32": [2 * model_bytes * args.clients_per_round * r
+                             for r in range(1, rounds + 1)]
+    }
+    for run in runs:
+        trained = [r for r in run["records"] if r["round"] > 0]
+        total = sum(r["bytes_down"] + r["bytes_up"] for r in trained)
+        done = sum(len(r["blocks"]) for r in trained)  # client-rounds that trained a block
+        cumulative, acc = [], 0
+        for r in trained:
+            acc += r["bytes_down"] + r["bytes_up"]
+            cumulative.append(acc)
+        curves[run["name"]] = cumulative
+        table.append({
+            "variant": run["name"],
+            "bytes_per_client_round": total / max(done, 1),
+            "bytes_down": sum(r["bytes_down"] for r in trained),
+            "bytes_up": sum(r["bytes_up"] for r in trained),
+            "total_bytes": total,
+            "client_rounds": done,
+            "final_accuracy": run["summary"]["final_eval_accuracy"],
+            "initial_accuracy": run["summary"]["initial_eval_accuracy"],
+            "final_loss": run["summary"]["final_eval_loss"],
+            "wall_s": run["wall_s"],
+        })
+
+    fedavg = table[0]["bytes_per_client_round"]
+    by_name = {row["variant"]: row for row in table}
+    print(f"\n{'variant':<38}{'MB/client-round':>16}{'x less than FedAvg':>20}{'final acc':>11}")
+    for row in table:
+        ratio = fedavg / row["bytes_per_client_round"]
+        row["fedavg_over_this"] = ratio
+        accuracy = "-" if row["final_accuracy"] is None else f"{row['final_accuracy']:.3f}"
+        print(f"{row['variant']:<38}{row['bytes_per_client_round'] / 2**20:>16.2f}"
+              f"{ratio:>20.1f}{accuracy:>11}")
+    ratios = {}
+    for ours in ("ours-int8", "ours-topk-int8", "ours-topk-int4"):
+        if ours in by_name and "paper-drop-0.5" in by_name and "fedcybgd-fp32" in by_name:
+            ratios[ours] = {
+                "vs_fedavg": fedavg / by_name[ours]["bytes_per_client_round"],
+                "vs_paper": by_name["paper-drop-0.5"]["bytes_per_client_round"]
+                / by_name[ours]["bytes_per_client_round"],
+                "accuracy_drop_vs_uncompressed": by_name["fedcybgd-fp32"]["final_accuracy"]
+                - by_name[ours]["final_accuracy"],
+            }
+            print(f"{ours}: {ratios[ours]}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "bench_comm_quick" if args.quick else "bench_comm"
+    meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "base_config": base,
+            "fedavg": "counted from the model size: full model fp32 down + up per client-round"}
+    (out / f"{stem}.json").write_text(json.dumps(
+        {"meta": meta, "table": table, "ratios": ratios, "cumulative_bytes": curves,
+         "rounds": {r["name"]: r["records"] for r in runs}}, indent=1))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, curve in curves.items():
+        ax.plot(range(1, len(curve) + 1), [b / 2**20 for b in curve], label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel("cumulative MB moved (down + up)")
+    ax.set_title(f"{model_name}: {args.nodes} clients, {args.clients_per_round} per round")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=120)
+    print(f"saved {out / (stem + '.json')} and {out / (stem + '.png')}")
+
+
+if __name__ == "__main__":
+    main()
