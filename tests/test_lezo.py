@@ -372,6 +372,29 @@ def test_prefix_layers_run_once_per_step(batches):
     assert outcome.metrics["prefix_s"] > 0 and outcome.metrics["zo_forward_s"] > 0
 
 
+def test_prefix_extends_to_the_lowest_chosen_layer(batches):
+    # Prepare: block layer.0-3 of 4, one layer perturbed per step
+    task = make_task(batches, "layer.0-3", 4, steps=4, **{"lezo-density": 0.25})
+    rule = get_rule("lezo")
+    calls = [0] * 4
+    handles = [
+        layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        for i, layer in enumerate(task.stack.layers)
+    ]
+
+    # Execute
+    try:
+        rule.train(task)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    # Assert: a layer runs twice in a step iff it is at or above that step's chosen layer
+    lowest = [step.units[0] for step in rule.last_log.steps]
+    assert calls == [sum(1 + (i >= low) for low in lowest) for i in range(4)]
+    assert len(set(lowest)) > 1
+
+
 def test_options_are_validated(batches):
     # Prepare
     bad = make_task(batches, "layer.1", **{"lezo-density": 0.0})
@@ -383,3 +406,19 @@ def test_options_are_validated(batches):
         get_rule("lezo").train(bad)
     rule.train(mezo_task)  # MeZO ignores lezo-density
     assert len(rule.last_log.steps[0].units) == 9
+
+
+def test_z_is_the_same_with_or_without_a_reused_buffer():
+    # Prepare
+    numels = [5, seedlog.Z_CHUNK + 17, 300]
+    buffer = torch.empty(seedlog.Z_CHUNK)
+
+    # Execute
+    fresh = [z.clone() for _, _, z in seedlog.unit_z_chunks(11, numels)]
+    reused = [z.clone() for _, _, z in seedlog.unit_z_chunks(11, numels, out=buffer)]
+    whole = seedlog.unit_z(11, [(n,) for n in numels])
+
+    # Assert
+    assert [z.numel() for z in fresh] == [5, seedlog.Z_CHUNK, 17, 300]
+    assert all(torch.equal(a, b) for a, b in zip(fresh, reused, strict=True))
+    assert torch.equal(torch.cat(fresh), torch.cat(whole))

@@ -232,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "health":
         return 0 if healthy(args.superlink, args.root_certificates) else 1
-    home = args.flwr_home or Path(tempfile.mkdtemp(prefix="fedcybgd-flwr-"))
+    if args.flwr_home is not None:
+        return _run_command(args, args.flwr_home)
+    with tempfile.TemporaryDirectory(prefix="fedcybgd-flwr-") as home:
+        return _run_command(args, Path(home))
+
+
+def _run_command(args: argparse.Namespace, home: Path) -> int:
     control = Control(home, args.superlink, args.root_certificates)
     try:
         if args.command == "register":
@@ -254,7 +260,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"status: {status}", flush=True)
     return 0 if status == "finished:completed" else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -183,6 +183,7 @@ class FedCyBGD(Strategy):
         self.excluded: dict[int, str] = {}  # node -> why it takes no part
         self.history: list[RoundLog] = []
         self._assigned: dict[int, str] = {}  # node -> block, for the round in flight
+        self._sent: list[Message] = []  # this round's instructions (ids are set on push)
         self._returned: ArrayRecord | None = None
 
     # ----------------------------------------------------------------- global model access
@@ -265,6 +266,7 @@ class FedCyBGD(Strategy):
             )
         self._round.blocks = list(blocks)
         self._round.clients = list(nodes)
+        self._sent = messages
         return messages
 
     def pretrained_block(self, block: str) -> dict[str, torch.Tensor]:
@@ -396,8 +398,11 @@ class FedCyBGD(Strategy):
         """Average each block's uploads, install them, re-queue blocks that got none."""
         results: dict[str, list[tuple[float, dict[str, torch.Tensor]]]] = {}
         losses: list[tuple[float, float]] = []
+        # An error reply made by the SuperLink (e.g. the node died) comes from the SuperLink's
+        # own id, so replies are matched to instructions by message id first.
+        by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in self._sent}
         for reply in replies:
-            node = reply.metadata.src_node_id
+            node = by_id.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
             block = self._assigned.pop(node, None)
             if block is None:
                 log.warning("ignored a reply from node %d, which had no assignment", node)

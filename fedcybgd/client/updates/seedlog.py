@@ -142,17 +142,24 @@ def decays(shape: Sequence[int] | torch.Size) -> bool:
 
 
 # ----------------------------------------------------------------------------------- z
-def unit_z_chunks(seed: int, numels: Sequence[int]) -> Iterator[tuple[int, int, torch.Tensor]]:
+def unit_z_chunks(
+    seed: int, numels: Sequence[int], out: torch.Tensor | None = None
+) -> Iterator[tuple[int, int, torch.Tensor]]:
     """The z of one unit, chunk by chunk: ``(tensor position, offset, z chunk)``.
 
     ``numels`` are the element counts of the unit's tensors in layout order; chunks are fp32,
-    on the CPU, at most ``Z_CHUNK`` long, and cover every tensor in order.
+    on the CPU, at most ``Z_CHUNK`` long, and cover every tensor in order. With ``out`` (a CPU
+    fp32 tensor of at least ``min(Z_CHUNK, max(numels))`` elements) every chunk is a view of
+    it, overwritten by the next one: no allocation per chunk.
     """
     generator = torch.Generator().manual_seed(seed)
     for pos, numel in enumerate(numels):
         for offset in range(0, numel, Z_CHUNK):
             size = min(Z_CHUNK, numel - offset)
-            yield pos, offset, torch.randn(size, generator=generator, dtype=torch.float32)
+            if out is None:
+                yield pos, offset, torch.randn(size, generator=generator, dtype=torch.float32)
+            else:
+                yield pos, offset, torch.randn(size, generator=generator, out=out[:size])
 
 
 def unit_z(seed: int, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -165,16 +172,25 @@ def unit_z(seed: int, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
 
 
 def apply_update(
-    theta: torch.Tensor, z: torch.Tensor, g: float, lr: float, wd: float, decay: bool
+    theta: torch.Tensor,
+    z: torch.Tensor,
+    g: float,
+    lr: float,
+    wd: float,
+    decay: bool,
+    work: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """``theta -= lr * (g * z + wd * theta)`` in place on fp32 ``theta``, op by op.
 
     ``g``, ``lr`` and ``wd`` must be fp32 values (see :func:`to_f32`) so that client and
-    server round identically.
+    server round identically. ``work``: two fp32 scratch tensors shaped like ``theta`` (the
+    result does not depend on them).
     """
-    update = z * g
+    if work is None:
+        work = (torch.empty_like(theta), torch.empty_like(theta))
+    update = torch.mul(z, g, out=work[0])
     if decay and wd != 0.0:
-        update.add_(theta * wd)
+        update.add_(torch.mul(theta, wd, out=work[1]))
     update.mul_(lr)
     theta.sub_(update)
 
@@ -427,15 +443,24 @@ def replay(
         name: t.detach().to(dtype=torch.float32, copy=True).reshape(-1)
         for name, t in block_tensors.items()
     }
+    size = min(Z_CHUNK, max((t.numel() for t in masters.values()), default=1))
+    buffer = torch.empty(size, dtype=torch.float32)
+    work: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for step in log.steps:
         for unit in step.units:
             unit_names = layout[unit]
             numels = [masters[name].numel() for name in unit_names]
-            for pos, offset, z in unit_z_chunks(unit_seed(step.seed, unit), numels):
+            for pos, offset, z in unit_z_chunks(unit_seed(step.seed, unit), numels, out=buffer):
                 name = unit_names[pos]
-                theta = masters[name][offset:offset + z.numel()]
+                n = z.numel()
+                theta = masters[name][offset:offset + n]
+                if theta.device not in work:
+                    work[theta.device] = (torch.empty(size, device=theta.device),
+                                          torch.empty(size, device=theta.device))
+                scratch = work[theta.device]
                 decay = decays(block_tensors[name].shape)
-                apply_update(theta, z.to(theta.device), step.g, step.lr, log.weight_decay, decay)
+                apply_update(theta, z.to(theta.device), step.g, step.lr, log.weight_decay, decay,
+                             work=(scratch[0][:n], scratch[1][:n]))
     out = {
         name: masters[name].view(block_tensors[name].shape).to(block_tensors[name].dtype)
         for name in block_tensors

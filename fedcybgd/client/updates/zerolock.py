@@ -513,7 +513,7 @@ class ZeroLock:
             found = _read(ckpt)
             if found is not None:
                 tensors, meta = found
-                same = json.loads(meta.get("identity", "null")) == identity
+                same = meta.get("identity") == json.dumps(identity, sort_keys=True)
                 if same and _fits(tensors, meta, chunks):
                     progress = _restore_checkpoint(tensors, meta, chunks)
                     resumed_from = progress.step
