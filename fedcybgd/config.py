@@ -51,7 +51,8 @@ class RunConfig:
     resume: bool = False
     seed: int = 0
     round_timeout: float = 3600.0
-    upload_codec: str = "fp32"
+    upload_codec: str = "fp32"  # a codec spec, or "seedlog" (zeroth-order rules' step log)
+    seedlog_fallback: str = "delta+int8+zstd"  # weights codec when a log cannot be replayed
     download_codec: str = "fp32"  # for frozen blocks; the trained block always arrives exact
     download_fraction: float = 1.0  # the paper's random dropping of stale frozen blocks
     version_history: int = 2  # past exact block versions the server keeps for deltas
@@ -82,8 +83,11 @@ class RunConfig:
                 f"download-fraction must be in (0, 1], got {self.download_fraction}"
             )
         _at_least("version-history", self.version_history, 0)
-        for key, spec in (("upload-codec", self.upload_codec),
-                          ("download-codec", self.download_codec)):
+        specs = [("download-codec", self.download_codec),
+                 ("seedlog-fallback", self.seedlog_fallback)]
+        if self.upload_codec != "seedlog":
+            specs.append(("upload-codec", self.upload_codec))
+        for key, spec in specs:
             try:
                 parse_spec(spec)
             except CodecError as err:

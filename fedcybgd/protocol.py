@@ -30,11 +30,19 @@ BASE_HASH = "base-hash"  # hash of the pretrained weights the run starts from
 EXPECT = "expect-holdings"  # JSON: what the server assumes the client holds after download
 UPLOAD_CODEC = "upload-codec"
 TARGET_VERSION = "target-version"
+ZO_FINGERPRINT = "zo-fingerprint"  # the server's z/update arithmetic (seed-log replay check)
+ZO_TORCH = "zo-torch"  # the server's torch version (seed-log replay check)
+SEEDLOG_FALLBACK = "seedlog-fallback"  # codec for weights when a seed log cannot be replayed
 
 # Keys of the reply's ConfigRecord.
 STATUS = "status"
 HOLDINGS = "holdings"  # JSON: block -> [version, checksum]
 REASON = "reason"
+UPLOAD_KIND = "upload-kind"  # WEIGHTS or SEEDLOG
+
+# Upload kinds, and the upload codec that asks for a seed log.
+WEIGHTS = "weights"
+SEEDLOG = "seedlog"
 
 # Reply statuses.
 OK = "ok"

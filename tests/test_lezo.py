@@ -15,8 +15,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import fedcybgd.data as data
 from fedcybgd.blocks import BlockMap
-from fedcybgd.client.updates import TrainTask, get_rule, lezo, seedlog
+from fedcybgd.client.updates import TrainTask, get_rule, lezo
 from fedcybgd.client.updates.fo import block_loss
+from fedcybgd.compression import seedlog
 from fedcybgd.data.prompts import Batch
 from fedcybgd.layerwise import LayerStack
 from fedcybgd.models import load_model, load_tokenizer

@@ -31,6 +31,7 @@ from fedcybgd.compression import (
     payload_to_array,
     raw_fp32_bytes,
     read_header,
+    seedlog,
 )
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.memory import PeakMemory
@@ -173,19 +174,27 @@ def train(msg: Message, context: Context) -> Message:
         state_dir=store.root.with_name(store.root.name + "-rule-state"),
     )
     began = time.perf_counter()
+    rule = get_rule(rule_name)
     with PeakMemory() as mem:
-        outcome = get_rule(rule_name).train(task)
+        outcome = rule.train(task)
     train_s = time.perf_counter() - began
 
     trained = cm.blocks.get(cm.model, block)
-    payload = encode(
-        trained,
-        upload_codec,
-        block=block,
-        target_version=server_round,
-        base_version=start_holding.version,
-        base=start if _uses_base(upload_codec) else None,
-    )
+    kind, note = protocol.WEIGHTS, ""
+    if upload_codec == protocol.SEEDLOG:
+        payload, note = _seedlog_payload(rule, cfg)
+        kind = protocol.SEEDLOG if payload is not None else protocol.WEIGHTS
+        upload_codec = protocol.get_str(cfg, protocol.SEEDLOG_FALLBACK)
+    if kind == protocol.WEIGHTS:
+        payload = encode(
+            trained,
+            upload_codec,
+            block=block,
+            target_version=server_round,
+            base_version=start_holding.version,
+            base=start if _uses_base(upload_codec) else None,
+        )
+    assert payload is not None
     # The cache keeps the block as the server had it; the new version arrives like any other.
     cm.blocks.set(cm.model, block, start)
 
@@ -198,13 +207,31 @@ def train(msg: Message, context: Context) -> Message:
             "peak_mem_mb": mem.peak_mb,
             "train_s": train_s,
             "bytes_up": len(payload),
+            "seedlog_fallback": float(bool(note)),
             "bytes_up_raw": raw_fp32_bytes(trained),
             "bytes_down": bytes_down,
             **{k: float(v) for k, v in outcome.metrics.items()},
         }
     )
     upload = ArrayRecord({block: payload_to_array(payload)})
-    return _reply(
-        msg, protocol.OK, store, "", rule_name,
+    reply = _reply(
+        msg, protocol.OK, store, note, rule_name,
         **{protocol.UPLOAD: upload, protocol.METRICS: metrics},
     )
+    reply.content.config_records[protocol.STATE][protocol.UPLOAD_KIND] = kind
+    return reply
+
+
+def _seedlog_payload(rule: Any, cfg: ConfigRecord) -> tuple[bytes | None, str]:
+    """The rule's step log, or ``None`` and why the server could not replay it exactly."""
+    step_log = getattr(rule, "last_log", None)
+    if step_log is None:
+        return None, f"seedlog fallback: rule {rule.name!r} keeps no step log"
+    server_z = cfg.get(protocol.ZO_FINGERPRINT)
+    server_torch = cfg.get(protocol.ZO_TORCH)
+    if step_log.torch != server_torch or step_log.z != server_z:
+        return None, (
+            f"seedlog fallback: client torch {step_log.torch} / z {step_log.z}, "
+            f"server torch {server_torch} / z {server_z}"
+        )
+    return seedlog.encode_seedlog(step_log), ""

@@ -44,6 +44,7 @@ from fedcybgd.compression import (
     payload_to_array,
     raw_fp32_bytes,
     read_header,
+    seedlog,
 )
 from fedcybgd.protocol import Holding
 from fedcybgd.strategies.schedule import BlockSchedule
@@ -94,7 +95,8 @@ class FedCyBGD(Strategy):
         Rule the clients are asked to use (a node may override it for itself).
     upload_codec : str
         Codec spec (see :mod:`fedcybgd.compression`) of uploads: a ``delta`` is against the
-        block the client started from.
+        block the client started from. ``"seedlog"`` asks zeroth-order clients for their step
+        log, which the server replays; others send weights through ``seedlog_fallback``.
     download_codec : str
         Codec spec for blocks a node only needs frozen; a lossy spec leaves the node an
         approximate copy, marked as such by its checksum.
@@ -135,6 +137,7 @@ class FedCyBGD(Strategy):
         upload_codec: str = "fp32",
         download_codec: str = "fp32",
         exact_codec: str = "xor+zstd",
+        seedlog_fallback: str = "delta+int8+zstd",
         download_fraction: float = 1.0,
         version_history: int = 2,
         pretrained: Callable[[str], dict[str, torch.Tensor]] | None = None,
@@ -165,6 +168,7 @@ class FedCyBGD(Strategy):
         self.upload_codec = upload_codec
         self.download_codec = download_codec
         self.exact_codec = exact_codec
+        self.seedlog_fallback = seedlog_fallback
         self.download_fraction = download_fraction
         self.version_history = version_history
         self._read_pretrained = pretrained
@@ -259,6 +263,10 @@ class FedCyBGD(Strategy):
                     protocol.TARGET_VERSION: server_round,
                 }
             )
+            if self.upload_codec == protocol.SEEDLOG:
+                cfg.update({protocol.ZO_FINGERPRINT: seedlog.z_fingerprint(),
+                            protocol.ZO_TORCH: torch.__version__,
+                            protocol.SEEDLOG_FALLBACK: self.seedlog_fallback})
             content = RecordDict({protocol.CONFIG: cfg, protocol.DOWNLOAD: download})
             messages.append(
                 Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
@@ -377,20 +385,34 @@ class FedCyBGD(Strategy):
                 raise CodecError(f"expected an upload of block '{block}', got {list(upload)}")
             payload = payload_from_array(upload[block])
             self._round.bytes_up += len(payload)
-            decoded = decode(
-                payload,
-                base=self.block_tensors(block) if _uses_base(self.upload_codec) else None,
-                expect_block=block,
-                expect_shapes={k: tuple(v.shape) for k, v in self.block_tensors(block).items()},
-                max_bytes=self.max_payload_bytes,
-            )
+            if len(payload) > self.max_payload_bytes:
+                raise CodecError(f"upload of {len(payload)} bytes exceeds the limit")
+            # the start of the client's training: blocks are installed after all replies
+            start = self.block_tensors(block)
+            if state.get(protocol.UPLOAD_KIND) == protocol.SEEDLOG:
+                step_log = seedlog.decode_seedlog(payload)
+                if step_log.block != block:
+                    raise CodecError(f"seed log is for block '{step_log.block}', not '{block}'")
+                layout = seedlog.unit_layout(self.block_map, block)
+                tensors = seedlog.replay(start, step_log, layout)
+            else:
+                header = read_header(payload, max_bytes=self.max_payload_bytes)
+                tensors = decode(
+                    payload,
+                    base=start if _uses_base(header.spec) else None,
+                    expect_block=block,
+                    expect_shapes={k: tuple(v.shape) for k, v in start.items()},
+                    max_bytes=self.max_payload_bytes,
+                ).tensors
             weight = float(metrics[protocol.NUM_EXAMPLES])  # type: ignore[arg-type]
         except (CodecError, KeyError, TypeError, ValueError) as err:
             log.warning("dropped node %d's upload of block %s: %s", node, block, err)
             return None
-        self._round.bytes_up_raw += raw_fp32_bytes(decoded.tensors)
+        if state.get(protocol.REASON):
+            log.info("node %d: %s", node, state.get(protocol.REASON))
+        self._round.bytes_up_raw += raw_fp32_bytes(tensors)
         self._round.update_rules.append(str(state.get(protocol.RULE, "")))
-        return max(weight, 1e-12), decoded.tensors, metrics
+        return max(weight, 1e-12), tensors, metrics
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

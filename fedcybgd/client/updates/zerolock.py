@@ -102,6 +102,7 @@ class ZeroLockOptions:
     checkpoint_every: int = 0  # zerolock-checkpoint-every: steps; 0 = by time; < 0 = off
     checkpoint_seconds: float = 60.0  # zerolock-checkpoint-seconds: the time rule; 0 = off
     cache_mb: float = 256.0  # zerolock-cache-mb: prefix cache bound; 0 = no cache
+    fused_step: bool = True  # zerolock-fused-step: step each parameter inside the backward
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> ZeroLockOptions:
@@ -136,6 +137,12 @@ class ZeroLockOptions:
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(f"{key} must be true or false, got {value!r}")
     if kind is str:
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
@@ -220,7 +227,16 @@ class PrefixCache:
 
 @dataclass
 class _Chunk:
-    """A trainable piece of the block with its own local head, optimizer and loss record."""
+    """A trainable piece of the block with its own local head, optimizer(s) and loss record.
+
+    ``fused``: each parameter gets its own AdamW, stepped by a post-accumulate-grad hook as soon
+    as its gradient is complete during the backward pass, and its gradient is then dropped; the
+    block's gradients are never all alive at once (one layer's worth at most), which saves about
+    a third of the block's optimizer-side memory. AdamW is elementwise, so this is the same
+    update as one AdamW over all parameters. Used where the block's parameters receive their
+    gradient in one backward call (layer and embed blocks); the ``head`` block, whose gradient
+    arrives slice by slice, steps after the backward.
+    """
 
     index: int
     kind: str  # "embed" | "layers" | "top"
@@ -230,9 +246,46 @@ class _Chunk:
     masters: list[torch.Tensor]
     shared: bool  # masters are the params themselves (fp32 weights)
     head: LocalHead
-    optimizer: torch.optim.Optimizer
+    optimizers: list[torch.optim.Optimizer]  # one per parameter when fused, else one for all
+    head_optimizer: torch.optim.Optimizer | None
+    fused: bool
     loss_sum: float = 0.0
     loss_count: int = 0
+    _hooks: list[Any] = field(default_factory=list)
+
+    def named_optimizers(self) -> list[tuple[str, torch.optim.Optimizer]]:
+        """Every optimizer of the chunk, under a stable name (for checkpoints)."""
+        named = [(f"b{i}", opt) for i, opt in enumerate(self.optimizers)]
+        if self.head_optimizer is not None:
+            named.append(("h", self.head_optimizer))
+        return named
+
+    def attach(self) -> None:
+        """Fused mode: install the per-parameter step hooks (params must require grad)."""
+        if not self.fused:
+            return
+        for p, master, opt in zip(self.params, self.masters, self.optimizers, strict=True):
+            self._hooks.append(
+                p.register_post_accumulate_grad_hook(
+                    lambda p, master=master, opt=opt: self._step_one(p, master, opt)
+                )
+            )
+
+    def detach_hooks(self) -> None:
+        """Remove the hooks :meth:`attach` installed."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _step_one(self, p: torch.Tensor, master: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        if not self.shared:
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not self.shared:
+            with torch.no_grad():
+                p.copy_(master)
 
     def forward(self, stack: LayerStack, source: Hidden, batch: Batch) -> Hidden:
         """The chunk's output (with grad) for its input ``source`` (detached)."""
@@ -243,23 +296,33 @@ class _Chunk:
         return stack.run(source, *self.layers)
 
     def update(self, out: Hidden, batch: Batch) -> float | None:
-        """Local loss, backward inside the chunk, AdamW step; ``None`` if skipped."""
+        """Local loss, backward inside the chunk, AdamW step(s); ``None`` if skipped.
+
+        A non-finite loss is never propagated into the block (see ``LocalHead.backward``), so
+        a fused chunk takes no step either.
+        """
         loss = self.head.backward(out, batch)
         if not math.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
+            for _, opt in self.named_optimizers():
+                opt.zero_grad(set_to_none=True)
             for p in self.params:
                 p.grad = None
             return None
-        if not self.shared:
-            for master, p in zip(self.masters, self.params, strict=True):
-                master.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if not self.shared:
-            with torch.no_grad():
+        if not self.fused:
+            opt = self.optimizers[0]
+            if not self.shared:
                 for master, p in zip(self.masters, self.params, strict=True):
-                    p.copy_(master)
+                    master.grad = None if p.grad is None else p.grad.float()
+                    p.grad = None
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if not self.shared:
+                with torch.no_grad():
+                    for master, p in zip(self.masters, self.params, strict=True):
+                        p.copy_(master)
+        if self.head_optimizer is not None:
+            self.head_optimizer.step()
+            self.head_optimizer.zero_grad(set_to_none=True)
         self.loss_sum += loss
         self.loss_count += 1
         return loss
@@ -360,10 +423,11 @@ def _save_checkpoint(
             tensors[f"{c}.w.{j}"] = master
         for name, p in _translator_params(chunk):
             tensors[f"{c}.map.{name}"] = p
-        for idx, state in chunk.optimizer.state_dict()["state"].items():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"{c}.opt.{idx}.{key}"] = value
+        for oname, opt in chunk.named_optimizers():
+            for idx, state in opt.state_dict()["state"].items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"{c}.{oname}.{idx}.{key}"] = value
     progress.chunk_sums = [c.loss_sum for c in chunks]
     progress.chunk_counts = [c.loss_count for c in chunks]
     meta = {
@@ -404,15 +468,16 @@ def _restore_checkpoint(
                     p.copy_(master)
             for name, param in _translator_params(chunk):
                 param.copy_(tensors[f"{c}.map.{name}"])
-            state_dict = chunk.optimizer.state_dict()
-            state: dict[int, dict[str, torch.Tensor]] = {}
-            prefix = f"{c}.opt."
-            for key, value in tensors.items():
-                if key.startswith(prefix):
-                    idx, name = key[len(prefix) :].split(".", 1)
-                    state.setdefault(int(idx), {})[name] = value
-            state_dict["state"] = state
-            chunk.optimizer.load_state_dict(state_dict)
+            for oname, opt in chunk.named_optimizers():
+                state_dict = opt.state_dict()
+                state: dict[int, dict[str, torch.Tensor]] = {}
+                prefix = f"{c}.{oname}."
+                for key, value in tensors.items():
+                    if key.startswith(prefix):
+                        idx, name = key[len(prefix) :].split(".", 1)
+                        state.setdefault(int(idx), {})[name] = value
+                state_dict["state"] = state
+                opt.load_state_dict(state_dict)
             chunk.loss_sum = progress.chunk_sums[chunk.index]
             chunk.loss_count = progress.chunk_counts[chunk.index]
     return progress
@@ -504,6 +569,7 @@ class ZeroLock:
             "head_rank": opts.head_rank,
             "objective": opts.objective,
             "chunks": len(chunks),
+            "fused": [c.fused for c in chunks],
             "embed_layers": opts.embed_layers if kind == "embed" else 0,
         }
         ckpt = checkpoint_path(task.state_dir) if task.state_dir is not None else None
@@ -526,6 +592,7 @@ class ZeroLock:
         for chunk in chunks:
             for p in chunk.params:
                 p.requires_grad_(True)
+            chunk.attach()
         last_save = time.monotonic()
         try:
             while progress.step < task.steps:
@@ -549,6 +616,8 @@ class ZeroLock:
                         _save_checkpoint(ckpt, identity, progress, chunks)
                         last_save = time.monotonic()
         finally:
+            for chunk in chunks:
+                chunk.detach_hooks()
             for p in params:
                 p.requires_grad_(False)
                 p.grad = None
@@ -619,16 +688,21 @@ class ZeroLock:
             if shared
             else [p.detach().float().clone().requires_grad_(True) for p in params]
         )
-        groups: list[dict[str, Any]] = [
-            {"params": masters, "lr": task.lr, "weight_decay": task.weight_decay}
-        ]
+        fused = opts.fused_step and kind != "top"
+        lr, decay = task.lr, task.weight_decay
+        optimizers: list[torch.optim.Optimizer] = (
+            [torch.optim.AdamW([m], lr=lr, weight_decay=decay) for m in masters]
+            if fused
+            else [torch.optim.AdamW(masters, lr=lr, weight_decay=decay)]
+        )
         head_params = list(head.parameters())
-        if head_params:
-            groups.append(
-                {"params": head_params, "lr": opts.head_lr or task.lr, "weight_decay": 0.0}
-            )
-        optimizer = torch.optim.AdamW(groups, lr=task.lr, weight_decay=task.weight_decay)
-        return _Chunk(index, kind, layers, key, list(params), masters, shared, head, optimizer)
+        head_optimizer = (
+            torch.optim.AdamW(head_params, lr=opts.head_lr or task.lr, weight_decay=0.0)
+            if head_params
+            else None
+        )
+        return _Chunk(index, kind, layers, key, list(params), masters, shared, head, optimizers,
+                      head_optimizer, fused)
 
     @staticmethod
     def _load_maps(task: TrainTask, opts: ZeroLockOptions) -> dict[str, torch.Tensor]:
