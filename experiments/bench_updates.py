@@ -65,6 +65,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from fedcybgd.objective import label_loss
 
     torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     rule_name, options = VARIANTS[args.variant]
     model = load_model(args.model)
     for p in model.parameters():
@@ -80,6 +81,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     whole = args.where == "whole"
     blocks = BlockMap(model, stack.num_layers if whole else args.layers_per_block)
     block = pick_block(blocks.names, "bottom" if whole else args.where)
+    # Weights load memory-mapped: page every tensor in, as a client holding the model has, so
+    # a rule that never touches the upper layers is not credited with memory it would use.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0)
     loaded_mb = rss_bytes() / 2**20
 
     def step_fn(batch_index: int) -> None:
@@ -139,6 +145,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: steadier timings on a shared machine)")
     parser.add_argument("--out", default=str(RESULTS / "bench_updates.json"))
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
@@ -168,6 +176,7 @@ def main() -> None:
                 sys.executable, __file__, "--one", "--variant", variant, "--where", where,
                 "--model", args.model, "--layers-per-block", str(args.layers_per_block),
                 "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+                "--threads", str(args.threads),
                 "--state-dir", str(RESULTS / ".state" / f"{variant}-{where}"),
             ]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -185,6 +194,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "threads": args.threads,
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"saved {out}")

@@ -199,6 +199,10 @@ class BlockMap:
         params = dict(model.named_parameters())
         return {name: tuple(params[name].shape) for name in self.info(block).param_names}
 
+    def lowest_layer_of(self, block: str) -> int:
+        """First decoder layer of ``block`` (``embed``: -1, ``head``: the layer count)."""
+        return self.lowest_layer([block])
+
     def lowest_layer(self, blocks: Iterable[str]) -> int:
         """First decoder layer touched by any of ``blocks`` (``embed`` counts as -1)."""
         lowest = self.num_layers

@@ -39,6 +39,7 @@ STATUS = "status"
 HOLDINGS = "holdings"  # JSON: block -> [version, checksum]
 REASON = "reason"
 UPLOAD_KIND = "upload-kind"  # WEIGHTS or SEEDLOG
+MEMORY_BUDGET = "memory-budget-mb"  # what the node declared (0: none)
 
 # Upload kinds, and the upload codec that asks for a seed log.
 WEIGHTS = "weights"

@@ -255,3 +255,23 @@ def test_client_rejects_a_different_base_model(tiny_run_config, tmp_path):
 
 def _unused(_: Message, __: Context) -> None:  # keeps imports honest for type checkers
     return None
+
+
+def test_node_whose_budget_fits_nothing_is_told_and_left_out(tiny_run_config, tmp_path):
+    # Prepare: node 0 declares 1 MB, far below any rule's estimate; node 1 declares plenty
+    config = dict(tiny_run_config, **{"clients-per-round": 2})
+    budgets = {0: 1.0, 1: 50_000.0, 2: 0.0}
+    grid = LoopbackGrid(client_app, 3, config, node_config=lambda i: {
+        "cache-dir": str(tmp_path / "cache"), "memory-budget-mb": budgets[i]})
+    run = RunConfig.from_run_config(config)
+    _, strategy, _ = make_strategy(run)
+    # Execute
+    for server_round in (1, 2, 3, 4):
+        play_round(strategy, grid, server_round)
+    # Assert: the small node was told why and excluded; the run went on; budgets were learnt
+    small, large = 1001, 1002
+    assert "memory-budget-mb = 1 fits no update rule" in strategy.excluded[small]
+    told = next(i for i, h in enumerate(strategy.history) if small in h.clients)
+    assert all(small not in h.clients for h in strategy.history[told + 1:])
+    assert strategy.budgets[large] == 50_000.0
+    assert all(strategy.versions[b] > 0 for b in ("layer.0", "layer.1", "layer.2", "layer.3"))

@@ -395,3 +395,23 @@ def test_low_precision_weights_train_through_fp32_masters(base_model, batch_list
         assert changed == (".layers.1." in name), name
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert outcome.steps == 2 and outcome.loss == outcome.loss  # finite, not NaN
+
+
+def test_clientapp_runs_zerolock_with_a_tuned_head(tiny_run_config, tmp_path):
+    # Prepare: two rounds of one client; the tuned head must appear in the node's cache folder
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.config import RunConfig
+    from fedcybgd.loopback import LoopbackGrid
+    from fedcybgd.server.app import run_server
+
+    config = dict(tiny_run_config, **{"update-rule": "zerolock", "zerolock-head": "tuned",
+                                      "clients-per-round": 1, "eval-every": 0})
+    cache = tmp_path / "client-cache"
+    grid = LoopbackGrid(client_app, 1, config, node_config=lambda i: {"cache-dir": str(cache)})
+    # Execute
+    summary = run_server(grid, RunConfig.from_run_config(config))
+    # Assert
+    assert summary["rounds"] == 2
+    heads = sorted(p.name for p in cache.rglob("zerolock/heads/*.safetensors"))
+    assert heads == ["layer.0.safetensors", "layer.1.safetensors"]
+    assert not list(cache.rglob("zerolock/checkpoint.safetensors"))

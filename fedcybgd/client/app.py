@@ -35,6 +35,7 @@ from fedcybgd.compression import (
 )
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.memory import PeakMemory
+from fedcybgd.memory_model import ModelShape, estimate_peak_mb, fitting_rule
 from fedcybgd.models import cache_root, load_tokenizer
 from fedcybgd.protocol import Holding
 
@@ -64,6 +65,7 @@ def _reply(
     store: BlockStore | None,
     reason: str = "",
     rule: str = "",
+    budget: float = 0.0,
     **records: Any,
 ) -> Message:
     state = ConfigRecord(
@@ -71,6 +73,7 @@ def _reply(
             protocol.STATUS: status,
             protocol.REASON: reason,
             protocol.RULE: rule,
+            protocol.MEMORY_BUDGET: float(budget),
             protocol.HOLDINGS: protocol.dump_holdings(store.holdings if store else {}),
         }
     )
@@ -120,7 +123,7 @@ def train(msg: Message, context: Context) -> Message:
     """Handle one FedCyBGD assignment (see the module docstring)."""
     run = RunConfig.from_run_config(context.run_config)
     node = NodeConfig.from_node_config(context.node_config)
-    cfg = msg.content[protocol.CONFIG]
+    cfg = msg.content.config_records[protocol.CONFIG]
     block = protocol.get_str(cfg, protocol.BLOCK)
     server_round = protocol.get_int(cfg, protocol.ROUND)
     seed = protocol.get_int(cfg, protocol.SEED)
@@ -136,6 +139,20 @@ def train(msg: Message, context: Context) -> Message:
             msg, protocol.REJECTED, None,
             f"pretrained weights differ: server {server_base}, client {cm.base_hash}",
         )
+    if node.memory_budget_mb:
+        shape = ModelShape.of(cm.model, cm.blocks)
+        fit = fitting_rule(shape, cm.blocks, block, node.memory_budget_mb, run.batch_size,
+                           run.max_seq_len, rule_name)
+        if fit is None:
+            need = estimate_peak_mb(shape, cm.blocks, "lezo", block, run.batch_size,
+                                    run.max_seq_len)
+            return _reply(
+                msg, protocol.REJECTED, None,
+                f"memory-budget-mb = {node.memory_budget_mb:.0f} fits no update rule for "
+                f"block {block} (the smallest, lezo, needs about {need:.0f} MB)",
+                budget=node.memory_budget_mb,
+            )
+        rule_name = fit
     cache_dir = Path(node.cache_dir) if node.cache_dir else cache_root()
     store = store_for(cache_dir, lineage, context.node_id, cm.base_hash)
     cm.sync(store)
@@ -147,10 +164,12 @@ def train(msg: Message, context: Context) -> Message:
         log.warning("round %s: rejected a download (%s); asking for a resync", server_round, err)
         store.clear()
         cm.sync(store)
-        return _reply(msg, protocol.RESYNC, store, f"bad download: {err}")
+        return _reply(msg, protocol.RESYNC, store, f"bad download: {err}",
+                      budget=node.memory_budget_mb)
     expected = protocol.load_holdings(protocol.get_str(cfg, protocol.EXPECT))
     if store.holdings != expected:
-        return _reply(msg, protocol.RESYNC, store, "cache differs from the server's record")
+        return _reply(msg, protocol.RESYNC, store, "cache differs from the server's record",
+                      budget=node.memory_budget_mb)
 
     tokenizer = _tokenizer(run.model)
     examples = _examples(run, node.partition_id, node.num_partitions)
@@ -215,7 +234,7 @@ def train(msg: Message, context: Context) -> Message:
     )
     upload = ArrayRecord({block: payload_to_array(payload)})
     reply = _reply(
-        msg, protocol.OK, store, note, rule_name,
+        msg, protocol.OK, store, note, rule_name, node.memory_budget_mb,
         **{protocol.UPLOAD: upload, protocol.METRICS: metrics},
     )
     reply.content.config_records[protocol.STATE][protocol.UPLOAD_KIND] = kind
@@ -227,8 +246,8 @@ def _seedlog_payload(rule: Any, cfg: ConfigRecord) -> tuple[bytes | None, str]:
     step_log = getattr(rule, "last_log", None)
     if step_log is None:
         return None, f"seedlog fallback: rule {rule.name!r} keeps no step log"
-    server_z = cfg.get(protocol.ZO_FINGERPRINT)
-    server_torch = cfg.get(protocol.ZO_TORCH)
+    server_z = str(cfg.get(protocol.ZO_FINGERPRINT, ""))
+    server_torch = str(cfg.get(protocol.ZO_TORCH, ""))
     if step_log.torch != server_torch or step_log.z != server_z:
         return None, (
             f"seedlog fallback: client torch {step_log.torch} / z {step_log.z}, "

@@ -27,6 +27,7 @@ from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.layerwise import LayerStack
+from fedcybgd.memory_model import ModelShape, fitting_rule
 from fedcybgd.models import load_model, load_tokenizer, read_tensors, safetensors_index
 from fedcybgd.objective import EvalResult, evaluate
 from fedcybgd.server.checkpoint import Checkpointer
@@ -73,8 +74,14 @@ def pretrained_reader(
 
 
 def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
-                   lineage: str, base_hash: str) -> FedCyBGD:
-    """The FedCyBGD strategy for ``run``."""
+                   lineage: str, base_hash: str, shape: ModelShape | None = None) -> FedCyBGD:
+    """The FedCyBGD strategy for ``run`` (``shape`` enables memory-aware assignment)."""
+
+    def rule_for_budget(preferred: str, block: str, budget_mb: float) -> str | None:
+        assert shape is not None
+        return fitting_rule(shape, blocks, block, budget_mb, run.batch_size, run.max_seq_len,
+                            preferred)
+
     return FedCyBGD(
         block_map=blocks,
         weights=weights,
@@ -89,6 +96,7 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
         seedlog_fallback=run.seedlog_fallback,
         version_history=run.version_history,
         pretrained=pretrained_reader(run.model, blocks),
+        rule_for_budget=rule_for_budget if shape is not None else None,
         seed=run.seed,
         lineage=lineage,
         base_hash=base_hash,
@@ -148,7 +156,8 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
         log.info("resume requested but %s holds no checkpoint: starting fresh",
                  checkpointer.root)
 
-    strategy = build_strategy(run, blocks, weights, lineage, base_hash)
+    strategy = build_strategy(run, blocks, weights, lineage, base_hash,
+                              ModelShape.of(model, blocks))
     if resumed:
         strategy.load_state(saved["strategy"])
     strategy.summary()

@@ -108,6 +108,10 @@ class FedCyBGD(Strategy):
     version_history : int
         Past exact versions kept per block, so a node holding one of them gets a delta against
         it; otherwise deltas are against the pretrained block.
+    rule_for_budget : Callable[[str, str, float], str | None], optional
+        ``(preferred rule, block, budget MB) -> rule`` that fits the budget, or ``None``; see
+        :func:`fedcybgd.memory_model.fitting_rule`. Nodes report their budget in their replies;
+        from then on each gets only assignments whose estimated peak fits.
     pretrained : Callable[[str], dict[str, torch.Tensor]], optional
         Reads a block's pretrained tensors (e.g. from the model's safetensors files). Without
         it the strategy keeps a copy of each block before first overwriting it.
@@ -141,6 +145,7 @@ class FedCyBGD(Strategy):
         download_fraction: float = 1.0,
         version_history: int = 2,
         pretrained: Callable[[str], dict[str, torch.Tensor]] | None = None,
+        rule_for_budget: Callable[[str, str, float], str | None] | None = None,
         seed: int = 0,
         lineage: str = "default",
         base_hash: str = "",
@@ -172,6 +177,8 @@ class FedCyBGD(Strategy):
         self.download_fraction = download_fraction
         self.version_history = version_history
         self._read_pretrained = pretrained
+        self.rule_for_budget = rule_for_budget
+        self.budgets: dict[int, float] = {}  # node -> declared memory budget (MB)
         self._pristine: dict[str, dict[str, torch.Tensor]] = {}
         self._kept: dict[str, dict[Holding, dict[str, torch.Tensor]]] = {}
         self.seed = seed
@@ -245,8 +252,8 @@ class FedCyBGD(Strategy):
         self._round = RoundLog(server_round)
         payloads: dict[tuple[Any, ...], bytes] = {}
         messages = []
-        for index, node in enumerate(nodes):
-            block = blocks[index // self.clients_per_block]
+        pairs = self._match(nodes, blocks)
+        for node, block, rule in pairs:
             self._assigned[node] = block
             download, expect = self._plan_download(server_round, node, block, payloads)
             cfg = ConfigRecord(dict(config))
@@ -254,7 +261,7 @@ class FedCyBGD(Strategy):
                 {
                     protocol.ROUND: server_round,
                     protocol.BLOCK: block,
-                    protocol.RULE: self.update_rule,
+                    protocol.RULE: rule,
                     protocol.SEED: self._node_seed(server_round, node),
                     protocol.LINEAGE: self.lineage,
                     protocol.BASE_HASH: self.base_hash,
@@ -273,9 +280,35 @@ class FedCyBGD(Strategy):
                         group_id=str(server_round))
             )
         self._round.blocks = list(blocks)
-        self._round.clients = list(nodes)
+        self._round.clients = [node for node, _, _ in pairs]
+        for block in blocks:
+            if block not in self._assigned.values():
+                log.info("round %d: no sampled node can fit block %s; re-queued",
+                         server_round, block)
         self._sent = messages
         return messages
+
+    def _match(self, nodes: list[int], blocks: list[str]) -> list[tuple[int, str, str]]:
+        """Pair nodes with blocks (``clients_per_block`` each) and pick each node's rule.
+
+        Without budgets every node gets the run's rule. With budgets, the roomiest nodes take
+        the blocks the preferred rule finds most expensive (the lowest layers, for ``fo``), and
+        each node gets the first rule that fits; a node that fits nothing sits the round out.
+        """
+        if self.rule_for_budget is None or not any(n in self.budgets for n in nodes):
+            return [(node, blocks[i // self.clients_per_block], self.update_rule)
+                    for i, node in enumerate(nodes)]
+        roomy = sorted(nodes, key=lambda n: -self.budgets.get(n, math.inf))
+        ordered = sorted(blocks, key=self.block_map.lowest_layer_of)
+        pairs = []
+        for i, node in enumerate(roomy):
+            block = ordered[i // self.clients_per_block]
+            budget = self.budgets.get(node, 0.0)
+            rule = self.rule_for_budget(self.update_rule, block, budget) if budget else (
+                self.update_rule)
+            if rule is not None:
+                pairs.append((node, block, rule))
+        return pairs
 
     def pretrained_block(self, block: str) -> dict[str, torch.Tensor]:
         """Version 0 of ``block``: what every node has without downloading anything."""
@@ -369,6 +402,9 @@ class FedCyBGD(Strategy):
         except (ValueError, KeyError) as err:
             log.warning("node %d sent unreadable holdings (%s); will resync it", node, err)
             self.holdings.pop(node, None)
+        budget = state.get(protocol.MEMORY_BUDGET)
+        if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
+            self.budgets[node] = float(budget)
         status = str(state.get(protocol.STATUS, ""))
         if status == protocol.REJECTED:
             self.excluded[node] = str(state.get(protocol.REASON, ""))

@@ -1,0 +1,67 @@
+"""Memory-aware assignment on the real SmolLM2: budgets of 1, 3 and 8 GB, and the estimate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedcybgd.blocks import BlockMap
+from fedcybgd.memory_model import ModelShape, estimate_peak_mb, fitting_rule
+from fedcybgd.models import load_model
+
+pytestmark = pytest.mark.slow
+BENCH = Path(__file__).resolve().parent.parent / "experiments" / "bench_updates.py"
+BATCH, SEQ = 16, 32
+
+
+@pytest.fixture(scope="module")
+def smollm2_shape():
+    model = load_model("smollm2-135m")
+    blocks = BlockMap(model, layers_per_block=1)
+    return ModelShape.of(model, blocks), blocks
+
+
+def test_budgets_get_assignments_that_fit(smollm2_shape):
+    shape, blocks = smollm2_shape
+    layers = [b for b in blocks.names if b.startswith("layer.")]
+    for budget in (1024, 1300, 3072, 8192):
+        for block in layers:
+            rule = fitting_rule(shape, blocks, block, budget, BATCH, SEQ, "fo")
+            if rule is not None:
+                assert estimate_peak_mb(shape, blocks, rule, block, BATCH, SEQ) <= budget
+            if budget == 1024:  # less than the weights plus the runtime: nothing fits
+                assert rule is None
+            if budget >= 3072:  # room for backprop everywhere at this batch size
+                assert rule == "fo"
+    # 1.3 GB: backprop fits at the top, not through all 30 layers above the bottom block
+    assert fitting_rule(shape, blocks, layers[-1], 1300, BATCH, SEQ, "fo") == "fo"
+    assert fitting_rule(shape, blocks, layers[0], 1300, BATCH, SEQ, "fo") in ("zerolock", "lezo")
+
+
+@pytest.mark.parametrize(("variant", "where", "rule"), [
+    ("fo", "bottom", "fo"),
+    ("fo", "top", "fo"),
+    ("zerolock", "middle", "zerolock"),
+    ("lezo-0.25", "whole", "lezo"),
+])
+def test_estimate_is_within_25_percent_of_measured_peak(smollm2_shape, variant, where, rule):
+    # Prepare
+    shape, blocks = smollm2_shape
+    whole = BlockMap(load_model("smollm2-135m"), 30) if where == "whole" else blocks
+    layers = [b for b in whole.names if b.startswith("layer.")]
+    block = {"bottom": layers[0], "middle": layers[len(layers) // 2], "top": layers[-1],
+             "whole": layers[0]}[where]
+    # Execute: a fresh process, as a client would be
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--one", "--variant", variant, "--where", where,
+         "--batch", str(BATCH), "--seq", str(SEQ), "--steps", "2"],
+        capture_output=True, text=True, check=True,
+    )
+    measured = json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+    estimate = estimate_peak_mb(shape, whole, rule, block, BATCH, SEQ)
+    # Assert
+    assert abs(estimate - measured) <= 0.25 * measured, (estimate, measured)
