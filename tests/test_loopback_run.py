@@ -98,7 +98,9 @@ def test_failed_client_block_is_retried_next_round(tiny_run_config, tmp_path):
     grid.silent = set()
     play_round(strategy, grid, 2)
     play_round(strategy, grid, 3)
-    # Assert
+    # Assert: retried with the same seed (so a client could resume its in-round checkpoint)
+    seeds = [m.content["config"]["seed"] for m in grid.sent]
+    assert seeds[0] == seeds[1] != seeds[2]
     assert strategy.history[0].failed_blocks == ["layer.0"]
     assert strategy.versions["layer.0"] == 2
     assert [h.blocks for h in strategy.history] == [["layer.0"], ["layer.0"], ["layer.1"]]

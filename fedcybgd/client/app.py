@@ -194,11 +194,16 @@ def train(msg: Message, context: Context) -> Message:
     )
     began = time.perf_counter()
     rule = get_rule(rule_name)
-    with PeakMemory() as mem:
-        outcome = rule.train(task)
+    try:
+        with PeakMemory() as mem:
+            outcome = rule.train(task)
+        trained = cm.blocks.get(cm.model, block)
+    finally:
+        # The cache keeps the block as the server had it (also when training failed); the new
+        # version arrives like any other.
+        cm.blocks.set(cm.model, block, start)
     train_s = time.perf_counter() - began
 
-    trained = cm.blocks.get(cm.model, block)
     kind, note = protocol.WEIGHTS, ""
     if upload_codec == protocol.SEEDLOG:
         payload, note = _seedlog_payload(rule, cfg)
@@ -214,8 +219,6 @@ def train(msg: Message, context: Context) -> Message:
             base=start if _uses_base(upload_codec) else None,
         )
     assert payload is not None
-    # The cache keeps the block as the server had it; the new version arrives like any other.
-    cm.blocks.set(cm.model, block, start)
 
     metrics = MetricRecord(
         {

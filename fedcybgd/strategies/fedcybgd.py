@@ -195,6 +195,9 @@ class FedCyBGD(Strategy):
         self.history: list[RoundLog] = []
         self._assigned: dict[int, str] = {}  # node -> block, for the round in flight
         self._sent: list[Message] = []  # this round's instructions (ids are set on push)
+        # A re-queued block keeps its seed, so a client can resume its in-round checkpoint.
+        self._retry_seeds: dict[str, int] = {}
+        self._seeds: dict[int, int] = {}  # node -> seed, for the round in flight
         self._returned: ArrayRecord | None = None
 
     # ----------------------------------------------------------------- global model access
@@ -253,8 +256,12 @@ class FedCyBGD(Strategy):
         payloads: dict[tuple[Any, ...], bytes] = {}
         messages = []
         pairs = self._match(nodes, blocks)
+        self._seeds = {}
         for node, block, rule in pairs:
             self._assigned[node] = block
+            retry = self._retry_seeds.pop(block, None) if self.clients_per_block == 1 else None
+            self._seeds[node] = retry if retry is not None else self._node_seed(
+                server_round, node)
             download, expect = self._plan_download(server_round, node, block, payloads)
             cfg = ConfigRecord(dict(config))
             cfg.update(
@@ -262,7 +269,7 @@ class FedCyBGD(Strategy):
                     protocol.ROUND: server_round,
                     protocol.BLOCK: block,
                     protocol.RULE: rule,
-                    protocol.SEED: self._node_seed(server_round, node),
+                    protocol.SEED: self._seeds[node],
                     protocol.LINEAGE: self.lineage,
                     protocol.BASE_HASH: self.base_hash,
                     protocol.EXPECT: protocol.dump_holdings(expect),
@@ -482,9 +489,12 @@ class FedCyBGD(Strategy):
             log.warning("node %d sent no reply for block %s (timeout or lost)", node, block)
         self._assigned = {}
 
+        block_seed = {block: self._seeds[node] for node, block in self._sent_blocks()}
         for block in self._round.blocks:
             if block not in results:
                 self.schedule.requeue(block)
+                if block in block_seed:
+                    self._retry_seeds[block] = block_seed[block]
                 self._round.failed_blocks.append(block)
                 continue
             self._install(block, results[block], server_round)
@@ -512,6 +522,14 @@ class FedCyBGD(Strategy):
             {k: v.detach().clone() for k, v in self.weights.items()}
         )
         return self._returned, metrics
+
+    def _sent_blocks(self) -> list[tuple[int, str]]:
+        """(node, block) of this round's instructions."""
+        return [
+            (m.metadata.dst_node_id, protocol.get_str(m.content.config_records[protocol.CONFIG],
+                                                      protocol.BLOCK))
+            for m in self._sent
+        ]
 
     def _install(
         self, block: str, uploads: list[tuple[float, dict[str, torch.Tensor]]], version: int
@@ -573,6 +591,8 @@ class FedCyBGD(Strategy):
                 str(node): protocol.dump_holdings(h) for node, h in self.holdings.items()
             },
             "excluded": {str(node): why for node, why in self.excluded.items()},
+            "budgets": {str(node): mb for node, mb in self.budgets.items()},
+            "retry_seeds": dict(self._retry_seeds),
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -584,3 +604,5 @@ class FedCyBGD(Strategy):
             int(node): protocol.load_holdings(text) for node, text in state["holdings"].items()
         }
         self.excluded = {int(node): str(why) for node, why in state["excluded"].items()}
+        self.budgets = {int(node): float(mb) for node, mb in state.get("budgets", {}).items()}
+        self._retry_seeds = {str(b): int(s) for b, s in state.get("retry_seeds", {}).items()}

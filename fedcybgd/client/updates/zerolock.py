@@ -52,7 +52,8 @@ block + objective-changing options) is written atomically to ``zerolock/checkpoi
 when ``zerolock-checkpoint-every`` steps have passed (``> 0``) or, with the default ``0``, when
 ``zerolock-checkpoint-seconds`` (default 60) have passed since the round's start or the last
 checkpoint: the work lost in a crash is bounded by time and the write cost stays a small
-fraction of the round; a short round writes nothing. A client that starts a round with a
+fraction of the round; a short round writes nothing. (SmolLM2, 8-layer block: ~340 MB, ~0.4 s
+per write, about half a local step.) A client that starts a round with a
 checkpoint of the same identity restores it, skips the batches already consumed and continues
 from that step; the checkpoint is deleted when the round completes.
 """
@@ -373,7 +374,7 @@ def _atomic_save(tensors: Mapping[str, torch.Tensor], path: Path, meta: dict[str
     os.close(fd)
     try:
         save_file(
-            {k: v.detach().contiguous().clone() for k, v in tensors.items()}, tmp, metadata=meta
+            {k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=meta
         )
         os.replace(tmp, path)
     finally:
