@@ -66,7 +66,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--clients-per-round", type=int, default=4)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants",
+                        default="fedcybgd-fp32,paper-drop-0.5,ours-int8,ours-topk-int8")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
 
@@ -78,8 +79,8 @@ def main() -> None:
         "model": model_name, "partitioner": "dirichlet", "dirichlet-alpha": 0.5,
         "num-server-rounds": rounds, "clients-per-round": args.clients_per_round,
         "layers-per-block": 1, "block-schedule": "ascending", "update-rule": "fo",
-        "local-steps": 2, "batch-size": 8, "max-seq-len": 48, "lr": 2e-5,
-        "eval-every": max(rounds // 3, 1), "eval-examples": 64 if args.quick else 400,
+        "local-steps": 1, "batch-size": 8, "max-seq-len": 48, "lr": 2e-6,
+        "eval-every": max(rounds // 3, 1), "eval-examples": 64 if args.quick else 200,
         "seed": 0,
     }
     work = Path(args.out) / ("comm-quick" if args.quick else "comm")
