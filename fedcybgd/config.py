@@ -25,13 +25,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a run needs, validated. Field docs are the run-config keys' meaning."""
+    """Everything a run needs, validated. Defaults equal ``[tool.flwr.app.config]`` (a test
+    checks), so a strategy built in code behaves like ``flwr run`` with no overrides."""
 
     model: str = "smollm2-135m"  # alias, tiny-<family>, local path or hub id
     dataset: str = "rotten-tomatoes"
     partitioner: str = "dirichlet"  # iid | dirichlet | movie
     dirichlet_alpha: float = 0.5
-    num_server_rounds: int = 8
+    num_server_rounds: int = 6
     clients_per_round: int = 4
     clients_per_block: int = 1  # >1: that many clients train the same block, averaged
     block_schedule: str = "ascending"
@@ -42,18 +43,18 @@ class RunConfig:
     local_steps: int = 6
     batch_size: int = 8
     max_seq_len: int = 64
-    lr: float = 1e-5
+    lr: float = 2e-6
     weight_decay: float = 0.0
-    eval_every: int = 4  # 0 = only before and after training
+    eval_every: int = 3  # 0 = only before and after training
     eval_examples: int = 200
     eval_batch_size: int = 32
     output_dir: str = "outputs/demo"
     resume: bool = False
     seed: int = 0
     round_timeout: float = 3600.0
-    upload_codec: str = "fp32"  # a codec spec, or "seedlog" (zeroth-order rules' step log)
+    upload_codec: str = "delta+int8+zstd"  # a codec spec, or "seedlog" (ZO rules' step log)
     seedlog_fallback: str = "delta+int8+zstd"  # weights codec when a log cannot be replayed
-    download_codec: str = "fp32"  # for frozen blocks; the trained block always arrives exact
+    download_codec: str = "delta+int8+zstd"  # frozen blocks; the trained one arrives exact
     download_fraction: float = 1.0  # the paper's random dropping of stale frozen blocks
     version_history: int = 2  # past exact block versions the server keeps for deltas
     max_payload_mb: float = 2048.0

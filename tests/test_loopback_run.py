@@ -122,9 +122,10 @@ def test_crashing_client_block_is_requeued(tiny_run_config, tmp_path):
 
 
 def test_bytes_up_is_one_block_payload(tiny_run_config, tmp_path):
-    # Prepare
-    run = RunConfig.from_run_config(tiny_run_config)
-    grid = make_grid(tiny_run_config, tmp_path)
+    # Prepare: plain fp32 uploads, so the expected size is that of the block's tensors
+    config = dict(tiny_run_config, **{"upload-codec": "fp32"})
+    run = RunConfig.from_run_config(config)
+    grid = make_grid(config, tmp_path)
     model, strategy, blocks = make_strategy(run)
     # Execute
     play_round(strategy, grid, 1)
@@ -277,3 +278,11 @@ def test_node_whose_budget_fits_nothing_is_told_and_left_out(tiny_run_config, tm
     assert all(small not in h.clients for h in strategy.history[told + 1:])
     assert strategy.budgets[large] == 50_000.0
     assert all(strategy.versions[b] > 0 for b in ("layer.0", "layer.1", "layer.2", "layer.3"))
+
+
+def test_run_config_defaults_match_pyproject():
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    defaults = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
+    assert RunConfig.from_run_config(defaults) == RunConfig()

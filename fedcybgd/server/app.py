@@ -140,6 +140,7 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
     first_round = 1
     resumed = run.resume and checkpointer.exists()
     saved: dict[str, Any] = {}
+    saved_blocks: dict[str, dict[str, torch.Tensor]] = {}
     if resumed:
         saved, saved_blocks = checkpointer.load()
         if saved.get("base_hash") != base_hash:
@@ -148,8 +149,6 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
                 "weights (base hash differs); use another output-dir or resume = false"
             )
         lineage = str(saved["lineage"])
-        for name, tensors in saved_blocks.items():
-            blocks.set(model, name, tensors)
         first_round = int(saved["round"]) + 1
         log.info("resuming from %s after round %d", checkpointer.root, first_round - 1)
     elif run.resume:
@@ -159,6 +158,8 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
     strategy = build_strategy(run, blocks, weights, lineage, base_hash,
                               ModelShape.of(model, blocks))
     if resumed:
+        for name, tensors in saved_blocks.items():
+            strategy.install_checkpoint(name, tensors)
         strategy.load_state(saved["strategy"])
     strategy.summary()
     writer = MetricsWriter(out, resume=resumed)

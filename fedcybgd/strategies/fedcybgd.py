@@ -205,6 +205,22 @@ class FedCyBGD(Strategy):
         """The global tensors of ``block`` (views, not copies)."""
         return {name: self.weights[name] for name in self.block_map.info(block).param_names}
 
+    def install_checkpoint(self, block: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Put a checkpointed block into the global weights (before :meth:`load_state`).
+
+        Its pretrained tensors are kept first when no reader can bring them back, since
+        deltas to nodes are taken against them.
+        """
+        if self._read_pretrained is None and block not in self._pristine:
+            self._pristine[block] = {k: v.detach().clone()
+                                     for k, v in self.block_tensors(block).items()}
+        target = self.block_tensors(block)
+        if set(tensors) != set(target):
+            raise ValueError(f"checkpoint of block '{block}' has tensors {sorted(tensors)}")
+        with torch.no_grad():
+            for name, tensor in target.items():
+                tensor.copy_(tensors[name])
+
     def _load_arrays(self, arrays: ArrayRecord) -> None:
         state = arrays.to_torch_state_dict()
         missing = set(self.weights) - set(state)
