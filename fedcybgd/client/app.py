@@ -32,6 +32,7 @@ from fedcybgd.compression import (
     raw_fp32_bytes,
     read_header,
     seedlog,
+    uses_base,
 )
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.memory import PeakMemory
@@ -53,10 +54,6 @@ def _examples(run: RunConfig, partition_id: int, num_partitions: int) -> pd.Data
     return data.client_examples(
         run.dataset, run.partitioner, partition_id, num_partitions, run.dirichlet_alpha, run.seed
     )
-
-
-def _uses_base(spec: str) -> bool:
-    return any(stage in ("delta", "xor") for stage in spec.split("+"))
 
 
 def _reply(
@@ -93,7 +90,7 @@ def apply_downloads(
         received += len(payload)
         header = read_header(payload, max_bytes=max_bytes)
         base = None
-        if _uses_base(header.spec):
+        if uses_base(header.spec):
             # Deltas are against the pretrained block (v0, always at hand) or the exact version
             # this node holds; decode verifies the base's checksum against the header.
             held = store.holdings.get(block, Holding(0, "")).version
@@ -216,7 +213,7 @@ def train(msg: Message, context: Context) -> Message:
             block=block,
             target_version=server_round,
             base_version=start_holding.version,
-            base=start if _uses_base(upload_codec) else None,
+            base=start if uses_base(upload_codec) else None,
         )
     assert payload is not None
 

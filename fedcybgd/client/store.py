@@ -10,35 +10,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from fedcybgd.atomic import save_tensors, write_bytes
 from fedcybgd.checksum import content_checksum
 from fedcybgd.protocol import Holding
 
 log = logging.getLogger(__name__)
 _MANIFEST = "manifest.json"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class BlockStore:
@@ -81,7 +67,7 @@ class BlockStore:
             for name, h in self.holdings.items()
         }
         body = json.dumps({"base_hash": self.base_hash, "blocks": blocks}, indent=1)
-        _atomic_write(self.root / _MANIFEST, body.encode())
+        write_bytes(self.root / _MANIFEST, body.encode())
 
     def clear(self) -> None:
         """Forget everything: the client then holds the pretrained model only."""
@@ -114,14 +100,7 @@ class BlockStore:
             return Holding(0, "")
         holding = Holding(version, content_checksum(tensors))
         name = f"{_SAFE.sub('_', block)}@v{version}-{holding.checksum[:12]}.safetensors"
-        fd, tmp = tempfile.mkstemp(prefix=".blk.", dir=self.root)
-        os.close(fd)
-        try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-            os.replace(tmp, self.root / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        save_tensors(self.root / name, tensors)
         self.holdings[block] = holding
         self._files[block] = name
         self._write_manifest()

@@ -25,7 +25,7 @@ from fedcybgd.compression.header import (
     read_header,
 )
 from fedcybgd.compression.records import PAYLOAD_STYPE, payload_from_array, payload_to_array
-from fedcybgd.compression.spec import CodecSpec, parse_spec
+from fedcybgd.compression.spec import CodecSpec, parse_spec, uses_base
 from fedcybgd.compression.tensors import raw_fp32_bytes
 from fedcybgd.compression.wire import DecodedPayload, decode, encode
 
@@ -45,4 +45,5 @@ __all__ = [
     "payload_to_array",
     "raw_fp32_bytes",
     "read_header",
+    "uses_base",
 ]

@@ -129,3 +129,8 @@ def parse_spec(spec: str) -> CodecSpec:
             f"spec {spec!r}: 'xor' is an exact delta and cannot be combined with lossy stages"
         )
     return parsed
+
+
+def uses_base(spec: str) -> bool:
+    """Does ``spec`` encode against a base (``delta`` or ``xor``)?"""
+    return parse_spec(spec).needs_base

@@ -9,29 +9,16 @@ previous checkpoint intact; files no state refers to are removed afterwards.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from fedcybgd.atomic import save_tensors, write_bytes
 
 _STATE = "state.json"
-
-
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Checkpointer:
@@ -65,11 +52,9 @@ class Checkpointer:
             file = f"{name}@v{version}.safetensors"
             files[name] = file
             if not (self.root / file).exists():
-                tmp = self.root / f".{file}.tmp"
-                save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp))
-                os.replace(tmp, self.root / file)
+                save_tensors(self.root / file, tensors)
         body = {"round": server_round, "block_files": files, **state}
-        _atomic_bytes(self.root / _STATE, json.dumps(body, indent=1).encode())
+        write_bytes(self.root / _STATE, json.dumps(body, indent=1).encode())
         keep = set(files.values()) | {_STATE}
         for path in self.root.iterdir():
             if path.name not in keep and not path.name.startswith(".state.json"):

@@ -45,15 +45,12 @@ from fedcybgd.compression import (
     raw_fp32_bytes,
     read_header,
     seedlog,
+    uses_base,
 )
 from fedcybgd.protocol import Holding
 from fedcybgd.strategies.schedule import BlockSchedule
 
 log = logging.getLogger(__name__)
-
-
-def _uses_base(spec: str) -> bool:
-    return any(stage in ("delta", "xor") for stage in spec.split("+"))
 
 
 @dataclass
@@ -399,7 +396,7 @@ class FedCyBGD(Strategy):
                     block=block,
                     target_version=self.versions[block],
                     base_version=base_version,
-                    base=base if _uses_base(spec) else None,
+                    base=base if uses_base(spec) else None,
                 )
             payload = payloads[key]
             download[block] = payload_to_array(payload)
@@ -458,7 +455,7 @@ class FedCyBGD(Strategy):
                 header = read_header(payload, max_bytes=self.max_payload_bytes)
                 tensors = decode(
                     payload,
-                    base=start if _uses_base(header.spec) else None,
+                    base=start if uses_base(header.spec) else None,
                     expect_block=block,
                     expect_shapes={k: tuple(v.shape) for k, v in start.items()},
                     max_bytes=self.max_payload_bytes,

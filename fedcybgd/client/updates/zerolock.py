@@ -60,12 +60,9 @@ from that step; the checkpoint is deleted when the round completes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import os
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -74,9 +71,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
+from fedcybgd.atomic import save_tensors
 from fedcybgd.blocks import EMBED, HEAD
 from fedcybgd.client.updates.base import TrainOutcome, TrainTask, register
 from fedcybgd.client.updates.local_heads import OBJECTIVES, LocalHead, Translator
@@ -368,18 +366,8 @@ def _layer_index(name: str, layers_name: str) -> int:
 
 
 def _atomic_save(tensors: Mapping[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
-    """Write a safetensors file via a temp file in the same folder + ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(
-            {k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=meta
-        )
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    """Write a safetensors file atomically (see :mod:`fedcybgd.atomic`)."""
+    save_tensors(path, tensors, meta)
 
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
