@@ -49,7 +49,7 @@ def run_variant(name: str, base: dict[str, Any], out: Path, nodes: int) -> dict[
 
     config = dict(base, **VARIANTS[name], **{"output-dir": str(out / name)})
     cache = out / name / "client-cache"
-    grid = LoopbackGrid(client_app, nodes, config,
+    grid = LoopbackGrid(client_app, nodes, config, keep_sent=0,
                         node_config=lambda i: {"cache-dir": str(cache)})
     started = time.perf_counter()
     summary = run_server(grid, RunConfig.from_run_config(config))

@@ -8,6 +8,7 @@ simulate a timeout.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 from uuid import uuid4
@@ -33,6 +34,9 @@ class LoopbackGrid(Grid):
         The run config every node's Context sees.
     node_config : Callable[[int], dict], optional
         Extra node config for node ``i`` (e.g. a per-node update rule or cache folder).
+    keep_sent : int, optional
+        Keep only the last ``keep_sent`` instructions in :attr:`sent` (default: all, for
+        tests that inspect them; long runs should bound it, downloads are large).
     """
 
     def __init__(
@@ -42,6 +46,7 @@ class LoopbackGrid(Grid):
         run_config: dict[str, Any],
         node_config: Callable[[int], dict[str, Any]] | None = None,
         first_node_id: int = 1001,
+        keep_sent: int | None = None,
     ) -> None:
         self.client_app = client_app
         self.contexts: dict[int, Context] = {}
@@ -57,7 +62,7 @@ class LoopbackGrid(Grid):
                 run_config=dict(run_config),
             )
         self.silent: set[int] = set()  # nodes whose replies are lost (timeouts)
-        self.sent: list[Message] = []
+        self.sent: deque[Message] = deque(maxlen=keep_sent)
         self._replies: dict[str, Message] = {}
         self._run = Run.create_empty(run_id=1)
         # Instruction messages read the sender's identity, which a Flower runtime would set:
