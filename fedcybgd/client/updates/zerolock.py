@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -375,12 +376,10 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
     if not path.is_file():
         return None
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
         return load_file(str(path)), meta
-    except Exception as err:  # a corrupt file must not stop the client: start afresh
+    except (OSError, ValueError, SafetensorError) as err:  # corrupt: start afresh
         log.warning("ignoring unreadable %s (%s)", path, err)
         return None
 
