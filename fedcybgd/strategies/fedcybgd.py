@@ -195,6 +195,7 @@ class FedCyBGD(Strategy):
         # A re-queued block keeps its seed, so a client can resume its in-round checkpoint.
         self._retry_seeds: dict[str, int] = {}
         self._seeds: dict[int, int] = {}  # node -> seed, for the round in flight
+        self._pairs: list[tuple[int, str, str]] = []  # (node, block, rule) in flight
         self._returned: ArrayRecord | None = None
 
     # ----------------------------------------------------------------- global model access
@@ -268,7 +269,7 @@ class FedCyBGD(Strategy):
         self._round = RoundLog(server_round)
         payloads: dict[tuple[Any, ...], bytes] = {}
         messages = []
-        pairs = self._match(nodes, blocks)
+        pairs = self._pairs = self._match(nodes, blocks)
         self._seeds = {}
         for node, block, rule in pairs:
             self._assigned[node] = block
@@ -502,7 +503,7 @@ class FedCyBGD(Strategy):
             log.warning("node %d sent no reply for block %s (timeout or lost)", node, block)
         self._assigned = {}
 
-        block_seed = {block: self._seeds[node] for node, block in self._sent_blocks()}
+        block_seed = {block: self._seeds[node] for node, block, _ in self._pairs}
         for block in self._round.blocks:
             if block not in results:
                 self.schedule.requeue(block)
@@ -535,14 +536,6 @@ class FedCyBGD(Strategy):
             {k: v.detach().clone() for k, v in self.weights.items()}
         )
         return self._returned, metrics
-
-    def _sent_blocks(self) -> list[tuple[int, str]]:
-        """(node, block) of this round's instructions."""
-        return [
-            (m.metadata.dst_node_id, protocol.get_str(m.content.config_records[protocol.CONFIG],
-                                                      protocol.BLOCK))
-            for m in self._sent
-        ]
 
     def _install(
         self, block: str, uploads: list[tuple[float, dict[str, torch.Tensor]]], version: int
