@@ -29,7 +29,6 @@ LINEAGE = "lineage"  # identifies the server's model history; caches are kept pe
 BASE_HASH = "base-hash"  # hash of the pretrained weights the run starts from
 EXPECT = "expect-holdings"  # JSON: what the server assumes the client holds after download
 UPLOAD_CODEC = "upload-codec"
-TARGET_VERSION = "target-version"
 ZO_FINGERPRINT = "zo-fingerprint"  # the server's z/update arithmetic (seed-log replay check)
 ZO_TORCH = "zo-torch"  # the server's torch version (seed-log replay check)
 SEEDLOG_FALLBACK = "seedlog-fallback"  # codec for weights when a seed log cannot be replayed

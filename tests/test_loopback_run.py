@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import ArrayRecord, ConfigRecord
 
 from fedcybgd.blocks import BlockMap
 from fedcybgd.client.app import app as client_app
@@ -254,10 +254,6 @@ def test_client_rejects_a_different_base_model(tiny_run_config, tmp_path):
     assert len(strategy.excluded) == 2
     assert "pretrained weights differ" in next(iter(strategy.excluded.values()))
     assert strategy.history[0].failed_blocks == ["layer.0", "layer.1"]
-
-
-def _unused(_: Message, __: Context) -> None:  # keeps imports honest for type checkers
-    return None
 
 
 def test_node_whose_budget_fits_nothing_is_told_and_left_out(tiny_run_config, tmp_path):

@@ -288,7 +288,6 @@ class FedCyBGD(Strategy):
                     protocol.BASE_HASH: self.base_hash,
                     protocol.EXPECT: protocol.dump_holdings(expect),
                     protocol.UPLOAD_CODEC: self.upload_codec,
-                    protocol.TARGET_VERSION: server_round,
                 }
             )
             if self.upload_codec == protocol.SEEDLOG:
