@@ -17,6 +17,8 @@ UPDATE_RULES = ("fo", "zerolock", "lezo", "mezo")
 SCHEDULES = ("ascending", "descending", "random")
 PARTITIONERS = ("iid", "dirichlet", "movie")
 DATASETS = ("rotten-tomatoes",)
+STRATEGIES = ("fedcybgd", "fedavg")  # fedavg: Flower's own FedAvg, the baselines
+FEDAVG_PARAMS = ("full", "lora")
 
 
 class ConfigError(ValueError):
@@ -29,6 +31,11 @@ class RunConfig:
     checks), so a strategy built in code behaves like ``flwr run`` with no overrides."""
 
     model: str = "smollm2-135m"  # alias, tiny-<family>, local path or hub id
+    strategy: str = "fedcybgd"  # or "fedavg": Flower's FedAvg baseline over `fedavg-params`
+    fedavg_params: str = "full"  # fedavg exchanges the whole model or PEFT LoRA adapters
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_target_modules: str = "q_proj,v_proj"  # comma-separated module names
     dataset: str = "rotten-tomatoes"
     partitioner: str = "dirichlet"  # iid | dirichlet | movie
     dirichlet_alpha: float = 0.5
@@ -65,6 +72,12 @@ class RunConfig:
         _choice("block-schedule", self.block_schedule, SCHEDULES)
         _choice("partitioner", self.partitioner, PARTITIONERS)
         _choice("dataset", self.dataset, DATASETS)
+        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("fedavg-params", self.fedavg_params, FEDAVG_PARAMS)
+        _at_least("lora-rank", self.lora_rank, 1)
+        _positive("lora-alpha", self.lora_alpha)
+        if not self.lora_modules:
+            raise ConfigError("lora-target-modules must name at least one module")
         _at_least("num-server-rounds", self.num_server_rounds, 1)
         _at_least("clients-per-round", self.clients_per_round, 1)
         _at_least("clients-per-block", self.clients_per_block, 1)
@@ -102,6 +115,11 @@ class RunConfig:
             )
         if not self.model:
             raise ConfigError("model must name a model (alias, tiny-<family>, path or hub id)")
+
+    @property
+    def lora_modules(self) -> list[str]:
+        """``lora-target-modules`` as a list."""
+        return [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
 
     @property
     def blocks_per_round(self) -> int:

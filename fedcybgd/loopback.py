@@ -103,6 +103,10 @@ class LoopbackGrid(Grid):
             message.metadata.__dict__["_message_id"] = str(uuid4())
             self.sent.append(message)
             node = message.metadata.dst_node_id
+            if message.has_content():
+                # A real runtime deserialises one content per node; strategies such as FedAvg
+                # share one RecordDict between messages, so each node gets its own (shallow).
+                message.content = RecordDict(dict(message.content.items()))
             try:
                 reply = self.client_app(message, self.contexts[node])
             except Exception as err:  # the runtime turns a crash into an error reply

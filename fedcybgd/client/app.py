@@ -3,6 +3,7 @@
 One train message = one assignment: the block to train, the update rule, the round's seed and
 the blocks to download (only those whose version the node's cache lacks). The reply carries the
 encoded new block, the metrics and what the node now holds, so the server never has to guess.
+Messages from Flower's own FedAvg (the baselines) go to :mod:`fedcybgd.client.baselines`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flwr.clientapp import ClientApp
 from transformers import PreTrainedTokenizerBase
 
 from fedcybgd import data, protocol
+from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
 from fedcybgd.client.runtime import ClientModel, client_model, store_for
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainTask, get_rule
@@ -117,7 +119,9 @@ def apply_downloads(
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Handle one FedCyBGD assignment (see the module docstring)."""
+    """Handle one FedCyBGD assignment (see the module docstring), or a FedAvg round."""
+    if is_fedavg_message(msg):
+        return train_fedavg(msg, context)
     run = RunConfig.from_run_config(context.run_config)
     node = NodeConfig.from_node_config(context.node_config)
     cfg = msg.content.config_records[protocol.CONFIG]

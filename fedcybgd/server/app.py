@@ -4,7 +4,8 @@ Per round: the strategy picks nodes and blocks and sends each node its assignmen
 merged into the global model (the server's own model object, updated in place); the model is
 evaluated on the held-out test split every ``eval-every`` rounds; a checkpoint and a
 ``metrics.jsonl`` line are written. At the end the model is saved with ``save_pretrained`` and
-``summary.json`` is written.
+``summary.json`` is written. ``strategy = "fedavg"`` runs the baselines instead
+(:mod:`fedcybgd.server.baselines`).
 """
 
 from __future__ import annotations
@@ -198,8 +199,10 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
         }
         is_last = server_round == run.num_server_rounds
         if is_last or (run.eval_every and server_round % run.eval_every == 0):
+            eval_start = time.perf_counter()
             last_eval = evaluator()
-            record.update(eval_loss=last_eval.loss, eval_accuracy=last_eval.accuracy)
+            record.update(eval_loss=last_eval.loss, eval_accuracy=last_eval.accuracy,
+                          eval_s=time.perf_counter() - eval_start)
         record["round_s"] = time.perf_counter() - round_start
         writer.write(record)
         checkpointer.save(
@@ -265,4 +268,9 @@ def main(grid: Grid, context: Context) -> None:
     """Flower entry point."""
     configure_logging()
     run = RunConfig.from_run_config(context.run_config)
-    run_server(grid, run)
+    if run.strategy == "fedavg":
+        from fedcybgd.server.baselines import run_fedavg
+
+        run_fedavg(grid, run)
+    else:
+        run_server(grid, run)

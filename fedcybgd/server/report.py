@@ -22,7 +22,7 @@ def print_progress(record: dict[str, Any], total_rounds: int) -> None:
     bar = "█" * filled + "·" * (width - filled)
     parts = [
         f"[{bar}] round {done}/{total_rounds}",
-        f"blocks {','.join(record['blocks']) or '-'}",
+        f"blocks {','.join(record.get('blocks', [])) or '-'}",
         f"loss {record['train_loss']:.4f}" if record.get("train_loss") is not None else "loss -",
         f"down {_mb(record['bytes_down'])} up {_mb(record['bytes_up'])}",
         f"mem {record['client_peak_mem_mb']:.0f} MB",
@@ -37,7 +37,8 @@ def print_progress(record: dict[str, Any], total_rounds: int) -> None:
 
 def print_summary_table(summary: dict[str, Any]) -> None:
     """The closing table of a run."""
-    table = Table(title=f"FedCyBGD on {summary['model']} ({summary['update_rule']})")
+    name = "FedAvg" if summary.get("strategy") == "fedavg" else "FedCyBGD"
+    table = Table(title=f"{name} on {summary['model']} ({summary['update_rule']})")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("eval accuracy before", f"{summary['initial_eval_accuracy']:.3f}")

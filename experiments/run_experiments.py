@@ -1,0 +1,365 @@
+"""Every method on equal terms: FedCyBGD (fo, zerolock, lezo, the paper's dropping) against
+Flower's FedAvg (full model, LoRA) and whole-stack MeZO with seed-log uploads.
+
+    python experiments/run_experiments.py                     # the quick profile (~1 h, 2 CPUs)
+    python experiments/run_experiments.py --profile full      # experiments/configs/full.toml
+    python experiments/run_experiments.py --only fedcybgd-fo  # some methods (all partitions)
+
+A profile (``experiments/configs/<name>.toml``) names the methods, the run config they share and
+the partitions to run them on. Each run is a real federated run: the ServerApp logic in this
+process (our FedCyBGD loop, or Flower's own ``FedAvg.start``), the ClientApp in one child
+process that plays every node (:class:`fedcybgd.procgrid.ProcessGrid`), messages crossing as
+Flower protobuf bytes. So the traffic is the serialised messages and the client memory is the
+child's own peak RSS. The inference floor is the peak RSS of a fresh process running forward
+passes on the same batches.
+
+Writes ``experiments/results/<profile>/``: ``results.json`` (every run's summary, per-round
+records and measurements), ``table.md`` (the table and the targets, pass or miss) and the plots
+``accuracy_vs_round.png``, ``accuracy_vs_bytes.png`` and ``client_memory.png``. A run whose
+result is already there with the same config is not run again (``--force`` reruns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CLIENT_APP = "fedcybgd.client.app:app"
+MB = 2**20
+
+
+def load_profile(name: str) -> dict[str, Any]:
+    """The profile's TOML, checked for the keys the runner needs."""
+    path = Path(name) if name.endswith(".toml") else HERE / "configs" / f"{name}.toml"
+    profile = tomllib.loads(path.read_text())
+    for key in ("profile", "base", "methods"):
+        if key not in profile:
+            raise SystemExit(f"{path}: missing [{key}]")
+    for partition, methods in profile["profile"]["partitions"].items():
+        unknown = [m for m in methods if m not in profile["methods"]]
+        if unknown:
+            raise SystemExit(f"{path}: partition {partition} names unknown methods {unknown}")
+    profile["name"] = path.stem
+    return profile
+
+
+def planned_runs(profile: dict[str, Any], only: set[str] | None) -> list[dict[str, Any]]:
+    """(run id, method, partition, seed, run config) for every run of the profile."""
+    base = dict(profile["base"])
+    runs = []
+
+    def add(method: str, partition: str, seed: int) -> None:
+        if only and method not in only:
+            return
+        config = {**base, **profile["methods"][method], "partitioner": partition, "seed": seed}
+        run_id = f"{method}@{partition}" + (f"@seed{seed}" if seed != base["seed"] else "")
+        runs.append({"id": run_id, "method": method, "partition": partition, "seed": seed,
+                     "config": config})
+
+    for partition, methods in profile["profile"]["partitions"].items():
+        for method in methods:
+            add(method, partition, int(base["seed"]))
+    check = profile["profile"].get("seed-check")
+    if check:
+        for seed in check["seeds"]:
+            add(check["method"], check["partition"], int(seed))
+    return runs
+
+
+def run_one(plan: dict[str, Any], work: Path, nodes: int, threads: int) -> dict[str, Any]:
+    """One federated run over a ProcessGrid; returns its summary, records and measurements."""
+    import torch
+
+    from fedcybgd.config import RunConfig
+    from fedcybgd.procgrid import ProcessGrid
+    from fedcybgd.server.app import run_server
+    from fedcybgd.server.baselines import run_fedavg
+
+    torch.set_num_threads(threads)
+    out = work / plan["id"]
+    shutil.rmtree(out, ignore_errors=True)
+    config = {**plan["config"], "output-dir": str(out)}
+    run = RunConfig.from_run_config(config)
+    started = time.perf_counter()
+    with ProcessGrid(CLIENT_APP, nodes, config, threads=threads,
+                     node_config=lambda i: {"cache-dir": str(out / "client-cache")}) as grid:
+        summary = (run_fedavg if run.strategy == "fedavg" else run_server)(grid, run)
+        exchanges = grid.exchanges
+    wall = time.perf_counter() - started
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r["round"] > 0]
+    result = {
+        **{k: plan[k] for k in ("id", "method", "partition", "seed", "config")},
+        "summary": {k: v for k, v in summary.items() if k not in ("cycle", "block_versions")},
+        "records": records,
+        "wire_bytes_down": sum(e.bytes_down for e in exchanges),
+        "wire_bytes_up": sum(e.bytes_up for e in exchanges),
+        "client_rounds": len(exchanges),
+        "client_process_peak_mb": max(e.peak_rss_mb for e in exchanges),
+        # A round's time without the server's evaluation (same for every method).
+        "round_s": sum(r["round_s"] - r.get("eval_s", 0.0) for r in trained) / len(trained),
+        "wall_s": wall,
+    }
+    shutil.rmtree(out, ignore_errors=True)  # weights, caches, checkpoints: GBs, not results
+    return result
+
+
+def probe_inference(model: str, batch_size: int, max_seq_len: int, threads: int,
+                    steps: int) -> float:
+    """Peak RSS (MB) of a fresh process loading ``model`` and running forward passes."""
+    code = (
+        "import json, torch; from experiments.run_experiments import _inference_peak; "
+        f"print(json.dumps(_inference_peak({model!r}, {batch_size}, {max_seq_len}, "
+        f"{threads}, {steps})))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, check=True)
+    return float(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _inference_peak(model: str, batch_size: int, max_seq_len: int, threads: int,
+                    steps: int) -> float:
+    import torch
+
+    from fedcybgd import data
+    from fedcybgd.layerwise import LayerStack
+    from fedcybgd.memory import PeakMemory
+    from fedcybgd.models import load_model, load_tokenizer
+
+    torch.set_num_threads(threads)
+    lm = load_model(model)
+    stack = LayerStack(lm)
+    examples = data.client_examples("rotten-tomatoes", "iid", 0, 8, 0.5, 0)
+    batches = data.batches(examples, load_tokenizer(model), batch_size, max_seq_len, seed=0,
+                           shuffle=True)
+    with PeakMemory() as mem, torch.no_grad():
+        for _ in range(steps):
+            batch = next(batches)
+            stack.forward_logits(batch.input_ids, batch.attention_mask, batch.last_index)
+    return mem.peak_mb
+
+
+def total_bytes(result: dict[str, Any]) -> int:
+    """Serialised messages both ways over the whole run."""
+    return int(result["wire_bytes_down"] + result["wire_bytes_up"])
+
+
+def evals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's evaluated rounds."""
+    return [r for r in result["records"] if r.get("eval_accuracy") is not None]
+
+
+def targets(results: dict[str, dict[str, Any]], inference_mb: float) -> list[str]:
+    """The issue's targets, each PASS or MISS with the numbers behind it."""
+    lines = []
+    partitions = sorted({r["partition"] for r in results.values()})
+    for part in partitions:
+        full = results.get(f"fedavg-full@{part}")
+        fo = results.get(f"fedcybgd-fo@{part}")
+        lora = results.get(f"fedavg-lora@{part}")
+        lezo = results.get(f"fedcybgd-lezo@{part}")
+        if full and fo:
+            acc_gap = fo["summary"]["final_eval_accuracy"] - full["summary"]["final_eval_accuracy"]
+            traffic = total_bytes(full) / total_bytes(fo)
+            memory = full["client_process_peak_mb"] / fo["client_process_peak_mb"]
+            lines += [
+                f"- [{part}] FedCyBGD-fo within 1 point of FedAvg-full's final accuracy: "
+                f"{'PASS' if acc_gap >= -0.01 else 'MISS'} ({acc_gap * 100:+.1f} points)",
+                f"- [{part}] FedCyBGD-fo >= 50x less total traffic than FedAvg-full: "
+                f"{'PASS' if traffic >= 50 else 'MISS'} ({traffic:.1f}x)",
+                f"- [{part}] FedCyBGD-fo >= 2x less peak client memory than FedAvg-full: "
+                f"{'PASS' if memory >= 2 else 'MISS'} ({memory:.2f}x)",
+            ]
+        if lora and fo:
+            better = fo["summary"]["final_eval_accuracy"] > lora["summary"]["final_eval_accuracy"]
+            cheaper = total_bytes(fo) <= total_bytes(lora)
+            lines.append(
+                f"- [{part}] FedCyBGD-fo beats FedAvg-LoRA's accuracy at equal or lower traffic: "
+                f"{'PASS' if better and cheaper else 'MISS'} (accuracy "
+                f"{fo['summary']['final_eval_accuracy']:.3f} vs "
+                f"{lora['summary']['final_eval_accuracy']:.3f}, traffic "
+                f"{total_bytes(fo) / MB:,.1f} vs {total_bytes(lora) / MB:,.1f} MB)"
+            )
+        if lezo:
+            ratio = lezo["client_process_peak_mb"] / inference_mb
+            lines.append(
+                f"- [{part}] FedCyBGD-lezo within 1.1x of inference memory: "
+                f"{'PASS' if ratio <= 1.1 else 'MISS'} ({ratio:.3f}x: "
+                f"{lezo['client_process_peak_mb']:,.0f} vs {inference_mb:,.0f} MB)"
+            )
+    return lines
+
+
+def table(results: dict[str, dict[str, Any]], inference_mb: float, meta: dict[str, Any]) -> str:
+    """The Markdown report of a profile's results."""
+    head = ("| run | final acc | best acc | final loss | MB down | MB up | MB total | "
+            "client peak MB | s/round |")
+    rows = [head, "|" + "---|" * 9]
+    for rid, r in results.items():
+        s = r["summary"]
+        rows.append(
+            f"| {rid} | {s['final_eval_accuracy']:.3f} | {s['best_eval_accuracy']:.3f} | "
+            f"{s['final_eval_loss']:.3f} | {r['wire_bytes_down'] / MB:,.1f} | "
+            f"{r['wire_bytes_up'] / MB:,.2f} | {total_bytes(r) / MB:,.1f} | "
+            f"{r['client_process_peak_mb']:,.0f} | {r['round_s']:.1f} |"
+        )
+    initial = next(iter(results.values()))["summary"]
+    seed_lines = seed_spread(results)
+    return "\n".join([
+        f"# Results: profile `{meta['profile']}`",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Machine: {meta['machine']}; finished {meta['time']}.  ",
+        f"Before training: accuracy {initial['initial_eval_accuracy']:.3f}, "
+        f"loss {initial['initial_eval_loss']:.3f} "
+        f"({initial['run_config']['eval-examples']} test examples).  ",
+        f"Inference floor (fresh process, forward passes only): {inference_mb:,.0f} MB.",
+        "",
+        "MB down/up: serialised Flower messages, all client-rounds. Client peak: RSS of the "
+        "client process while handling a message. s/round: without the server's evaluation.",
+        "",
+        *rows,
+        "",
+        "## Targets",
+        "",
+        *targets(results, inference_mb),
+        "",
+        "## Seed check",
+        "",
+        *seed_lines,
+        "",
+    ])
+
+
+def seed_spread(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Final accuracy and loss of runs that differ only by seed."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results.values():
+        groups.setdefault(f"{r['method']}@{r['partition']}", []).append(r)
+    lines = []
+    for key, runs in groups.items():
+        if len(runs) < 2:
+            continue
+        accs = [x["summary"]["final_eval_accuracy"] for x in runs]
+        losses = [x["summary"]["final_eval_loss"] for x in runs]
+        lines.append(
+            f"- {key}, seeds {[x['seed'] for x in runs]}: final accuracy "
+            f"{', '.join(f'{a:.3f}' for a in accs)} (spread {(max(accs) - min(accs)) * 100:.1f} "
+            f"points), final loss {', '.join(f'{x:.3f}' for x in losses)}"
+        )
+    return lines or ["- no method was run with more than one seed"]
+
+
+def plot(results: dict[str, dict[str, Any]], out: Path, inference_mb: float) -> None:
+    """Accuracy vs round, accuracy vs cumulative bytes, client peak memory per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    partitions = sorted({r["partition"] for r in results.values()})
+    for name, xkey in (("accuracy_vs_round", "round"), ("accuracy_vs_bytes", "bytes")):
+        fig, axes = plt.subplots(1, len(partitions), figsize=(6 * len(partitions), 4.5),
+                                 squeeze=False)
+        for ax, part in zip(axes[0], partitions, strict=True):
+            for rid, r in results.items():
+                if r["partition"] != part:
+                    continue
+                per_round = total_bytes(r) / max(1, r["summary"]["rounds"])
+                points = [(e["round"] if xkey == "round" else e["round"] * per_round / MB,
+                           e["eval_accuracy"]) for e in evals(r)]
+                ax.plot(*zip(*points, strict=True), "o-", label=rid.split("@", 1)[0] +
+                        (f" seed {r['seed']}" if "seed" in rid else ""))
+            ax.set_title(f"partition: {part}")
+            ax.set_xlabel("round" if xkey == "round" else "cumulative MB (down + up)")
+            if xkey == "bytes":
+                ax.set_xscale("symlog", linthresh=1.0)
+            ax.set_ylabel("eval accuracy")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    names = list(results)
+    ax.barh(names, [results[n]["client_process_peak_mb"] for n in names])
+    ax.axvline(inference_mb, color="k", linestyle="--", label="inference floor")
+    ax.set_xlabel("client peak RSS (MB)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "client_memory.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    """Run the profile's runs (skipping finished ones), then write the table and plots."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="quick")
+    parser.add_argument("--only", default="", help="comma-separated methods")
+    parser.add_argument("--force", action="store_true", help="rerun finished runs")
+    parser.add_argument("--results", default=str(HERE / "results"))
+    parser.add_argument("--work", default=str(ROOT / "outputs" / "experiments"))
+    args = parser.parse_args()
+
+    profile = load_profile(args.profile)
+    settings = profile["profile"]
+    nodes, threads = int(settings["nodes"]), int(settings["threads"])
+    out = Path(args.results) / profile["name"]
+    out.mkdir(parents=True, exist_ok=True)
+    saved_path = out / "results.json"
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
+    results: dict[str, dict[str, Any]] = saved.get("runs", {})
+    only = {m.strip() for m in args.only.split(",") if m.strip()} or None
+    plan = planned_runs(profile, only)
+    meta = {
+        "profile": profile["name"],
+        "command": "make experiments" if profile["name"] == "quick" and not only
+        else " ".join(["python", *sys.argv]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
+                   f"{platform.python_version()}",
+        "time": "",
+    }
+    base = profile["base"]
+    inference_mb = saved.get("inference_mb")
+    if inference_mb is None or args.force:
+        inference_mb = probe_inference(base["model"], base["batch-size"], base["max-seq-len"],
+                                       threads, base["local-steps"])
+        print(f"inference floor: {inference_mb:,.0f} MB", flush=True)
+    began = time.perf_counter()
+    for item in plan:
+        done = results.get(item["id"])
+        if done and done["config"] == item["config"] and not args.force:
+            print(f"--- {item['id']}: done before, kept", flush=True)
+            continue
+        print(f"--- {item['id']} ({time.perf_counter() - began:.0f} s in)", flush=True)
+        results[item["id"]] = run_one(item, Path(args.work) / profile["name"], nodes, threads)
+        meta["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        saved_path.write_text(json.dumps({"meta": meta, "inference_mb": inference_mb,
+                                          "runs": results}, indent=1))
+    meta["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    ordered = {item["id"]: results[item["id"]] for item in planned_runs(profile, None)
+               if item["id"] in results}
+    saved_path.write_text(json.dumps({"meta": meta, "inference_mb": inference_mb,
+                                      "runs": ordered}, indent=1))
+    report = table(ordered, inference_mb, meta)
+    (out / "table.md").write_text(report)
+    plot(ordered, out, inference_mb)
+    print(report)
+    print(f"saved {out} (this invocation: {time.perf_counter() - began:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""A Grid whose nodes run in a child process; messages cross as Flower protobuf bytes.
+
+The loopback Grid runs the clients inside the server's process, so a client's memory cannot be
+told apart from the server's. Here one child process plays every node in turn (as one Ray
+worker or one SuperNode's ClientApp process would), so its resident memory is the client's own:
+each reply comes back with the child's peak RSS while it handled that message, and the size of
+both serialised messages. Frames on the pipe are raw bytes (a JSON header, then Flower's
+protobuf encoding); nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing as mp
+import struct
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+from uuid import uuid4
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.proto.message_pb2 import Message as ProtoMessage  # type: ignore[attr-defined]
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedcybgd.memory import PeakMemory
+
+
+@dataclass
+class Exchange:
+    """One message to a node and its reply, as measured."""
+
+    node_id: int
+    bytes_down: int  # the serialised instruction
+    bytes_up: int  # the serialised reply
+    peak_rss_mb: float  # the client process's peak RSS while handling it
+    seconds: float  # handling time in the client process
+
+
+def _frame(header: dict[str, Any], body: bytes) -> bytes:
+    head = json.dumps(header).encode()
+    return struct.pack("<I", len(head)) + head + body
+
+
+def _unframe(frame: bytes) -> tuple[dict[str, Any], bytes]:
+    (size,) = struct.unpack_from("<I", frame)
+    return json.loads(frame[4 : 4 + size]), frame[4 + size :]
+
+
+def _claim_identity(node_id: int) -> None:
+    # Flower's runtimes set who creates messages; here the parent plays the SuperLink (node 1).
+    TaskIdentity.run_id = 1
+    TaskIdentity.node_id = node_id
+    TaskIdentity.task_id = 1
+
+
+def _serve(conn: Connection, app_ref: str, contexts_json: str, threads: int) -> None:
+    """The child: run the ClientApp for each framed message until an empty frame arrives."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    _claim_identity(node_id=0)  # the child's replies are made by "the SuperNode"
+    module, _, attr = app_ref.partition(":")
+    client_app = getattr(importlib.import_module(module), attr)
+    contexts = {
+        int(node): Context(run_id=1, node_id=int(node), node_config=spec["node_config"],
+                           state=RecordDict(), run_config=spec["run_config"])
+        for node, spec in json.loads(contexts_json).items()
+    }
+    while True:
+        frame = conn.recv_bytes()
+        if not frame:
+            return
+        header, body = _unframe(frame)
+        proto = ProtoMessage()
+        proto.ParseFromString(body)
+        del body, frame
+        message = message_from_proto(proto)
+        del proto
+        began = time.perf_counter()
+        with PeakMemory() as mem:
+            try:
+                reply = client_app(message, contexts[header["node"]])
+            except Exception as err:  # a runtime turns a crash into an error reply
+                error = Error(int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION),
+                              f"{type(err).__name__}: {err}")
+                reply = Message(error, reply_to=message)
+        seconds = time.perf_counter() - began
+        del message
+        out = message_to_proto(reply).SerializeToString()
+        conn.send_bytes(_frame({"peak_rss_mb": mem.peak_mb, "seconds": seconds}, out))
+
+
+class ProcessGrid(Grid):
+    """A Grid whose nodes are served, one message at a time, by one child process.
+
+    Parameters
+    ----------
+    app_ref : str
+        The ClientApp as ``"module:attribute"`` (imported in the child).
+    num_nodes : int
+        Number of nodes; node ``i`` gets ``partition-id = i`` and ``num-partitions``.
+    run_config : dict
+        The run config every node's Context sees.
+    node_config : Callable[[int], dict], optional
+        Extra node config for node ``i``.
+    threads : int, optional
+        torch threads in the child (0: torch's default).
+    """
+
+    def __init__(
+        self,
+        app_ref: str,
+        num_nodes: int,
+        run_config: dict[str, Any],
+        node_config: Callable[[int], dict[str, Any]] | None = None,
+        first_node_id: int = 1001,
+        threads: int = 0,
+    ) -> None:
+        contexts: dict[int, dict[str, Any]] = {}
+        for i in range(num_nodes):
+            config: dict[str, Any] = {"partition-id": i, "num-partitions": num_nodes}
+            if node_config is not None:
+                config.update(node_config(i))
+            contexts[first_node_id + i] = {"node_config": config,
+                                           "run_config": dict(run_config)}
+        self.node_ids = list(contexts)
+        self.exchanges: list[Exchange] = []
+        self._replies: dict[str, Message] = {}
+        self._run = Run.create_empty(run_id=1)
+        ctx = mp.get_context("spawn")  # no fork of a process holding torch threads
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(
+            target=_serve, args=(child, app_ref, json.dumps(contexts), threads), daemon=True
+        )
+        self._process.start()
+        child.close()
+        _claim_identity(node_id=1)
+
+    def close(self) -> None:
+        """Stop the child process."""
+        if self._process.is_alive():
+            try:
+                self._conn.send_bytes(b"")
+            except (BrokenPipeError, OSError):
+                pass
+            self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+        self._conn.close()
+
+    def __enter__(self) -> ProcessGrid:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def peak_rss_mb(self) -> float:
+        """The client process's highest peak RSS over all messages so far."""
+        return max((e.peak_rss_mb for e in self.exchanges), default=0.0)
+
+    def set_run(self, run: Run) -> None:
+        """Set the run."""
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        """The run."""
+        return self._run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """Deprecated in Flower; kept for the interface."""
+        return Message(content, dst_node_id=dst_node_id, message_type=message_type,
+                       group_id=group_id, ttl=ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """All node ids."""
+        return list(self.node_ids)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Send each message to the child, wait for its reply and keep it."""
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = str(uuid4())
+            node = message.metadata.dst_node_id
+            if node not in self.node_ids:
+                raise ValueError(f"no node {node} on this grid")
+            body = message_to_proto(message).SerializeToString()
+            self._conn.send_bytes(_frame({"node": node}, body))
+            try:
+                frame = self._conn.recv_bytes()
+            except EOFError:
+                code = self._process.exitcode
+                raise RuntimeError(
+                    f"the client process died (exit code {code}) while node {node} handled a "
+                    "message; if the code is -9 it was probably killed for memory"
+                ) from None
+            header, reply_body = _unframe(frame)
+            proto = ProtoMessage()
+            proto.ParseFromString(reply_body)
+            reply = message_from_proto(proto)
+            self.exchanges.append(Exchange(node, len(body), len(reply_body),
+                                           float(header["peak_rss_mb"]),
+                                           float(header["seconds"])))
+            self._replies[message.metadata.message_id] = reply
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Replies to the given message ids."""
+        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Push, then pull."""
+        return self.pull_messages(self.push_messages(messages))

@@ -1,0 +1,187 @@
+"""The FedAvg baselines: Flower's own ``FedAvg`` over the whole model or LoRA adapters.
+
+A run writes the same ``metrics.jsonl`` and ``summary.json`` as a FedCyBGD run, so experiments
+compare like with like. Flower's FedAvg averages whatever arrives; :class:`CheckedFedAvg` first
+drops (and names) a reply whose arrays do not match the model or hold NaN/Inf, so one bad client
+cannot corrupt the global model.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from fedcybgd.client.baselines import (
+    ARRAYS,
+    METRICS,
+    build_baseline,
+    check_tensors,
+    from_record,
+    to_record,
+)
+from fedcybgd.config import RunConfig
+from fedcybgd.models import load_tokenizer
+from fedcybgd.server.metrics import MetricsWriter, write_summary
+from fedcybgd.server.report import print_progress, print_summary_table
+
+log = logging.getLogger(__name__)
+
+
+class CheckedFedAvg(FedAvg):
+    """Flower's FedAvg, dropping replies that would corrupt the average.
+
+    Parameters
+    ----------
+    reference : dict[str, tuple[int, ...]]
+        The exchanged tensors' names and shapes.
+    **kwargs
+        Passed to :class:`flwr.serverapp.strategy.FedAvg`.
+    """
+
+    def __init__(self, reference: dict[str, tuple[int, ...]], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reference = reference
+        self.last_replies: list[Message] = []
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Drop malformed uploads (logged with the reason), then average as FedAvg does."""
+        kept: list[Message] = []
+        for reply in replies:
+            if reply.has_content():
+                try:
+                    check_tensors(from_record(reply.content.array_records[ARRAYS]),
+                                  self.reference)
+                except (KeyError, ValueError, TypeError) as err:
+                    log.warning("round %d: dropped node %d's upload: %s", server_round,
+                                reply.metadata.src_node_id, err)
+                    continue
+            kept.append(reply)
+        self.last_replies = kept
+        return super().aggregate_train(server_round, kept)
+
+
+def _payload_bytes(record: ArrayRecord) -> int:
+    return sum(len(array.data) for array in record.values())
+
+
+def _train_record(replies: list[Message], arrays: ArrayRecord, run: RunConfig) -> dict[str, Any]:
+    """A round's traffic and client metrics, in the keys a FedCyBGD round record uses."""
+    metrics = [{k: float(v) for k, v in r.content.metric_records[METRICS].items()}  # type: ignore[arg-type]
+               for r in replies if r.has_content()]
+    examples = sum(m["num-examples"] for m in metrics)
+    down = _payload_bytes(arrays) * run.clients_per_round
+    up = sum(_payload_bytes(r.content.array_records[ARRAYS]) for r in replies if r.has_content())
+    return {
+        "clients": [str(r.metadata.src_node_id) for r in replies],
+        "update_rule": [f"fedavg-{run.fedavg_params}"],
+        "bytes_down": down, "bytes_up": up, "bytes_down_raw": down, "bytes_up_raw": up,
+        "client_peak_mem_mb": max([m["peak_mem_mb"] for m in metrics] or [0.0]),
+        "client_train_s": max([m["train_s"] for m in metrics] or [0.0]),
+        "examples": int(examples),
+        "train_loss": (sum(m["train_loss"] * m["num-examples"] for m in metrics) / examples
+                       if examples else float("nan")),
+    }
+
+
+def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
+    """Run a FedAvg baseline (``fedavg-params`` = full | lora); returns the summary it writes."""
+    from fedcybgd.server.app import Evaluator, require_nodes, resolve_output_dir
+
+    started = time.perf_counter()
+    nodes = require_nodes(grid, run.clients_per_round, 120.0)
+    out = resolve_output_dir(run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    server = build_baseline(run)
+    for p in server.model.parameters():
+        p.requires_grad_(False)
+    initial = server.get()
+    evaluator = Evaluator(run, server.stack)
+    writer = MetricsWriter(out, resume=False)
+    strategy = CheckedFedAvg(
+        {k: tuple(v.shape) for k, v in initial.items()},
+        fraction_train=run.clients_per_round / nodes,
+        fraction_evaluate=0.0,
+        min_train_nodes=run.clients_per_round,
+        min_available_nodes=run.clients_per_round,
+    )
+    random.seed(run.seed)  # Flower samples nodes with the `random` module
+    marks: dict[str, float] = {"round_start": 0.0}
+    evals: list[dict[str, Any]] = []
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        # Flower calls this after every round: it closes the round's record.
+        began = time.perf_counter()
+        record: dict[str, Any] = {"round": server_round}
+        if server_round > 0:
+            record.update(_train_record(strategy.last_replies, arrays, run))
+        is_last = server_round == run.num_server_rounds
+        if server_round == 0 or is_last or (
+            run.eval_every and server_round % run.eval_every == 0
+        ):
+            server.set(from_record(arrays))
+            result = evaluator()
+            record.update(eval_loss=result.loss, eval_accuracy=result.accuracy)
+            evals.append({"round": server_round, "loss": result.loss,
+                          "accuracy": result.accuracy})
+        now = time.perf_counter()
+        record["eval_s"] = now - began
+        if server_round > 0:
+            record["round_s"] = now - marks["round_start"]
+        writer.write(record)
+        if server_round > 0:
+            print_progress(record, run.num_server_rounds)
+        marks["round_start"] = now
+        if "eval_loss" not in record:
+            return None
+        return MetricRecord({"eval_loss": record["eval_loss"],
+                             "eval_accuracy": record["eval_accuracy"]})
+
+    strategy.start(grid, to_record(initial),
+                   num_rounds=run.num_server_rounds, timeout=run.round_timeout,
+                   train_config=ConfigRecord(), evaluate_fn=evaluate_fn)
+
+    final_dir = out / "final"
+    _save_final(server, run, final_dir)
+    records = writer.records
+    trained = [r for r in records if r.get("round", 0) > 0]
+    summary = {
+        "model": run.model,
+        "strategy": "fedavg",
+        "update_rule": f"fedavg-{run.fedavg_params}",
+        "rounds": run.num_server_rounds,
+        "initial_eval_loss": evals[0]["loss"],
+        "initial_eval_accuracy": evals[0]["accuracy"],
+        "final_eval_loss": evals[-1]["loss"],
+        "final_eval_accuracy": evals[-1]["accuracy"],
+        "best_eval_accuracy": max(e["accuracy"] for e in evals),
+        "bytes_down": sum(r.get("bytes_down", 0) for r in trained),
+        "bytes_up": sum(r.get("bytes_up", 0) for r in trained),
+        "bytes_down_raw": sum(r.get("bytes_down_raw", 0) for r in trained),
+        "bytes_up_raw": sum(r.get("bytes_up_raw", 0) for r in trained),
+        "client_peak_mem_mb": max([r.get("client_peak_mem_mb") or 0.0 for r in trained] or [0]),
+        "mean_round_s": (sum(r["round_s"] for r in trained) / len(trained)) if trained else None,
+        "wall_s": time.perf_counter() - started,
+        "exchanged_params": sum(v.numel() for v in initial.values()),
+        "output_dir": str(out),
+        "run_config": run.to_run_config(),
+    }
+    write_summary(out, summary)
+    print_summary_table(summary)
+    return summary
+
+
+def _save_final(server: Any, run: RunConfig, final_dir: Path) -> None:
+    # LoRA: the adapter alone (peft's format); full: the whole model. Both load with transformers.
+    server.model.save_pretrained(final_dir)
+    load_tokenizer(run.model).save_pretrained(final_dir)
