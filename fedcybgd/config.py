@@ -34,7 +34,7 @@ class RunConfig:
     strategy: str = "fedcybgd"  # or "fedavg": Flower's FedAvg baseline over `fedavg-params`
     fedavg_params: str = "full"  # fedavg exchanges the whole model or PEFT LoRA adapters
     lora_rank: int = 8
-    lora_alpha: float = 16.0
+    lora_alpha: int = 16
     lora_target_modules: str = "q_proj,v_proj"  # comma-separated module names
     dataset: str = "rotten-tomatoes"
     partitioner: str = "dirichlet"  # iid | dirichlet | movie

@@ -10,6 +10,7 @@ protobuf encoding); nothing is pickled.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import multiprocessing as mp
@@ -24,7 +25,7 @@ from uuid import uuid4
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.serde import message_from_proto, message_to_proto
-from flwr.proto.message_pb2 import Message as ProtoMessage  # type: ignore[attr-defined]
+from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
@@ -147,10 +148,8 @@ class ProcessGrid(Grid):
     def close(self) -> None:
         """Stop the child process."""
         if self._process.is_alive():
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 self._conn.send_bytes(b"")
-            except (BrokenPipeError, OSError):
-                pass
             self._process.join(timeout=30)
         if self._process.is_alive():
             self._process.kill()

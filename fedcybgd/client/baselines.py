@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
+from transformers import PreTrainedModel
 
 from fedcybgd import data
 from fedcybgd.client.updates.fo import block_loss
@@ -97,7 +99,8 @@ def build_lora(run: RunConfig) -> BaselineModel:
     torch.manual_seed(run.seed)
     peft_model = get_peft_model(base, lora_config(run))
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    return BaselineModel(peft_model, LayerStack(peft_model.base_model.model), trainable,
+    inner = cast(PreTrainedModel, peft_model.base_model.model)  # the LoRA-injected model
+    return BaselineModel(peft_model, LayerStack(inner), trainable,
                          lora=True)
 
 
