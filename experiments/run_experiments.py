@@ -15,8 +15,9 @@ passes on the same batches.
 
 Writes ``experiments/results/<profile>/``: ``results.json`` (every run's summary, per-round
 records and measurements), ``table.md`` (the table and the targets, pass or miss) and the plots
-``accuracy_vs_round.png``, ``accuracy_vs_bytes.png`` and ``client_memory.png``. A run whose
-result is already there with the same config is not run again (``--force`` reruns).
+``accuracy_vs_round.png``, ``accuracy_vs_bytes.png`` and ``client_memory.png``. Results are
+saved after every run; ``--resume`` keeps the runs already saved with the same config (after an
+interruption), ``--report-only`` rewrites the table and plots from ``results.json``.
 """
 
 from __future__ import annotations
@@ -309,7 +310,10 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="quick")
     parser.add_argument("--only", default="", help="comma-separated methods")
-    parser.add_argument("--force", action="store_true", help="rerun finished runs")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep runs already saved with the same config")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only rewrite table.md and the plots from results.json")
     parser.add_argument("--results", default=str(HERE / "results"))
     parser.add_argument("--work", default=str(ROOT / "outputs" / "experiments"))
     args = parser.parse_args()
@@ -321,10 +325,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     saved_path = out / "results.json"
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
-    results: dict[str, dict[str, Any]] = saved.get("runs", {})
+    results: dict[str, dict[str, Any]] = saved.get("runs", {}) if (
+        args.resume or args.report_only) else {}
     only = {m.strip() for m in args.only.split(",") if m.strip()} or None
     plan = planned_runs(profile, only)
-    meta = {
+    meta = saved.get("meta", {}) if args.report_only else {
         "profile": profile["name"],
         "command": "make experiments" if profile["name"] == "quick" and not only
         else " ".join(["python", *sys.argv]),
@@ -333,15 +338,15 @@ def main() -> None:
         "time": "",
     }
     base = profile["base"]
-    inference_mb = saved.get("inference_mb")
-    if inference_mb is None or args.force:
+    inference_mb = saved.get("inference_mb") if (args.resume or args.report_only) else None
+    if inference_mb is None:
         inference_mb = probe_inference(base["model"], base["batch-size"], base["max-seq-len"],
                                        threads, base["local-steps"])
         print(f"inference floor: {inference_mb:,.0f} MB", flush=True)
     began = time.perf_counter()
-    for item in plan:
+    for item in [] if args.report_only else plan:
         done = results.get(item["id"])
-        if done and done["config"] == item["config"] and not args.force:
+        if done and done["config"] == item["config"]:
             print(f"--- {item['id']}: done before, kept", flush=True)
             continue
         print(f"--- {item['id']} ({time.perf_counter() - began:.0f} s in)", flush=True)
@@ -349,7 +354,8 @@ def main() -> None:
         meta["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
         saved_path.write_text(json.dumps({"meta": meta, "inference_mb": inference_mb,
                                           "runs": results}, indent=1))
-    meta["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    if not args.report_only:
+        meta["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
     ordered = {item["id"]: results[item["id"]] for item in planned_runs(profile, None)
                if item["id"] in results}
     saved_path.write_text(json.dumps({"meta": meta, "inference_mb": inference_mb,

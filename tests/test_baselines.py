@@ -1,0 +1,167 @@
+"""The FedAvg baselines under Flower's own FedAvg, and the process Grid the experiments use."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from flwr.app import Array, Context, Message
+from flwr.clientapp import ClientApp
+
+from fedcybgd.client import baselines
+from fedcybgd.client.app import app as client_app
+from fedcybgd.client.app import train as client_train
+from fedcybgd.config import ConfigError, RunConfig
+from fedcybgd.loopback import LoopbackGrid
+from fedcybgd.models import load_model
+from fedcybgd.procgrid import ProcessGrid
+from fedcybgd.server.app import run_server
+from fedcybgd.server.baselines import run_fedavg
+
+
+@pytest.fixture
+def fedavg_config(tiny_run_config: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    return dict(tiny_run_config, **{
+        "strategy": "fedavg", "fedavg-params": "full", "lr": 1e-3, "eval-every": 1,
+        "output-dir": str(tmp_path / "out"),
+    })
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fedavg_full_trains_and_exchanges_the_whole_model(fedavg_config, tmp_path):
+    # Prepare
+    grid = LoopbackGrid(client_app, 4, fedavg_config)
+    model = load_model("tiny-llama")
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    headers = 2 * 256 * len(list(model.parameters()))  # Flower's .npy headers, 2 clients
+    # Execute
+    summary = run_fedavg(grid, RunConfig.from_run_config(fedavg_config))
+    # Assert: every round moves the whole model down to and up from each of 2 clients
+    rounds = records(tmp_path / "out")
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert all(2 * model_bytes < r["bytes_up"] < 2 * model_bytes + headers for r in rounds[1:])
+    assert all(r["bytes_down"] == r["bytes_up"] for r in rounds[1:])
+    assert summary["exchanged_params"] == sum(p.numel() for p in model.parameters())
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    saved = load_model(str(tmp_path / "out" / "final"))
+    assert any(not torch.equal(a, b) for a, b in
+               zip(saved.parameters(), model.parameters(), strict=True))
+
+
+def test_fedavg_lora_exchanges_only_the_adapters(fedavg_config, tmp_path):
+    # Prepare: rank-4 adapters on q and v of the 4 layers
+    config = dict(fedavg_config, **{"fedavg-params": "lora", "lora-rank": 4,
+                                    "lora-target-modules": "q_proj,v_proj"})
+    grid = LoopbackGrid(client_app, 4, config)
+    # Execute
+    summary = run_fedavg(grid, RunConfig.from_run_config(config))
+    # Assert: 4 layers x 2 modules x (A, B); a small fraction of the model travels
+    exchanged = baselines.build_lora(RunConfig.from_run_config(config)).get()
+    assert len(exchanged) == 16
+    assert all(".lora_A." in k or ".lora_B." in k for k in exchanged)
+    assert summary["exchanged_params"] == sum(t.numel() for t in exchanged.values())
+    assert summary["exchanged_params"] < 0.02 * sum(
+        p.numel() for p in load_model("tiny-llama").parameters())
+    # 2 clients x 2 rounds of fp32 adapters, plus .npy headers
+    assert summary["bytes_up"] < 4 * (4 * summary["exchanged_params"] + 16 * 256)
+    final = load_file(tmp_path / "out" / "final" / "adapter_model.safetensors")
+    # B starts at zero: non-zero B means adapters were trained, averaged and saved
+    assert max(float(t.abs().max()) for k, t in final.items() if "lora_B" in k) > 0
+    assert summary["final_eval_loss"] != summary["initial_eval_loss"]
+
+
+def test_fedavg_drops_a_nan_upload_and_keeps_the_model_finite(fedavg_config, tmp_path, caplog):
+    # Prepare: node 0 returns NaN in its first tensor; node 1 an array of the wrong shape
+    broken = ClientApp()
+
+    @broken.train()
+    def train(msg: Message, context: Context) -> Message:
+        reply = client_train(msg, context)
+        arrays = reply.content.array_records[baselines.ARRAYS]
+        first = next(iter(arrays))
+        pid = context.node_config["partition-id"]
+        if pid == 0:
+            arrays[first] = Array(np.full(arrays[first].shape, np.nan, dtype=np.float32))
+        elif pid == 1:
+            arrays[first] = Array(np.zeros((3,), dtype=np.float32))
+        return reply
+
+    config = dict(fedavg_config, **{"clients-per-round": 4, "num-server-rounds": 1})
+    grid = LoopbackGrid(broken, 4, config)
+    # Execute
+    with caplog.at_level(logging.WARNING, logger="fedcybgd"):
+        summary = run_fedavg(grid, RunConfig.from_run_config(config))
+    # Assert: both bad uploads were named and dropped; the average of the others is finite
+    assert "holds NaN or Inf" in caplog.text and "has shape (3,)" in caplog.text
+    saved = load_model(str(tmp_path / "out" / "final"))
+    assert all(torch.isfinite(p).all() for p in saved.parameters())
+    assert np.isfinite(summary["final_eval_loss"])
+
+
+def test_client_rejects_arrays_that_do_not_match_its_model(fedavg_config):
+    # Prepare
+    bm = baselines.build_full("tiny-llama")
+    tensors = bm.get()
+    name = next(iter(tensors))
+    # Execute / Assert
+    with pytest.raises(ValueError, match="missing"):
+        bm.set({k: v for k, v in tensors.items() if k != name})
+    with pytest.raises(ValueError, match="shape"):
+        bm.set({**tensors, name: torch.zeros(2)})
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("strategy", "fedprox", "strategy"),
+    ("fedavg-params", "adapters", "fedavg-params"),
+    ("lora-rank", 0, "lora-rank"),
+    ("lora-target-modules", " , ", "lora-target-modules"),
+])
+def test_bad_baseline_config_names_the_key(fedavg_config, key, value, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        RunConfig.from_run_config(dict(fedavg_config, **{key: value}))
+
+
+def test_process_grid_gives_the_same_run_as_loopback(tiny_run_config, tmp_path):
+    # Prepare: the same FedCyBGD run, clients in this process vs in a child process
+    def config(name: str) -> dict[str, Any]:
+        return dict(tiny_run_config, **{"output-dir": str(tmp_path / name)})
+
+    loop = LoopbackGrid(client_app, 4, config("loop"),
+                        node_config=lambda i: {"cache-dir": str(tmp_path / "loop-cache")})
+    # Execute
+    in_process = run_server(loop, RunConfig.from_run_config(config("loop")))
+    with ProcessGrid("fedcybgd.client.app:app", 4, config("proc"), threads=1,
+                     node_config=lambda i: {"cache-dir": str(tmp_path / "proc-cache")}) as grid:
+        child = run_server(grid, RunConfig.from_run_config(config("proc")))
+        exchanges = list(grid.exchanges)
+    # Assert: protobuf bytes through a pipe change nothing; each exchange was measured
+    assert child["final_eval_loss"] == in_process["final_eval_loss"]
+    assert child["block_versions"] == in_process["block_versions"]
+    assert len(exchanges) == 4
+    assert all(e.bytes_down > 0 and e.bytes_up > 0 and e.peak_rss_mb > 100 for e in exchanges)
+    assert sum(e.bytes_up for e in exchanges) > child["bytes_up"]  # payloads + the envelope
+
+
+def test_process_grid_turns_a_client_crash_into_an_error_reply(tiny_run_config, tmp_path):
+    # Prepare: a cache folder that is a file makes the ClientApp raise
+    bad = tmp_path / "not-a-dir"
+    bad.write_text("x")
+    config = dict(tiny_run_config, **{"num-server-rounds": 1,
+                                      "output-dir": str(tmp_path / "out")})
+    # Execute
+    with ProcessGrid("fedcybgd.client.app:app", 2, config, threads=1,
+                     node_config=lambda i: {"cache-dir": str(bad)}) as grid:
+        summary = run_server(grid, RunConfig.from_run_config(config))
+    # Assert: the server kept running and re-queued the blocks
+    assert records(tmp_path / "out")[1]["failed_blocks"] == ["layer.0", "layer.1"]
+    assert summary["block_versions"] == {}  or all(
+        v == 0 for v in summary["block_versions"].values())
