@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 from flwr.app import Array, Context, Message
 from flwr.clientapp import ClientApp
+from safetensors.torch import load_file
 
 from fedcybgd.client import baselines
 from fedcybgd.client.app import app as client_app
