@@ -29,6 +29,7 @@ from fedcybgd.client.baselines import (
 )
 from fedcybgd.config import RunConfig
 from fedcybgd.models import load_tokenizer
+from fedcybgd.server.app import Evaluator, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, write_summary
 from fedcybgd.server.report import print_progress, print_summary_table
 
@@ -95,8 +96,6 @@ def _train_record(replies: list[Message], arrays: ArrayRecord, run: RunConfig) -
 
 def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     """Run a FedAvg baseline (``fedavg-params`` = full | lora); returns the summary it writes."""
-    from fedcybgd.server.app import Evaluator, require_nodes, resolve_output_dir
-
     started = time.perf_counter()
     nodes = require_nodes(grid, run.clients_per_round, 120.0)
     out = resolve_output_dir(run.output_dir)
