@@ -11,7 +11,7 @@ process (our FedCyBGD loop, or Flower's own ``FedAvg.start``), the ClientApp in 
 process that plays every node (:class:`fedcybgd.procgrid.ProcessGrid`), messages crossing as
 Flower protobuf bytes. So the traffic is the serialised messages and the client memory is the
 child's own peak RSS. The inference floor is the peak RSS of a fresh process running forward
-passes on the same batches.
+passes on the same batches with the ClientApp's imports and model object.
 
 Writes ``experiments/results/<profile>/``: ``results.json`` (every run's summary, per-round
 records and measurements), ``table.md`` (the table and the targets, pass or miss) and the plots
@@ -120,9 +120,9 @@ def run_one(plan: dict[str, Any], work: Path, nodes: int, threads: int) -> dict[
 
 def probe_inference(model: str, batch_size: int, max_seq_len: int, threads: int,
                     steps: int) -> float:
-    """Peak RSS (MB) of a fresh process loading ``model`` and running forward passes."""
+    """Peak RSS (MB) of a fresh client-like process running forward passes (the floor)."""
     code = (
-        "import json, torch; from experiments.run_experiments import _inference_peak; "
+        "import json; from experiments.run_experiments import _inference_peak; "
         f"print(json.dumps(_inference_peak({model!r}, {batch_size}, {max_seq_len}, "
         f"{threads}, {steps})))"
     )
@@ -133,23 +133,25 @@ def probe_inference(model: str, batch_size: int, max_seq_len: int, threads: int,
 
 def _inference_peak(model: str, batch_size: int, max_seq_len: int, threads: int,
                     steps: int) -> float:
+    # The same imports and model object as a client process (the ClientApp module, its
+    # ClientModel), so the floor differs from a training client only by the training.
     import torch
 
     from fedcybgd import data
-    from fedcybgd.layerwise import LayerStack
+    from fedcybgd.client.app import app  # noqa: F401  (a client process imports it)
+    from fedcybgd.client.runtime import client_model
     from fedcybgd.memory import PeakMemory
-    from fedcybgd.models import load_model, load_tokenizer
+    from fedcybgd.models import load_tokenizer
 
     torch.set_num_threads(threads)
-    lm = load_model(model)
-    stack = LayerStack(lm)
-    examples = data.client_examples("rotten-tomatoes", "iid", 0, 8, 0.5, 0)
+    cm = client_model(model, 1)
+    examples = data.client_examples("rotten-tomatoes", "dirichlet", 0, 8, 0.5, 0)
     batches = data.batches(examples, load_tokenizer(model), batch_size, max_seq_len, seed=0,
                            shuffle=True)
     with PeakMemory() as mem, torch.no_grad():
         for _ in range(steps):
             batch = next(batches)
-            stack.forward_logits(batch.input_ids, batch.attention_mask, batch.last_index)
+            cm.stack.forward_logits(batch.input_ids, batch.attention_mask, batch.last_index)
     return mem.peak_mb
 
 
@@ -207,15 +209,16 @@ def targets(results: dict[str, dict[str, Any]], inference_mb: float) -> list[str
 def table(results: dict[str, dict[str, Any]], inference_mb: float, meta: dict[str, Any]) -> str:
     """The Markdown report of a profile's results."""
     head = ("| run | final acc | best acc | final loss | MB down | MB up | MB total | "
-            "client peak MB | s/round |")
-    rows = [head, "|" + "---|" * 9]
+            "client peak MB | training peak MB | s/round |")
+    rows = [head, "|" + "---|" * 10]
     for rid, r in results.items():
         s = r["summary"]
         rows.append(
             f"| {rid} | {s['final_eval_accuracy']:.3f} | {s['best_eval_accuracy']:.3f} | "
             f"{s['final_eval_loss']:.3f} | {r['wire_bytes_down'] / MB:,.1f} | "
             f"{r['wire_bytes_up'] / MB:,.2f} | {total_bytes(r) / MB:,.1f} | "
-            f"{r['client_process_peak_mb']:,.0f} | {r['round_s']:.1f} |"
+            f"{r['client_process_peak_mb']:,.0f} | {s['client_peak_mem_mb']:,.0f} | "
+            f"{r['round_s']:.1f} |"
         )
     initial = next(iter(results.values()))["summary"]
     seed_lines = seed_spread(results)
@@ -227,10 +230,13 @@ def table(results: dict[str, dict[str, Any]], inference_mb: float, meta: dict[st
         f"Before training: accuracy {initial['initial_eval_accuracy']:.3f}, "
         f"loss {initial['initial_eval_loss']:.3f} "
         f"({initial['run_config']['eval-examples']} test examples).  ",
-        f"Inference floor (fresh process, forward passes only): {inference_mb:,.0f} MB.",
+        f"Inference floor (a fresh process with the ClientApp's imports and model, forward "
+        f"passes of the same batches): {inference_mb:,.0f} MB.",
         "",
         "MB down/up: serialised Flower messages, all client-rounds. Client peak: RSS of the "
-        "client process while handling a message. s/round: without the server's evaluation.",
+        "client process while handling a message (decoding downloads and encoding the upload "
+        "included); training peak: the same process's RSS during local training only. "
+        "s/round: without the server's evaluation.",
         "",
         *rows,
         "",
@@ -338,7 +344,8 @@ def main() -> None:
         "time": "",
     }
     base = profile["base"]
-    inference_mb = saved.get("inference_mb") if (args.resume or args.report_only) else None
+    # Measured afresh unless only the report is rewritten.
+    inference_mb = saved.get("inference_mb") if args.report_only else None
     if inference_mb is None:
         inference_mb = probe_inference(base["model"], base["batch-size"], base["max-seq-len"],
                                        threads, base["local-steps"])
