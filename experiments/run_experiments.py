@@ -73,8 +73,8 @@ def planned_runs(profile: dict[str, Any], only: set[str] | None) -> list[dict[st
     for partition, methods in profile["profile"]["partitions"].items():
         for method in methods:
             add(method, partition, int(base["seed"]))
-    check = profile["profile"].get("seed-check")
-    if check:
+    checks = profile["profile"].get("seed-check", [])
+    for check in [checks] if isinstance(checks, dict) else checks:
         for seed in check["seeds"]:
             add(check["method"], check["partition"], int(seed))
     return runs
@@ -235,6 +235,8 @@ def table(results: dict[str, dict[str, Any]], inference_mb: float, meta: dict[st
         f"Before training: accuracy {initial['initial_eval_accuracy']:.3f}, "
         f"loss {initial['initial_eval_loss']:.3f} "
         f"({initial['run_config']['eval-examples']} test examples).  ",
+        f"Runs: {len(results)}, {sum(r['wall_s'] for r in results.values()) / 60:.1f} min of "
+        "wall time together (each run from its start to its summary).  ",
         f"Inference floor (a fresh process with the ClientApp's imports and model, forward "
         f"passes of the same batches): {inference_mb:,.0f} MB.",
         "",
