@@ -105,8 +105,11 @@ class LoopbackGrid(Grid):
             node = message.metadata.dst_node_id
             if message.has_content():
                 # A real runtime deserialises one content per node; strategies such as FedAvg
-                # share one RecordDict between messages, so each node gets its own (shallow).
-                message.content = RecordDict(dict(message.content.items()))
+                # share one RecordDict (and the global ArrayRecord) between messages, so each
+                # node gets its own records (the arrays themselves are shared, not copied).
+                message.content = RecordDict(
+                    {k: type(r)(dict(r.items())) for k, r in message.content.items()}  # type: ignore[arg-type]
+                )
             try:
                 reply = self.client_app(message, self.contexts[node])
             except Exception as err:  # the runtime turns a crash into an error reply

@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import json
 import multiprocessing as mp
+import resource
 import struct
 import time
 from collections.abc import Callable, Iterable
@@ -40,8 +41,9 @@ class Exchange:
     node_id: int
     bytes_down: int  # the serialised instruction
     bytes_up: int  # the serialised reply
-    peak_rss_mb: float  # the client process's peak RSS while handling it
+    peak_rss_mb: float  # the client process's peak RSS (sampled) while handling it
     seconds: float  # handling time in the client process
+    max_rss_mb: float  # the client process's lifetime peak RSS so far (the kernel's count)
 
 
 def _frame(header: dict[str, Any], body: bytes) -> bytes:
@@ -49,9 +51,10 @@ def _frame(header: dict[str, Any], body: bytes) -> bytes:
     return struct.pack("<I", len(head)) + head + body
 
 
-def _unframe(frame: bytes) -> tuple[dict[str, Any], bytes]:
+def _unframe(frame: bytes) -> tuple[dict[str, Any], memoryview]:
     (size,) = struct.unpack_from("<I", frame)
-    return json.loads(frame[4 : 4 + size]), frame[4 + size :]
+    view = memoryview(frame)  # no copy of the body
+    return json.loads(bytes(view[4 : 4 + size])), view[4 + size :]
 
 
 def _claim_identity(node_id: int) -> None:
@@ -59,6 +62,35 @@ def _claim_identity(node_id: int) -> None:
     TaskIdentity.run_id = 1
     TaskIdentity.node_id = node_id
     TaskIdentity.task_id = 1
+
+
+def _handle(inbox: list[bytes], client_app: Any, contexts: dict[int, Context]) -> bytes:
+    """One message: decode, run the ClientApp, encode the reply (all inside the measurement).
+
+    The frame comes in a list so that this function holds its only reference and can drop the
+    received bytes once decoded, as a runtime does.
+    """
+    began = time.perf_counter()
+    with PeakMemory() as mem:
+        frame = inbox.pop()
+        header, body = _unframe(frame)
+        proto = ProtoMessage()
+        proto.ParseFromString(body)
+        del body, frame
+        message = message_from_proto(proto)
+        del proto
+        try:
+            reply = client_app(message, contexts[header["node"]])
+        except Exception as err:  # a runtime turns a crash into an error reply
+            error = Error(int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION),
+                          f"{type(err).__name__}: {err}")
+            reply = Message(error, reply_to=message)
+        del message
+        out = message_to_proto(reply).SerializeToString()
+        del reply
+    stats = {"peak_rss_mb": mem.peak_mb, "seconds": time.perf_counter() - began,
+             "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return _frame(stats, out)
 
 
 def _serve(conn: Connection, app_ref: str, contexts_json: str, threads: int) -> None:
@@ -76,27 +108,12 @@ def _serve(conn: Connection, app_ref: str, contexts_json: str, threads: int) -> 
         for node, spec in json.loads(contexts_json).items()
     }
     while True:
-        frame = conn.recv_bytes()
-        if not frame:
+        inbox = [conn.recv_bytes()]
+        if not inbox[0]:
             return
-        header, body = _unframe(frame)
-        proto = ProtoMessage()
-        proto.ParseFromString(body)
-        del body, frame
-        message = message_from_proto(proto)
-        del proto
-        began = time.perf_counter()
-        with PeakMemory() as mem:
-            try:
-                reply = client_app(message, contexts[header["node"]])
-            except Exception as err:  # a runtime turns a crash into an error reply
-                error = Error(int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION),
-                              f"{type(err).__name__}: {err}")
-                reply = Message(error, reply_to=message)
-        seconds = time.perf_counter() - began
-        del message
-        out = message_to_proto(reply).SerializeToString()
-        conn.send_bytes(_frame({"peak_rss_mb": mem.peak_mb, "seconds": seconds}, out))
+        # Locals of one message (its reply included) die before the next is received, so no
+        # message's memory is counted in another's peak.
+        conn.send_bytes(_handle(inbox, client_app, contexts))
 
 
 class ProcessGrid(Grid):
@@ -114,6 +131,9 @@ class ProcessGrid(Grid):
         Extra node config for node ``i``.
     threads : int, optional
         torch threads in the child (0: torch's default).
+    timeout : float, optional
+        Seconds to wait for one reply before the run stops (the child is one process: a
+        crash or a hang ends the run, unlike a real runtime where only that reply is lost).
     """
 
     def __init__(
@@ -124,7 +144,9 @@ class ProcessGrid(Grid):
         node_config: Callable[[int], dict[str, Any]] | None = None,
         first_node_id: int = 1001,
         threads: int = 0,
+        timeout: float = 3600.0,
     ) -> None:
+        self.timeout = timeout
         contexts: dict[int, dict[str, Any]] = {}
         for i in range(num_nodes):
             config: dict[str, Any] = {"partition-id": i, "num-partitions": num_nodes}
@@ -163,8 +185,8 @@ class ProcessGrid(Grid):
 
     @property
     def peak_rss_mb(self) -> float:
-        """The client process's highest peak RSS over all messages so far."""
-        return max((e.peak_rss_mb for e in self.exchanges), default=0.0)
+        """The client process's peak RSS over its whole life (kernel count and samples)."""
+        return max((max(e.peak_rss_mb, e.max_rss_mb) for e in self.exchanges), default=0.0)
 
     def set_run(self, run: Run) -> None:
         """Set the run."""
@@ -200,10 +222,15 @@ class ProcessGrid(Grid):
             if node not in self.node_ids:
                 raise ValueError(f"no node {node} on this grid")
             body = message_to_proto(message).SerializeToString()
-            self._conn.send_bytes(_frame({"node": node}, body))
             try:
+                self._conn.send_bytes(_frame({"node": node}, body))
+                if not self._conn.poll(self.timeout):
+                    raise RuntimeError(
+                        f"node {node} sent no reply within {self.timeout:.0f} s (the client "
+                        "process hangs); the run stops"
+                    )
                 frame = self._conn.recv_bytes()
-            except EOFError:
+            except (EOFError, BrokenPipeError, ConnectionResetError):
                 code = self._process.exitcode
                 raise RuntimeError(
                     f"the client process died (exit code {code}) while node {node} handled a "
@@ -213,9 +240,12 @@ class ProcessGrid(Grid):
             proto = ProtoMessage()
             proto.ParseFromString(reply_body)
             reply = message_from_proto(proto)
+            if reply.metadata.reply_to_message_id != message.metadata.message_id:
+                raise RuntimeError(f"node {node} answered another message than the one sent")
             self.exchanges.append(Exchange(node, len(body), len(reply_body),
                                            float(header["peak_rss_mb"]),
-                                           float(header["seconds"])))
+                                           float(header["seconds"]),
+                                           float(header["max_rss_mb"])))
             self._replies[message.metadata.message_id] = reply
             ids.append(message.metadata.message_id)
         return ids

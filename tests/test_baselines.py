@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, Context, Message
+from flwr.app import Array, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 from safetensors.torch import load_file
 
@@ -79,32 +79,64 @@ def test_fedavg_lora_exchanges_only_the_adapters(fedavg_config, tmp_path):
     assert summary["final_eval_loss"] != summary["initial_eval_loss"]
 
 
-def test_fedavg_drops_a_nan_upload_and_keeps_the_model_finite(fedavg_config, tmp_path, caplog):
-    # Prepare: node 0 returns NaN in its first tensor; node 1 an array of the wrong shape
-    broken = ClientApp()
+def corrupting_app(corrupt: Any) -> ClientApp:
+    """Our ClientApp, with ``corrupt(reply, partition_id)`` applied to every reply."""
+    app = ClientApp()
 
-    @broken.train()
+    @app.train()
     def train(msg: Message, context: Context) -> Message:
         reply = client_train(msg, context)
+        corrupt(reply, int(context.node_config["partition-id"]))
+        return reply
+
+    return app
+
+
+def test_fedavg_drops_bad_uploads_and_averages_the_rest(fedavg_config, tmp_path, caplog):
+    # Prepare: of 6 clients, 4 send something wrong; 2 are fine
+    def corrupt(reply: Message, pid: int) -> None:
         arrays = reply.content.array_records[baselines.ARRAYS]
+        metrics = reply.content.metric_records[baselines.METRICS]
         first = next(iter(arrays))
-        pid = context.node_config["partition-id"]
         if pid == 0:
             arrays[first] = Array(np.full(arrays[first].shape, np.nan, dtype=np.float32))
         elif pid == 1:
             arrays[first] = Array(np.zeros((3,), dtype=np.float32))
-        return reply
+        elif pid == 2:
+            metrics["num-examples"] = float("nan")
+        elif pid == 3:
+            arrays[first] = Array(np.zeros(arrays[first].shape, dtype=np.float16))
 
-    config = dict(fedavg_config, **{"clients-per-round": 4, "num-server-rounds": 1})
-    grid = LoopbackGrid(broken, 4, config)
+    config = dict(fedavg_config, **{"clients-per-round": 6, "num-server-rounds": 1})
+    grid = LoopbackGrid(corrupting_app(corrupt), 6, config)
+    start = load_model("tiny-llama")
     # Execute
     with caplog.at_level(logging.WARNING, logger="fedcybgd"):
         summary = run_fedavg(grid, RunConfig.from_run_config(config))
-    # Assert: both bad uploads were named and dropped; the average of the others is finite
-    assert "holds NaN or Inf" in caplog.text and "has shape (3,)" in caplog.text
+    # Assert: each bad upload named and dropped; the 2 good ones averaged into a finite model
+    for reason in ("holds NaN or Inf", "has shape (3,)", "num-examples = nan", "dtype"):
+        assert reason in caplog.text
+    record = records(tmp_path / "out")[1]
+    assert record["dropped_uploads"] == 4 and len(record["clients"]) == 2
     saved = load_model(str(tmp_path / "out" / "final"))
     assert all(torch.isfinite(p).all() for p in saved.parameters())
+    assert any(not torch.equal(a, b) for a, b in
+               zip(saved.parameters(), start.parameters(), strict=True))
     assert np.isfinite(summary["final_eval_loss"])
+
+
+def test_fedavg_survives_a_round_of_only_bad_uploads(fedavg_config, tmp_path):
+    # Prepare: every reply carries a second, unexpected metric record
+    def corrupt(reply: Message, pid: int) -> None:
+        reply.content.metric_records["extra"] = MetricRecord({"x": 1.0})
+
+    config = dict(fedavg_config, **{"num-server-rounds": 1})
+    grid = LoopbackGrid(corrupting_app(corrupt), 4, config)
+    # Execute
+    summary = run_fedavg(grid, RunConfig.from_run_config(config))
+    # Assert: the global model is the initial one, and the server finished the run
+    assert records(tmp_path / "out")[1]["dropped_uploads"] == 2
+    assert summary["final_eval_loss"] == summary["initial_eval_loss"]
 
 
 def test_client_rejects_arrays_that_do_not_match_its_model(fedavg_config):
@@ -117,6 +149,8 @@ def test_client_rejects_arrays_that_do_not_match_its_model(fedavg_config):
         bm.set({k: v for k, v in tensors.items() if k != name})
     with pytest.raises(ValueError, match="shape"):
         bm.set({**tensors, name: torch.zeros(2)})
+    with pytest.raises(ValueError, match="dtype"):
+        bm.set({**tensors, name: tensors[name].double()})
 
 
 @pytest.mark.parametrize("key,value,fragment", [
@@ -139,7 +173,8 @@ def test_process_grid_gives_the_same_run_as_loopback(tiny_run_config, tmp_path):
                         node_config=lambda i: {"cache-dir": str(tmp_path / "loop-cache")})
     # Execute
     in_process = run_server(loop, RunConfig.from_run_config(config("loop")))
-    with ProcessGrid("fedcybgd.client.app:app", 4, config("proc"), threads=1,
+    with ProcessGrid("fedcybgd.client.app:app", 4, config("proc"),
+                     threads=torch.get_num_threads(),  # same arithmetic as this process
                      node_config=lambda i: {"cache-dir": str(tmp_path / "proc-cache")}) as grid:
         child = run_server(grid, RunConfig.from_run_config(config("proc")))
         exchanges = list(grid.exchanges)
@@ -148,6 +183,7 @@ def test_process_grid_gives_the_same_run_as_loopback(tiny_run_config, tmp_path):
     assert child["block_versions"] == in_process["block_versions"]
     assert len(exchanges) == 4
     assert all(e.bytes_down > 0 and e.bytes_up > 0 and e.peak_rss_mb > 100 for e in exchanges)
+    assert all(e.max_rss_mb >= e.peak_rss_mb * 0.99 for e in exchanges)
     assert sum(e.bytes_up for e in exchanges) > child["bytes_up"]  # payloads + the envelope
 
 
@@ -163,5 +199,4 @@ def test_process_grid_turns_a_client_crash_into_an_error_reply(tiny_run_config, 
         summary = run_server(grid, RunConfig.from_run_config(config))
     # Assert: the server kept running and re-queued the blocks
     assert records(tmp_path / "out")[1]["failed_blocks"] == ["layer.0", "layer.1"]
-    assert summary["block_versions"] == {}  or all(
-        v == 0 for v in summary["block_versions"].values())
+    assert all(v == 0 for v in summary["block_versions"].values())

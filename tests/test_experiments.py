@@ -56,3 +56,32 @@ def test_unknown_method_in_a_profile_is_named(tmp_path):
     done = run_harness("--profile", str(bad), "--results", str(tmp_path))
     # Assert
     assert done.returncode != 0 and "fedcybgd-nope" in done.stderr
+
+
+def fake_run(acc: float, initial: float, down: int, up: int, peak: float) -> dict:
+    return {"partition": "dirichlet", "wire_bytes_down": down, "wire_bytes_up": up,
+            "client_process_peak_mb": peak,
+            "summary": {"final_eval_accuracy": acc, "initial_eval_accuracy": initial}}
+
+
+def test_targets_read_pass_and_miss_at_their_boundaries():
+    # Prepare: fo exactly 1 point (2 of 200 examples) below FedAvg-full, 50x less traffic,
+    # exactly 2x less memory; LoRA cheaper than fo; lezo at 1.2x the floor
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import run_experiments as harness
+
+    results = {
+        "fedavg-full@dirichlet": fake_run(157 / 200, 156 / 200, 50_000, 50_000, 4000.0),
+        "fedcybgd-fo@dirichlet": fake_run(155 / 200, 156 / 200, 1_000, 1_000, 2000.0),
+        "fedavg-lora@dirichlet": fake_run(150 / 200, 156 / 200, 100, 100, 1500.0),
+        "fedcybgd-lezo@dirichlet": fake_run(156 / 200, 156 / 200, 10, 10, 1200.0),
+    }
+    # Execute
+    lines = harness.targets(results, inference_mb=1000.0)
+    # Assert
+    text = "\n".join(lines)
+    assert "final accuracy: PASS (-1.0 points" in text
+    assert ">= 50x less total traffic than FedAvg-full: PASS (50.0x)" in text
+    assert ">= 2x less peak client memory than FedAvg-full: PASS (2.00x)" in text
+    assert "at equal or lower traffic: MISS" in text
+    assert "within 1.1x of inference memory: MISS (1.200x" in text

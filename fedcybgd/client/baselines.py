@@ -10,6 +10,7 @@ peft's stable exchange surface.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedcybgd import data
 from fedcybgd.client.updates.fo import block_loss
@@ -46,12 +47,19 @@ class BaselineModel:
     def get(self) -> dict[str, torch.Tensor]:
         """The exchanged tensors, detached (LoRA: peft's adapter state dict)."""
         if self.lora:
-            return {k: v.detach() for k, v in get_peft_model_state_dict(self.model).items()}
+            # save_embedding_layers=False: peft would otherwise re-read the base model's config
+            # on every call to decide whether embeddings belong in the adapter.
+            state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+            return {k: v.detach() for k, v in state.items()}
         return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    def signature(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every exchanged tensor."""
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.get().items()}
 
     def set(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load exchanged tensors; a clear ``ValueError`` on any mismatch, nothing changed."""
-        check_tensors(tensors, {k: tuple(v.shape) for k, v in self.get().items()})
+        check_tensors(tensors, self.signature())
         if self.lora:
             set_peft_model_state_dict(self.model, tensors)
             return
@@ -60,18 +68,23 @@ class BaselineModel:
                 p.copy_(tensors[name])
 
 
-def check_tensors(got: dict[str, torch.Tensor], want: dict[str, tuple[int, ...]]) -> None:
-    """Raise ``ValueError`` unless ``got`` has exactly the names and shapes in ``want`` and
-    only finite values."""
+def check_tensors(
+    got: dict[str, torch.Tensor], want: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> None:
+    """Raise ``ValueError`` unless ``got`` has exactly the names, shapes and dtypes in ``want``
+    and only finite values."""
     missing = sorted(set(want) - set(got))
     unexpected = sorted(set(got) - set(want))
     if missing or unexpected:
         raise ValueError(f"arrays do not match the model: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
     for name, tensor in got.items():
-        if tuple(tensor.shape) != tuple(want[name]):
+        shape, dtype = want[name]
+        if tuple(tensor.shape) != shape:
             raise ValueError(f"array '{name}' has shape {tuple(tensor.shape)}, "
-                             f"the model's is {tuple(want[name])}")
+                             f"the model's is {shape}")
+        if tensor.dtype != dtype:
+            raise ValueError(f"array '{name}' has dtype {tensor.dtype}, the model's is {dtype}")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"array '{name}' holds NaN or Inf")
 
@@ -123,6 +136,11 @@ def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
 _MODELS: dict[tuple[object, ...], BaselineModel] = {}
 
 
+@functools.lru_cache(maxsize=2)
+def _tokenizer(model: str) -> PreTrainedTokenizerBase:
+    return load_tokenizer(model)
+
+
 def _client_model(run: RunConfig) -> BaselineModel:
     # One model per client process, as for FedCyBGD; FedAvg overwrites it every round.
     key = (run.model, run.fedavg_params, run.lora_rank, run.lora_alpha,
@@ -151,7 +169,7 @@ def train_fedavg(msg: Message, context: Context) -> Message:
     seed = run.seed * 1_000_003 + server_round * 1009 + node.partition_id
     examples = data.client_examples(run.dataset, run.partitioner, node.partition_id,
                                     node.num_partitions, run.dirichlet_alpha, run.seed)
-    batches = data.batches(examples, load_tokenizer(run.model), run.batch_size,
+    batches = data.batches(examples, _tokenizer(run.model), run.batch_size,
                            run.max_seq_len, seed=seed, shuffle=True)
     params = bm.trainable
     for p in params:
@@ -167,13 +185,12 @@ def train_fedavg(msg: Message, context: Context) -> Message:
             for _ in range(run.local_steps):
                 batch = next(batches)
                 loss = block_loss(bm.stack, batch, -1)
-                seen += int(batch.labels.shape[0])
                 if not math.isfinite(float(loss.detach())):
-                    optimizer.zero_grad(set_to_none=True)
-                    continue
+                    continue  # a skipped step counts no examples: FedAvg weighs by them
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                seen += int(batch.labels.shape[0])
                 losses.append(float(loss.detach()))
     finally:
         for p in params:

@@ -9,12 +9,14 @@ cannot corrupt the global model.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
@@ -37,67 +39,111 @@ log = logging.getLogger(__name__)
 
 
 class CheckedFedAvg(FedAvg):
-    """Flower's FedAvg, dropping replies that would corrupt the average.
+    """Flower's FedAvg, dropping replies that would corrupt the average or stop the server.
+
+    A reply is kept only with exactly one ArrayRecord (``"arrays"``) matching the model's
+    names, shapes and dtypes with finite values, and one MetricRecord (``"metrics"``) of
+    scalars whose ``num-examples`` is a positive finite number and whose keys are those of the
+    other kept replies (Flower's FedAvg raises on mixed keys).
 
     Parameters
     ----------
-    reference : dict[str, tuple[int, ...]]
-        The exchanged tensors' names and shapes.
+    reference : dict[str, tuple[tuple[int, ...], torch.dtype]]
+        The exchanged tensors' names, shapes and dtypes.
     **kwargs
         Passed to :class:`flwr.serverapp.strategy.FedAvg`.
     """
 
-    def __init__(self, reference: dict[str, tuple[int, ...]], **kwargs: Any) -> None:
+    def __init__(self, reference: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reference = reference
-        self.last_replies: list[Message] = []
+        self.last_replies: list[Message] = []  # kept replies of the last round
+        self.last_dropped: list[Message] = []
+        self.last_sent_bytes = 0
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """FedAvg's messages; remembers the payload bytes they carry."""
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self.last_sent_bytes = payload_bytes(arrays) * len(messages)
+        return messages
+
+    def _problem(self, reply: Message, metric_keys: set[str] | None) -> str | None:
+        content = reply.content
+        if list(content.array_records) != [ARRAYS]:
+            return f"array records {list(content.array_records)}, expected ['{ARRAYS}']"
+        if list(content.metric_records) != [METRICS]:
+            return f"metric records {list(content.metric_records)}, expected ['{METRICS}']"
+        metrics = content.metric_records[METRICS]
+        if any(isinstance(v, list) for v in metrics.values()):
+            return "a metric is a list, expected scalars"
+        examples = metrics.get("num-examples")
+        if not isinstance(examples, (int, float)) or not 0 < examples < math.inf:
+            return f"num-examples = {examples!r}, expected a positive number"
+        if metric_keys is not None and set(metrics) != metric_keys:
+            return f"metric keys {sorted(metrics)} differ from the other replies'"
+        try:
+            check_tensors(from_record(content.array_records[ARRAYS]), self.reference)
+        except (ValueError, TypeError) as err:
+            return str(err)
+        return None
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Drop malformed uploads (logged with the reason), then average as FedAvg does."""
         kept: list[Message] = []
+        dropped: list[Message] = []
+        keys: set[str] | None = None
         for reply in replies:
             if reply.has_content():
-                try:
-                    check_tensors(from_record(reply.content.array_records[ARRAYS]),
-                                  self.reference)
-                except (KeyError, ValueError, TypeError) as err:
+                problem = self._problem(reply, keys)
+                if problem is not None:
                     log.warning("round %d: dropped node %d's upload: %s", server_round,
-                                reply.metadata.src_node_id, err)
+                                reply.metadata.src_node_id, problem)
+                    dropped.append(reply)
                     continue
+                keys = set(reply.content.metric_records[METRICS])
             kept.append(reply)
-        self.last_replies = kept
+        self.last_replies, self.last_dropped = kept, dropped
+        if not any(r.has_content() for r in kept):
+            return None, None  # nothing usable: the global model stays as it was
         return super().aggregate_train(server_round, kept)
 
 
-def _payload_bytes(record: ArrayRecord) -> int:
+def payload_bytes(record: ArrayRecord) -> int:
+    """Bytes of the arrays in ``record`` as Flower carries them."""
     return sum(len(array.data) for array in record.values())
 
 
-def _train_record(replies: list[Message], arrays: ArrayRecord, run: RunConfig) -> dict[str, Any]:
+def _train_record(strategy: CheckedFedAvg, run: RunConfig) -> dict[str, Any]:
     """A round's traffic and client metrics, in the keys a FedCyBGD round record uses."""
-    metrics = [{k: float(v) for k, v in r.content.metric_records[METRICS].items()}  # type: ignore[arg-type]
-               for r in replies if r.has_content()]
+    kept = [r for r in strategy.last_replies if r.has_content()]
+    metrics = [{k: float(v)  # type: ignore[arg-type]
+                for k, v in r.content.metric_records[METRICS].items()} for r in kept]
     examples = sum(m["num-examples"] for m in metrics)
-    down = _payload_bytes(arrays) * run.clients_per_round
-    up = sum(_payload_bytes(r.content.array_records[ARRAYS]) for r in replies if r.has_content())
+    down = strategy.last_sent_bytes
+    up = sum(payload_bytes(r.content.array_records.get(ARRAYS, ArrayRecord()))
+             for r in kept + strategy.last_dropped)  # dropped uploads crossed the wire too
     return {
-        "clients": [str(r.metadata.src_node_id) for r in replies],
+        "clients": [str(r.metadata.src_node_id) for r in kept],
         "update_rule": [f"fedavg-{run.fedavg_params}"],
+        "dropped_uploads": len(strategy.last_dropped),
         "bytes_down": down, "bytes_up": up, "bytes_down_raw": down, "bytes_up_raw": up,
-        "client_peak_mem_mb": max([m["peak_mem_mb"] for m in metrics] or [0.0]),
-        "client_train_s": max([m["train_s"] for m in metrics] or [0.0]),
+        "client_peak_mem_mb": max([m.get("peak_mem_mb", 0.0) for m in metrics] or [0.0]),
+        "client_train_s": max([m.get("train_s", 0.0) for m in metrics] or [0.0]),
         "examples": int(examples),
-        "train_loss": (sum(m["train_loss"] * m["num-examples"] for m in metrics) / examples
-                       if examples else float("nan")),
+        "train_loss": (sum(m.get("train_loss", math.nan) * m["num-examples"] for m in metrics)
+                       / examples if examples else math.nan),
     }
 
 
 def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     """Run a FedAvg baseline (``fedavg-params`` = full | lora); returns the summary it writes."""
     started = time.perf_counter()
-    nodes = require_nodes(grid, run.clients_per_round, 120.0)
+    require_nodes(grid, run.clients_per_round, 120.0)
     out = resolve_output_dir(run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     server = build_baseline(run)
@@ -107,8 +153,9 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     evaluator = Evaluator(run, server.stack)
     writer = MetricsWriter(out, resume=False)
     strategy = CheckedFedAvg(
-        {k: tuple(v.shape) for k, v in initial.items()},
-        fraction_train=run.clients_per_round / nodes,
+        server.signature(),
+        # A fraction of ~0 makes FedAvg sample exactly min_train_nodes, however many connect.
+        fraction_train=1e-9,
         fraction_evaluate=0.0,
         min_train_nodes=run.clients_per_round,
         min_available_nodes=run.clients_per_round,
@@ -122,7 +169,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         began = time.perf_counter()
         record: dict[str, Any] = {"round": server_round}
         if server_round > 0:
-            record.update(_train_record(strategy.last_replies, arrays, run))
+            record.update(_train_record(strategy, run))
         is_last = server_round == run.num_server_rounds
         if server_round == 0 or is_last or (
             run.eval_every and server_round % run.eval_every == 0
