@@ -116,7 +116,7 @@ def run_one(plan: dict[str, Any], work: Path, nodes: int, threads: int) -> dict[
         "wire_bytes_up": sum(e.bytes_up for e in exchanges),
         "client_rounds": len(exchanges),
         "client_process_peak_mb": max(e.peak_rss_mb for e in exchanges),
-        # the kernel's lifetime count also holds the pipe framing's copy of a reply (harness)
+        # ru_maxrss: inherits the server's RSS at spawn on Linux, an upper bound only
         "client_process_max_rss_mb": max(e.max_rss_mb for e in exchanges),
         # A round's time without the server's evaluation (same for every method).
         "round_s": sum(r["round_s"] - r.get("eval_s", 0.0) for r in trained) / len(trained),

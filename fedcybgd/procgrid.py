@@ -43,7 +43,9 @@ class Exchange:
     bytes_up: int  # the serialised reply
     peak_rss_mb: float  # the client process's peak RSS (sampled) while handling it
     seconds: float  # handling time in the client process
-    max_rss_mb: float  # the client process's lifetime peak RSS so far (the kernel's count)
+    # The kernel's lifetime peak (ru_maxrss). Linux carries it over fork and exec, so it starts
+    # at the parent's RSS when the child was spawned: an upper bound, not the client's peak.
+    max_rss_mb: float
 
 
 def _frame(header: dict[str, Any], body: bytes) -> bytes:
@@ -185,8 +187,8 @@ class ProcessGrid(Grid):
 
     @property
     def peak_rss_mb(self) -> float:
-        """The client process's peak RSS over its whole life (kernel count and samples)."""
-        return max((max(e.peak_rss_mb, e.max_rss_mb) for e in self.exchanges), default=0.0)
+        """The client process's highest sampled peak RSS over all messages so far."""
+        return max((e.peak_rss_mb for e in self.exchanges), default=0.0)
 
     def set_run(self, run: Run) -> None:
         """Set the run."""
