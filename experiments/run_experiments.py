@@ -301,10 +301,16 @@ def plot(results: dict[str, dict[str, Any]], out: Path, inference_mb: float) -> 
     import matplotlib.pyplot as plt
 
     partitions = sorted({r["partition"] for r in results.values()})
+    # one colour per run label, the same in every panel
+    labels = list(dict.fromkeys(
+        rid.split("@", 1)[0] + (f" seed {r['seed']}" if "@seed" in rid else "")
+        for rid, r in results.items()))
+    colour = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     for name, xkey in (("accuracy_vs_round", "round"), ("accuracy_vs_bytes", "bytes")):
-        fig, axes = plt.subplots(1, len(partitions), figsize=(6 * len(partitions), 4.5),
+        # Row 1: accuracy; row 2: the label-token loss, which separates short runs better.
+        fig, axes = plt.subplots(2, len(partitions), figsize=(6 * len(partitions), 8),
                                  squeeze=False)
-        for ax, part in zip(axes[0], partitions, strict=True):
+        for col, part in enumerate(partitions):
             for rid, r in results.items():
                 if r["partition"] != part:
                     continue
@@ -313,16 +319,20 @@ def plot(results: dict[str, dict[str, Any]], out: Path, inference_mb: float) -> 
                 for rec in r["records"]:
                     sent += rec.get("bytes_down", 0) + rec.get("bytes_up", 0)
                     cumulative[rec["round"]] = sent / MB
-                points = [(e["round"] if xkey == "round" else cumulative[e["round"]],
-                           e["eval_accuracy"]) for e in evals(r)]
-                ax.plot(*zip(*points, strict=True), "o-", label=rid.split("@", 1)[0] +
-                        (f" seed {r['seed']}" if "@seed" in rid else ""))
-            ax.set_title(f"partition: {part}")
-            ax.set_xlabel("round" if xkey == "round" else "cumulative MB of payloads (down + up)")
-            if xkey == "bytes":
-                ax.set_xscale("symlog", linthresh=1.0)
-            ax.set_ylabel("eval accuracy")
-            ax.legend(fontsize=7)
+                xs = [e["round"] if xkey == "round" else cumulative[e["round"]] for e in evals(r)]
+                label = rid.split("@", 1)[0] + (f" seed {r['seed']}" if "@seed" in rid else "")
+                for row, key in enumerate(("eval_accuracy", "eval_loss")):
+                    axes[row][col].plot(xs, [e[key] for e in evals(r)], "o-", label=label,
+                                        color=colour[label])
+            for row, key in enumerate(("eval accuracy", "eval loss (label token)")):
+                ax = axes[row][col]
+                ax.set_title(f"partition: {part}")
+                ax.set_xlabel("round" if xkey == "round"
+                              else "cumulative MB of payloads (down + up)")
+                if xkey == "bytes":
+                    ax.set_xscale("symlog", linthresh=1.0)
+                ax.set_ylabel(key)
+                ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)
