@@ -32,7 +32,7 @@ from fedcybgd.memory_model import ModelShape, fitting_rule
 from fedcybgd.models import load_model, load_tokenizer, read_tensors, safetensors_index
 from fedcybgd.objective import EvalResult, evaluate
 from fedcybgd.server.checkpoint import Checkpointer
-from fedcybgd.server.metrics import MetricsWriter, write_summary
+from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 
@@ -221,25 +221,16 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
     final_dir = out / "final"
     model.save_pretrained(final_dir)
     load_tokenizer(run.model).save_pretrained(final_dir)
-    records = writer.records
-    trained = [r for r in records if r.get("round", 0) > 0]
     summary = {
         "model": run.model,
         "update_rule": run.update_rule,
         "rounds": run.num_server_rounds,
+        **run_totals(writer.records),
+        # the evaluations this process holds (the round-0 one may come from the checkpoint)
         "initial_eval_loss": initial.loss,
         "initial_eval_accuracy": initial.accuracy,
         "final_eval_loss": last_eval.loss,
         "final_eval_accuracy": last_eval.accuracy,
-        "best_eval_accuracy": max(
-            [r["eval_accuracy"] for r in records if r.get("eval_accuracy") is not None]
-        ),
-        "bytes_down": sum(r.get("bytes_down", 0) for r in trained),
-        "bytes_up": sum(r.get("bytes_up", 0) for r in trained),
-        "bytes_down_raw": sum(r.get("bytes_down_raw", 0) for r in trained),
-        "bytes_up_raw": sum(r.get("bytes_up_raw", 0) for r in trained),
-        "client_peak_mem_mb": max([r.get("client_peak_mem_mb") or 0.0 for r in trained] or [0]),
-        "mean_round_s": (sum(r["round_s"] for r in trained) / len(trained)) if trained else None,
         "wall_s": time.perf_counter() - started,
         "blocks": blocks.names,
         "cycle": strategy.schedule.blocks,

@@ -13,7 +13,6 @@ import math
 import random
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from fedcybgd.client.baselines import (
 from fedcybgd.config import RunConfig
 from fedcybgd.models import load_tokenizer
 from fedcybgd.server.app import Evaluator, require_nodes, resolve_output_dir
-from fedcybgd.server.metrics import MetricsWriter, write_summary
+from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.report import print_progress, print_summary_table
 
 log = logging.getLogger(__name__)
@@ -162,7 +161,6 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     )
     random.seed(run.seed)  # Flower samples nodes with the `random` module
     marks: dict[str, float] = {"round_start": 0.0}
-    evals: list[dict[str, Any]] = []
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         # Flower calls this after every round: it closes the round's record.
@@ -177,8 +175,6 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
             server.set(from_record(arrays))
             result = evaluator()
             record.update(eval_loss=result.loss, eval_accuracy=result.accuracy)
-            evals.append({"round": server_round, "loss": result.loss,
-                          "accuracy": result.accuracy})
         now = time.perf_counter()
         record["eval_s"] = now - began
         if server_round > 0:
@@ -196,26 +192,16 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
                    num_rounds=run.num_server_rounds, timeout=run.round_timeout,
                    train_config=ConfigRecord(), evaluate_fn=evaluate_fn)
 
-    final_dir = out / "final"
-    _save_final(server, run, final_dir)
-    records = writer.records
-    trained = [r for r in records if r.get("round", 0) > 0]
+    # LoRA: the adapter alone (peft's format); full: the whole model. Both load with
+    # transformers. The server's model holds the last round's arrays (always evaluated).
+    server.model.save_pretrained(out / "final")  # type: ignore[operator]
+    load_tokenizer(run.model).save_pretrained(out / "final")
     summary = {
         "model": run.model,
         "strategy": "fedavg",
         "update_rule": f"fedavg-{run.fedavg_params}",
         "rounds": run.num_server_rounds,
-        "initial_eval_loss": evals[0]["loss"],
-        "initial_eval_accuracy": evals[0]["accuracy"],
-        "final_eval_loss": evals[-1]["loss"],
-        "final_eval_accuracy": evals[-1]["accuracy"],
-        "best_eval_accuracy": max(e["accuracy"] for e in evals),
-        "bytes_down": sum(r.get("bytes_down", 0) for r in trained),
-        "bytes_up": sum(r.get("bytes_up", 0) for r in trained),
-        "bytes_down_raw": sum(r.get("bytes_down_raw", 0) for r in trained),
-        "bytes_up_raw": sum(r.get("bytes_up_raw", 0) for r in trained),
-        "client_peak_mem_mb": max([r.get("client_peak_mem_mb") or 0.0 for r in trained] or [0]),
-        "mean_round_s": (sum(r["round_s"] for r in trained) / len(trained)) if trained else None,
+        **run_totals(writer.records),
         "wall_s": time.perf_counter() - started,
         "exchanged_params": sum(v.numel() for v in initial.values()),
         "output_dir": str(out),
@@ -224,9 +210,3 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     write_summary(out, summary)
     print_summary_table(summary)
     return summary
-
-
-def _save_final(server: Any, run: RunConfig, final_dir: Path) -> None:
-    # LoRA: the adapter alone (peft's format); full: the whole model. Both load with transformers.
-    server.model.save_pretrained(final_dir)
-    load_tokenizer(run.model).save_pretrained(final_dir)
