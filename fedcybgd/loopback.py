@@ -21,52 +21,30 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 
-class LoopbackGrid(Grid):
-    """A Grid whose nodes are ClientApp calls in this process.
+def node_configs(
+    num_nodes: int, node_config: Callable[[int], dict[str, Any]] | None, first_node_id: int
+) -> dict[int, dict[str, Any]]:
+    """Node id -> node config: ``partition-id``, ``num-partitions`` and the extra keys."""
+    configs: dict[int, dict[str, Any]] = {}
+    for i in range(num_nodes):
+        config: dict[str, Any] = {"partition-id": i, "num-partitions": num_nodes}
+        if node_config is not None:
+            config.update(node_config(i))
+        configs[first_node_id + i] = config
+    return configs
 
-    Parameters
-    ----------
-    client_app : ClientApp
-        The app every node runs.
-    num_nodes : int
-        Number of nodes; node ``i`` gets ``partition-id = i`` and ``num-partitions``.
-    run_config : dict
-        The run config every node's Context sees.
-    node_config : Callable[[int], dict], optional
-        Extra node config for node ``i`` (e.g. a per-node update rule or cache folder).
-    keep_sent : int, optional
-        Keep only the last ``keep_sent`` instructions in :attr:`sent` (default: all, for
-        tests that inspect them; long runs should bound it, downloads are large).
+
+class LocalGrid(Grid):
+    """What a Grid needs besides delivering messages: the run, node ids, reply bookkeeping.
+
+    Subclasses implement :meth:`push_messages` and put each reply in ``self._replies``. This
+    process plays the SuperLink side (node id 1), whose identity instruction messages read.
     """
 
-    def __init__(
-        self,
-        client_app: ClientApp,
-        num_nodes: int,
-        run_config: dict[str, Any],
-        node_config: Callable[[int], dict[str, Any]] | None = None,
-        first_node_id: int = 1001,
-        keep_sent: int | None = None,
-    ) -> None:
-        self.client_app = client_app
-        self.contexts: dict[int, Context] = {}
-        for i in range(num_nodes):
-            node_id = first_node_id + i
-            config: dict[str, bool | float | int | str] = {
-                "partition-id": i, "num-partitions": num_nodes
-            }
-            if node_config is not None:
-                config.update(node_config(i))
-            self.contexts[node_id] = Context(
-                run_id=1, node_id=node_id, node_config=config, state=RecordDict(),
-                run_config=dict(run_config),
-            )
-        self.silent: set[int] = set()  # nodes whose replies are lost (timeouts)
-        self.sent: deque[Message] = deque(maxlen=keep_sent)
+    def __init__(self, node_ids: list[int]) -> None:
+        self.node_ids = node_ids
         self._replies: dict[str, Message] = {}
         self._run = Run.create_empty(run_id=1)
-        # Instruction messages read the sender's identity, which a Flower runtime would set:
-        # this process plays the SuperLink side (node id 1).
         TaskIdentity.run_id = 1
         TaskIdentity.node_id = 1
         TaskIdentity.task_id = 1
@@ -94,7 +72,56 @@ class LoopbackGrid(Grid):
 
     def get_node_ids(self) -> Iterable[int]:
         """All node ids."""
-        return list(self.contexts)
+        return list(self.node_ids)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Replies to the given message ids (missing ones are simply absent)."""
+        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Push, then pull."""
+        return self.pull_messages(self.push_messages(messages))
+
+
+class LoopbackGrid(LocalGrid):
+    """A Grid whose nodes are ClientApp calls in this process.
+
+    Parameters
+    ----------
+    client_app : ClientApp
+        The app every node runs.
+    num_nodes : int
+        Number of nodes; node ``i`` gets ``partition-id = i`` and ``num-partitions``.
+    run_config : dict
+        The run config every node's Context sees.
+    node_config : Callable[[int], dict], optional
+        Extra node config for node ``i`` (e.g. a per-node update rule or cache folder).
+    keep_sent : int, optional
+        Keep only the last ``keep_sent`` instructions in :attr:`sent` (default: all, for
+        tests that inspect them; long runs should bound it, downloads are large).
+    """
+
+    def __init__(
+        self,
+        client_app: ClientApp,
+        num_nodes: int,
+        run_config: dict[str, Any],
+        node_config: Callable[[int], dict[str, Any]] | None = None,
+        first_node_id: int = 1001,
+        keep_sent: int | None = None,
+    ) -> None:
+        configs = node_configs(num_nodes, node_config, first_node_id)
+        super().__init__(list(configs))
+        self.client_app = client_app
+        self.contexts = {
+            node_id: Context(run_id=1, node_id=node_id, node_config=config,
+                             state=RecordDict(), run_config=dict(run_config))
+            for node_id, config in configs.items()
+        }
+        self.silent: set[int] = set()  # nodes whose replies are lost (timeouts)
+        self.sent: deque[Message] = deque(maxlen=keep_sent)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Deliver each message to its node's ClientApp and keep the reply."""
@@ -120,13 +147,3 @@ class LoopbackGrid(Grid):
                 self._replies[message.metadata.message_id] = reply
             ids.append(message.metadata.message_id)
         return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Replies to the given message ids (missing ones are simply absent)."""
-        return [self._replies.pop(i) for i in message_ids if i in self._replies]
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        """Push, then pull."""
-        return self.pull_messages(self.push_messages(messages))

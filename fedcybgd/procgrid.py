@@ -27,10 +27,9 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage
-from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedcybgd.loopback import LocalGrid, node_configs
 from fedcybgd.memory import PeakMemory
 
 
@@ -60,7 +59,7 @@ def _unframe(frame: bytes) -> tuple[dict[str, Any], memoryview]:
 
 
 def _claim_identity(node_id: int) -> None:
-    # Flower's runtimes set who creates messages; here the parent plays the SuperLink (node 1).
+    # Flower's runtimes set who creates messages; the child plays "the SuperNode".
     TaskIdentity.run_id = 1
     TaskIdentity.node_id = node_id
     TaskIdentity.task_id = 1
@@ -118,7 +117,7 @@ def _serve(conn: Connection, app_ref: str, contexts_json: str, threads: int) -> 
         conn.send_bytes(_handle(inbox, client_app, contexts))
 
 
-class ProcessGrid(Grid):
+class ProcessGrid(LocalGrid):
     """A Grid whose nodes are served, one message at a time, by one child process.
 
     Parameters
@@ -148,18 +147,12 @@ class ProcessGrid(Grid):
         threads: int = 0,
         timeout: float = 3600.0,
     ) -> None:
+        configs = node_configs(num_nodes, node_config, first_node_id)
+        super().__init__(list(configs))
         self.timeout = timeout
-        contexts: dict[int, dict[str, Any]] = {}
-        for i in range(num_nodes):
-            config: dict[str, Any] = {"partition-id": i, "num-partitions": num_nodes}
-            if node_config is not None:
-                config.update(node_config(i))
-            contexts[first_node_id + i] = {"node_config": config,
-                                           "run_config": dict(run_config)}
-        self.node_ids = list(contexts)
+        contexts = {node: {"node_config": config, "run_config": dict(run_config)}
+                    for node, config in configs.items()}
         self.exchanges: list[Exchange] = []
-        self._replies: dict[str, Message] = {}
-        self._run = Run.create_empty(run_id=1)
         ctx = mp.get_context("spawn")  # no fork of a process holding torch threads
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
@@ -167,7 +160,6 @@ class ProcessGrid(Grid):
         )
         self._process.start()
         child.close()
-        _claim_identity(node_id=1)
 
     def close(self) -> None:
         """Stop the child process."""
@@ -189,31 +181,6 @@ class ProcessGrid(Grid):
     def peak_rss_mb(self) -> float:
         """The client process's highest sampled peak RSS over all messages so far."""
         return max((e.peak_rss_mb for e in self.exchanges), default=0.0)
-
-    def set_run(self, run: Run) -> None:
-        """Set the run."""
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        """The run."""
-        return self._run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        """Deprecated in Flower; kept for the interface."""
-        return Message(content, dst_node_id=dst_node_id, message_type=message_type,
-                       group_id=group_id, ttl=ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """All node ids."""
-        return list(self.node_ids)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Send each message to the child, wait for its reply and keep it."""
@@ -251,13 +218,3 @@ class ProcessGrid(Grid):
             self._replies[message.metadata.message_id] = reply
             ids.append(message.metadata.message_id)
         return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Replies to the given message ids."""
-        return [self._replies.pop(i) for i in message_ids if i in self._replies]
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        """Push, then pull."""
-        return self.pull_messages(self.push_messages(messages))
