@@ -8,7 +8,6 @@ Messages from Flower's own FedAvg (the baselines) go to :mod:`fedcybgd.client.ba
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from pathlib import Path
@@ -18,11 +17,10 @@ import pandas as pd
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from transformers import PreTrainedTokenizerBase
 
 from fedcybgd import data, protocol
 from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
-from fedcybgd.client.runtime import ClientModel, client_model, store_for
+from fedcybgd.client.runtime import ClientModel, client_model, client_tokenizer, store_for
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainTask, get_rule
 from fedcybgd.compression import (
@@ -39,16 +37,11 @@ from fedcybgd.compression import (
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.memory import PeakMemory
 from fedcybgd.memory_model import ModelShape, estimate_peak_mb, fitting_rule
-from fedcybgd.models import cache_root, load_tokenizer
+from fedcybgd.models import cache_root
 from fedcybgd.protocol import Holding
 
 log = logging.getLogger(__name__)
 app = ClientApp()
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(model: str) -> PreTrainedTokenizerBase:
-    return load_tokenizer(model)
 
 
 def _examples(run: RunConfig, partition_id: int, num_partitions: int) -> pd.DataFrame:
@@ -172,7 +165,7 @@ def train(msg: Message, context: Context) -> Message:
         return _reply(msg, protocol.RESYNC, store, "cache differs from the server's record",
                       budget=node.memory_budget_mb)
 
-    tokenizer = _tokenizer(run.model)
+    tokenizer = client_tokenizer(run.model)
     examples = _examples(run, node.partition_id, node.num_partitions)
     batches = data.batches(
         examples, tokenizer, run.batch_size, run.max_seq_len, seed=seed, shuffle=True

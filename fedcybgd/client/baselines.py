@@ -10,7 +10,6 @@ peft's stable exchange surface.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass
@@ -21,14 +20,15 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from fedcybgd import data
+from fedcybgd.client.runtime import client_tokenizer
 from fedcybgd.client.updates.fo import block_loss
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.layerwise import LayerStack
 from fedcybgd.memory import PeakMemory
-from fedcybgd.models import load_model, load_tokenizer
+from fedcybgd.models import load_model
 
 ARRAYS = "arrays"  # Flower FedAvg's default ArrayRecord key
 CONFIG = "config"  # ... and ConfigRecord key
@@ -129,16 +129,12 @@ def to_record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
 
 
 def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    """A Flower ArrayRecord as tensors."""
-    return {k: torch.from_numpy(np.array(v.numpy())) for k, v in record.items()}
+    """A Flower ArrayRecord as tensors (``np.load`` already made fresh arrays: no copy)."""
+    return {k: torch.from_numpy(np.require(v.numpy(), requirements="W"))
+            for k, v in record.items()}
 
 
 _MODELS: dict[tuple[object, ...], BaselineModel] = {}
-
-
-@functools.lru_cache(maxsize=2)
-def _tokenizer(model: str) -> PreTrainedTokenizerBase:
-    return load_tokenizer(model)
 
 
 def _client_model(run: RunConfig) -> BaselineModel:
@@ -169,7 +165,7 @@ def train_fedavg(msg: Message, context: Context) -> Message:
     seed = run.seed * 1_000_003 + server_round * 1009 + node.partition_id
     examples = data.client_examples(run.dataset, run.partitioner, node.partition_id,
                                     node.num_partitions, run.dirichlet_alpha, run.seed)
-    batches = data.batches(examples, _tokenizer(run.model), run.batch_size,
+    batches = data.batches(examples, client_tokenizer(run.model), run.batch_size,
                            run.max_seq_len, seed=seed, shuffle=True)
     params = bm.trainable
     for p in params:

@@ -13,12 +13,13 @@ import functools
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.store import BlockStore
 from fedcybgd.layerwise import LayerStack
-from fedcybgd.models import load_model, read_tensors, safetensors_index
+from fedcybgd.models import load_model, load_tokenizer, read_tensors, safetensors_index
 from fedcybgd.protocol import Holding
 
 
@@ -76,6 +77,12 @@ class ClientModel:
                 self.reset_block(block)
             else:
                 self.set_block(block, tensors, want)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=4)
+def client_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The process's tokenizer for ``name`` (loaded once per process)."""
+    return load_tokenizer(name)
 
 
 @functools.lru_cache(maxsize=2)
