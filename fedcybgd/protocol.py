@@ -32,6 +32,7 @@ UPLOAD_CODEC = "upload-codec"
 ZO_FINGERPRINT = "zo-fingerprint"  # the server's z/update arithmetic (seed-log replay check)
 ZO_TORCH = "zo-torch"  # the server's torch version (seed-log replay check)
 SEEDLOG_FALLBACK = "seedlog-fallback"  # codec for weights when a seed log cannot be replayed
+LOCAL_STEPS = "local-steps"  # steps the server asks for; a seed log may hold no more
 
 # Keys of the reply's ConfigRecord.
 STATUS = "status"

@@ -21,14 +21,29 @@ from fedcybgd.compression import (
     PAYLOAD_STYPE,
     CodecError,
     CodecSpec,
-    decode,
     encode,
     parse_spec,
     payload_from_array,
     payload_to_array,
     raw_fp32_bytes,
-    read_header,
 )
+from fedcybgd.compression import decode as strict_decode
+from fedcybgd.compression import read_header as strict_read_header
+
+# Every decode takes a size bound; these tests bound payloads generously unless the bound is the
+# point of the test.
+LIMIT = 1 << 30
+
+
+def decode(data: Any, **kw: Any) -> Any:
+    kw.setdefault("max_bytes", LIMIT)
+    return strict_decode(data, **kw)
+
+
+def read_header(data: Any, **kw: Any) -> Any:
+    kw.setdefault("max_bytes", LIMIT)
+    return strict_read_header(data, **kw)
+
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 LOSSLESS = ["fp32", "zstd", "xor", "xor+zstd"]
@@ -538,14 +553,34 @@ def test_expect_block_mismatch(payload: bytes):
 @pytest.mark.parametrize(
     ("shapes", "message"),
     [
-        ({"w": (8, 8)}, r"missing \[\], extra \['b'\]"),
-        ({"w": (8, 8), "b": (8,), "x": (1,)}, r"missing \['x'\]"),
-        ({"w": (64,), "b": (8,)}, r"tensor 'w' has shape \(8, 8\), expected \(64,\)"),
+        # more tensors than expected: refused before the entries are even parsed
+        ({"w": (8, 8)}, r"header lists 2 tensors, more than the 1 expected"),
+        ({"w": (8, 8), "b": (8,), "x": (1,)}, r"expect_shapes mismatch: missing \['x'\]"),
+        ({"w": (64,), "b": (8,)},
+         r"expect_shapes mismatch: tensor 'w' has shape \(8, 8\), expected \(64,\)"),
     ],
 )
 def test_expect_shapes_mismatch(payload: bytes, shapes, message: str):
-    with pytest.raises(CodecError, match="expect_shapes mismatch: " + message):
+    with pytest.raises(CodecError, match=message):
         decode(payload, expect_shapes=shapes)
+
+
+def test_decode_bound_is_mandatory(payload: bytes):
+    with pytest.raises(TypeError, match="max_bytes"):
+        strict_decode(payload)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="max_bytes"):
+        strict_read_header(payload)  # type: ignore[call-arg]
+
+
+def test_header_over_one_mib_is_refused_before_parsing():
+    # a frame announcing a 20 MiB header: refused from the length alone
+    frame = struct.pack("<4sHI", b"FCYB", FORMAT_VERSION, 20 << 20)
+    with pytest.raises(CodecError, match="exceeds the 1048576-byte limit"):
+        decode(frame + b"{" * 64)
+    head = b'{"pad":"' + b"x" * (1 << 20) + b'"}'
+    frame = struct.pack("<4sHI", b"FCYB", FORMAT_VERSION, len(head))
+    with pytest.raises(CodecError, match="exceeds the 1048576-byte limit"):
+        decode(frame + head)
 
 
 def test_expect_checks_pass(payload: bytes):

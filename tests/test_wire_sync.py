@@ -67,7 +67,7 @@ def test_trained_block_arrives_exact_even_after_a_lossy_copy(tiny_run_config, tm
     # Assert: layer.0 travels through the exact codec and reproduces the global block
     download = messages[0].content[protocol.DOWNLOAD]
     payload = payload_from_array(download["layer.0"])
-    header = read_header(payload)
+    header = read_header(payload, max_bytes=len(payload))
     assert header.spec == "xor+zstd"
     assert header.checksum == strategy.checksums["layer.0"]
     strategy.aggregate_train(5, grid.send_and_receive(messages))
@@ -158,7 +158,7 @@ def test_paper_random_dropping_sends_a_fraction_of_stale_blocks(tiny_run_config,
         download = message.content[protocol.DOWNLOAD]
         assert len(download) == 3
         own = message.content[protocol.CONFIG][protocol.BLOCK]
-        assert read_header(payload_from_array(download[own])).spec == "xor+zstd"
+        assert read_header(payload_from_array(download[own]), max_bytes=1 << 30).spec == "xor+zstd"
     strategy.aggregate_train(2, grid.send_and_receive(messages))
     assert not strategy.history[1].failed_blocks
 

@@ -24,6 +24,9 @@ FORMAT_VERSION = 1
 _FRAME = struct.Struct("<4sHI")
 FRAME_SIZE = _FRAME.size
 MAX_NUMEL = 2**40  # far above any block; keeps shape arithmetic inside int64
+# A real header is a few kB (about 300 bytes per tensor); the cap keeps a hostile header from
+# costing seconds and hundreds of MB of JSON parsing before any other check.
+MAX_HEADER_BYTES = 1 << 20
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _T = TypeVar("_T")
 
@@ -256,8 +259,13 @@ def _check_tiling(entries: tuple[TensorEntry, ...], raw_body_length: int) -> Non
         raise CodecError(f"header: parts cover {pos} bytes but the body is {raw_body_length}")
 
 
-def parse_header_json(raw: bytes | memoryview) -> PayloadHeader:
-    """Parse and fully validate a header; CodecError names the first problem found."""
+def parse_header_json(raw: bytes | memoryview, max_entries: int | None = None) -> PayloadHeader:
+    """Parse and fully validate a header; CodecError names the first problem found.
+
+    ``max_entries`` bounds the number of tensors (a block's own count, for untrusted data).
+    """
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CodecError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
     try:
         doc = json.loads(
             bytes(raw).decode("utf-8"),
@@ -277,6 +285,10 @@ def parse_header_json(raw: bytes | memoryview) -> PayloadHeader:
     spec = _field(doc, "spec", str, where)
     codec = parse_spec(spec)
     raw_entries = _field(doc, "entries", list, where)
+    if max_entries is not None and len(raw_entries) > max_entries:
+        raise CodecError(
+            f"header lists {len(raw_entries)} tensors, more than the {max_entries} expected"
+        )
     entries = tuple(_parse_entry(item, codec, i) for i, item in enumerate(raw_entries))
     names = [e.name for e in entries]
     if names != sorted(set(names)):
@@ -314,8 +326,13 @@ def pack_frame(header: PayloadHeader, body: bytes) -> bytes:
     return _FRAME.pack(MAGIC, header.format_version, len(head)) + head + body
 
 
-def split_frame(data: object, *, max_bytes: int | None) -> tuple[PayloadHeader, memoryview]:
-    """Check the frame and header; return the header and a view of the stored body."""
+def split_frame(
+    data: object, *, max_bytes: int, max_entries: int | None = None
+) -> tuple[PayloadHeader, memoryview]:
+    """Check the frame and header; return the header and a view of the stored body.
+
+    ``max_bytes`` is mandatory: every payload that crosses the wire is bounded before parsing.
+    """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise CodecError(f"payload must be bytes, got {type(data).__name__}")
     try:
@@ -323,7 +340,7 @@ def split_frame(data: object, *, max_bytes: int | None) -> tuple[PayloadHeader, 
     except TypeError as exc:  # e.g. a non-contiguous view
         raise CodecError(f"payload is not a contiguous byte buffer: {exc}") from None
     size = view.nbytes
-    if max_bytes is not None and size > max_bytes:
+    if size > max_bytes:
         raise CodecError(f"payload is {size} bytes, larger than max_bytes={max_bytes}")
     if size < FRAME_SIZE:
         raise CodecError(f"truncated payload: {size} bytes, the frame alone is {FRAME_SIZE}")
@@ -334,12 +351,16 @@ def split_frame(data: object, *, max_bytes: int | None) -> tuple[PayloadHeader, 
         raise CodecError(
             f"unsupported format version {version} (this library reads {FORMAT_VERSION})"
         )
+    if header_length > MAX_HEADER_BYTES:
+        raise CodecError(
+            f"header length {header_length} exceeds the {MAX_HEADER_BYTES}-byte limit"
+        )
     if FRAME_SIZE + header_length > size:
         raise CodecError(
             f"truncated payload: header of {header_length} bytes but only "
             f"{size - FRAME_SIZE} follow the frame"
         )
-    header = parse_header_json(view[FRAME_SIZE : FRAME_SIZE + header_length])
+    header = parse_header_json(view[FRAME_SIZE : FRAME_SIZE + header_length], max_entries)
     start = FRAME_SIZE + header_length
     end = start + header.body_length
     if size < end:
@@ -352,13 +373,15 @@ def split_frame(data: object, *, max_bytes: int | None) -> tuple[PayloadHeader, 
 
 
 def read_header(
-    data: bytes | bytearray | memoryview, *, max_bytes: int | None = None
+    data: bytes | bytearray | memoryview, *, max_bytes: int, max_entries: int | None = None
 ) -> PayloadHeader:
     """Validate the frame and header of a payload without decoding any tensor.
+
+    ``max_bytes`` (mandatory) bounds the payload, ``max_entries`` its number of tensors.
 
     Raises
     ------
     CodecError
         Anything wrong with the frame or header (the body is not checked).
     """
-    return split_frame(data, max_bytes=max_bytes)[0]
+    return split_frame(data, max_bytes=max_bytes, max_entries=max_entries)[0]

@@ -58,6 +58,13 @@ _MAX_HEADER = 1 << 16
 _HEX = re.compile(r"[0-9a-f]*")
 _DOMAIN_STEP, _DOMAIN_UNIT, _DOMAIN_CHOICE, _DOMAIN_PROBE = 1, 2, 3, 4
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Bounds of a well-formed log, far outside what honest zeroth-order training produces (eps
+# ~1e-3, lr ~1e-6..1e-3, |g| = |loss difference| / 2 eps), so a log cannot overflow the
+# replay; what a replay may change is bounded again by the server's update checks.
+MAX_EPS = 1.0
+MAX_WEIGHT_DECAY = 1.0
+MAX_LR = 1.0
+MAX_PROJECTED_GRAD = 1e8
 
 
 class ReplayError(ValueError):
@@ -281,8 +288,12 @@ def encode_seedlog(log: SeedLog) -> bytes:
     return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(head)) + head + bytes(body)
 
 
-def decode_seedlog(data: bytes) -> SeedLog:
-    """Parse :func:`encode_seedlog` output; ``ValueError`` on anything malformed."""
+def decode_seedlog(data: bytes, *, max_steps: int | None = None) -> SeedLog:
+    """Parse :func:`encode_seedlog` output; ``ValueError`` on anything malformed.
+
+    ``max_steps`` bounds the number of steps (the local steps the server asked for), so the
+    replay of an untrusted log costs at most what the honest client's training did.
+    """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ValueError(f"a seed log must be bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -296,15 +307,19 @@ def decode_seedlog(data: bytes) -> SeedLog:
     if head_len > _MAX_HEADER or _PREAMBLE.size + head_len > len(data):
         raise ValueError(f"seed log header length {head_len} exceeds the data")
     try:
-        header = json.loads(data[_PREAMBLE.size:_PREAMBLE.size + head_len].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"seed log header is not JSON: {err}") from None
+        header = json.loads(data[_PREAMBLE.size:_PREAMBLE.size + head_len].decode(),
+                            parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        # RecursionError: a header nested thousands of levels deep
+        raise ValueError(f"seed log header is not JSON: {type(err).__name__}") from None
     if not isinstance(header, dict):
         raise ValueError("seed log header is not a JSON object")
     units = _field(header, "units", int)
     count = _field(header, "steps", int)
-    if units < 1 or count < 0:
+    if not 1 <= units < 1 << 16 or count < 0:
         raise ValueError(f"seed log has units={units}, steps={count}")
+    if max_steps is not None and count > max_steps:
+        raise ValueError(f"seed log has {count} steps, more than the {max_steps} asked for")
     width = _mask_bytes(units)
     body = data[_PREAMBLE.size + head_len:]
     step_size = _STEP_HEAD.size + width
@@ -325,8 +340,8 @@ def decode_seedlog(data: bytes) -> SeedLog:
         block=_field(header, "block", str),
         units=units,
         layout=_field(header, "layout", str),
-        eps=float(_field(header, "eps", (int, float))),
-        weight_decay=float(_field(header, "weight_decay", (int, float))),
+        eps=_number(header, "eps"),
+        weight_decay=_number(header, "weight_decay"),
         torch=_field(header, "torch", str),
         z=_field(header, "z", str),
         steps=tuple(steps),
@@ -336,6 +351,18 @@ def decode_seedlog(data: bytes) -> SeedLog:
     )
     _check_log(log)
     return log
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"seed log header holds the non-finite number {name}")
+
+
+def _number(header: dict[str, Any], key: str) -> float:
+    value = _field(header, key, (int, float))
+    try:
+        return float(value)
+    except OverflowError:  # an integer such as 10**400
+        raise ValueError(f"seed log header '{key}' is out of range") from None
 
 
 def _field(header: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
@@ -351,10 +378,12 @@ def _check_log(log: SeedLog) -> None:
     """Raise ``ValueError`` unless ``log`` is well formed."""
     if not 1 <= log.units < 1 << 16:
         raise ValueError(f"seed log units must be in 1..65535, got {log.units}")
-    if not (math.isfinite(log.eps) and log.eps > 0):
-        raise ValueError(f"seed log eps must be finite and > 0, got {log.eps}")
-    if not (math.isfinite(log.weight_decay) and log.weight_decay >= 0):
-        raise ValueError(f"seed log weight decay must be finite and >= 0, got {log.weight_decay}")
+    if not 0 < log.eps <= MAX_EPS:
+        raise ValueError(f"seed log eps must be in (0, {MAX_EPS}], got {log.eps}")
+    if not 0 <= log.weight_decay <= MAX_WEIGHT_DECAY:
+        raise ValueError(
+            f"seed log weight decay must be in [0, {MAX_WEIGHT_DECAY}], got {log.weight_decay}"
+        )
     if log.chunk != Z_CHUNK:
         raise ValueError(f"seed log z chunk {log.chunk} differs from this version's {Z_CHUNK}")
     for key, digest, lengths in (
@@ -379,6 +408,11 @@ def _check_log(log: SeedLog) -> None:
         for label, value in (("g", step.g), ("lr", step.lr)):
             if not math.isfinite(value) or to_f32(value) != value:
                 raise ValueError(f"seed log step {index}: {label}={value} is not a finite fp32")
+        if not 0 <= step.lr <= MAX_LR or abs(step.g) > MAX_PROJECTED_GRAD:
+            raise ValueError(
+                f"seed log step {index}: lr={step.lr} or g={step.g} out of range "
+                f"(lr in [0, {MAX_LR}], |g| <= {MAX_PROJECTED_GRAD:g})"
+            )
 
 
 # -------------------------------------------------------------------------------- replay

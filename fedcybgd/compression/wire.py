@@ -308,7 +308,7 @@ def encode(
         body_sha256=hashlib.sha256(body).hexdigest(),
     )
     data = pack_frame(header, body)
-    if read_header(data) != header:  # the header must parse back to itself
+    if read_header(data, max_bytes=len(data)) != header:  # the header must parse back to itself
         raise RuntimeError("internal error: payload header does not round-trip")
     return data
 
@@ -333,7 +333,7 @@ def decode(
     base: Mapping[str, torch.Tensor] | None = None,
     expect_block: str | None = None,
     expect_shapes: Mapping[str, tuple[int, ...]] | None = None,
-    max_bytes: int | None = None,
+    max_bytes: int,
     max_decoded_bytes: int | None = None,
 ) -> DecodedPayload:
     """Decode and verify a payload.
@@ -349,7 +349,8 @@ def decode(
         What the caller expects; any difference is an error. With ``expect_shapes`` every
         allocation is bounded by the caller's own shapes: pass it for untrusted payloads.
     max_bytes
-        Refuse payloads larger than this, before any parsing.
+        Refuse payloads larger than this, before any parsing (mandatory: every decode of
+        untrusted bytes is bounded).
     max_decoded_bytes
         Refuse payloads whose body or reconstructed tensors would exceed this many bytes.
 
@@ -359,7 +360,8 @@ def decode(
         Anything wrong with the payload or the arguments; no other exception escapes for bad
         bytes.
     """
-    header, stored = split_frame(data, max_bytes=max_bytes)
+    max_entries = len(expect_shapes) if expect_shapes is not None else None
+    header, stored = split_frame(data, max_bytes=max_bytes, max_entries=max_entries)
     codec = header.codec
     if expect_block is not None and header.block != expect_block:
         raise CodecError(

@@ -13,6 +13,7 @@ holds, from the node's own replies. A node downloads only the blocks whose versi
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -37,7 +38,6 @@ from fedcybgd import protocol
 from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import (
-    CodecError,
     decode,
     encode,
     payload_from_array,
@@ -47,8 +47,30 @@ from fedcybgd.compression import (
     seedlog,
     uses_base,
 )
+from fedcybgd.compression.header import MAX_HEADER_BYTES
 from fedcybgd.protocol import Holding
+from fedcybgd.strategies.aggregate import Aggregator, Upload, build_aggregator
+from fedcybgd.strategies.replies import (
+    BAD_PAYLOAD,
+    BAD_SEEDLOG,
+    CLIENT_ERROR,
+    MALFORMED,
+    NO_REPLY,
+    NON_FINITE,
+    NOT_TRAINED,
+    REPLAY_FAILED,
+    DropLog,
+    Dropped,
+    bounded,
+    examples_weight,
+    guarded,
+    number,
+    only_records,
+    scalar_metrics,
+    text,
+)
 from fedcybgd.strategies.schedule import BlockSchedule
+from fedcybgd.strategies.screen import UpdateScreen, all_finite
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +92,7 @@ class RoundLog:
     client_peak_mem_mb: float = 0.0
     client_train_s: float = 0.0
     examples: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> assignments that failed
 
 
 class FedCyBGD(Strategy):
@@ -117,9 +140,24 @@ class FedCyBGD(Strategy):
     lineage, base_hash : str
         Identity of this model history and hash of the pretrained weights it started from.
     max_payload_bytes : int
-        Uploads larger than this are rejected.
+        Uploads larger than this are rejected (each block also has its own bound, derived
+        from its size).
     node_wait_s : float
-        How long to wait for enough nodes to connect.
+        How long to wait for enough nodes to connect (nodes the strategy has excluded count as
+        connected: waiting is only for nodes that have not connected yet).
+    local_steps, batch_size : int
+        What a node is asked to do per round: a seed log may have at most ``local_steps``
+        steps, and a reply's ``num-examples`` counts at most ``local_steps * batch_size``.
+    aggregate : str or Aggregator
+        How the uploads of one block merge (``clients_per_block > 1``): ``"mean"`` (weighted
+        by examples), ``"median"``, ``"trimmed-mean"``, or a callable (see
+        :mod:`fedcybgd.strategies.aggregate`).
+    trim_fraction : float
+        Fraction trimmed at each end by ``"trimmed-mean"``.
+    max_update_norm, outlier_factor : float
+        Update admission (see :class:`fedcybgd.strategies.screen.UpdateScreen`): clip each
+        node's block delta to this L2 norm (0: off); refuse a delta this many times larger
+        than the block's recent accepted ones (0: off).
     return_arrays : bool
         Return the full global weights from :meth:`aggregate_train`, as ``Strategy.start``
         expects. A ServerApp reading ``weights`` directly turns this off to skip the copy.
@@ -149,6 +187,12 @@ class FedCyBGD(Strategy):
         max_payload_bytes: int = 2**31,
         node_wait_s: float = 300.0,
         return_arrays: bool = True,
+        local_steps: int = 6,
+        batch_size: int = 8,
+        aggregate: str | Aggregator = "mean",
+        trim_fraction: float = 0.2,
+        max_update_norm: float = 0.0,
+        outlier_factor: float = 10.0,
     ) -> None:
         if clients_per_round < 1 or clients_per_block < 1:
             raise ValueError("clients-per-round and clients-per-block must be >= 1")
@@ -184,6 +228,13 @@ class FedCyBGD(Strategy):
         self.max_payload_bytes = max_payload_bytes
         self.node_wait_s = node_wait_s
         self.return_arrays = return_arrays
+        if local_steps < 1 or batch_size < 1:
+            raise ValueError("local-steps and batch-size must be >= 1")
+        self.local_steps = local_steps
+        self.batch_size = batch_size
+        self.aggregate = (build_aggregator(aggregate, trim_fraction)
+                          if isinstance(aggregate, str) else aggregate)
+        self.screen = UpdateScreen(outlier_factor=outlier_factor, max_norm=max_update_norm)
 
         self.versions: dict[str, int] = {name: 0 for name in block_map.names}
         self.checksums: dict[str, str] = {}  # block -> checksum of its current (version > 0)
@@ -232,8 +283,11 @@ class FedCyBGD(Strategy):
     def _sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
         deadline = time.monotonic() + self.node_wait_s
         while True:
-            nodes = sorted(n for n in grid.get_node_ids() if n not in self.excluded)
-            if len(nodes) >= self.clients_per_round or time.monotonic() >= deadline:
+            connected = sorted(grid.get_node_ids())
+            nodes = [n for n in connected if n not in self.excluded]
+            # An excluded node is present but useless: waiting is only for nodes that have not
+            # connected yet.
+            if len(connected) >= self.clients_per_round or time.monotonic() >= deadline:
                 break
             time.sleep(1.0)
         if len(nodes) < self.clients_per_block:
@@ -288,6 +342,7 @@ class FedCyBGD(Strategy):
                     protocol.BASE_HASH: self.base_hash,
                     protocol.EXPECT: protocol.dump_holdings(expect),
                     protocol.UPLOAD_CODEC: self.upload_codec,
+                    protocol.LOCAL_STEPS: self.local_steps,
                 }
             )
             if self.upload_codec == protocol.SEEDLOG:
@@ -400,81 +455,104 @@ class FedCyBGD(Strategy):
                 )
             payload = payloads[key]
             download[block] = payload_to_array(payload)
-            expect[block] = Holding(self.versions[block], read_header(payload).checksum)
+            expect[block] = Holding(self.versions[block],
+                                    read_header(payload, max_bytes=len(payload)).checksum)
             self._round.bytes_down += len(payload)
             self._round.bytes_down_raw += raw_fp32_bytes(self.block_tensors(block))
         return download, expect
 
+    def payload_limit(self, block: str) -> int:
+        """The most bytes an upload of ``block`` may have: ``max_payload_bytes``, and at most
+        what any codec of ours makes of the block (3x its fp32 size, for top-k's indices) plus
+        a full header."""
+        own = 3 * raw_fp32_bytes(self.block_tensors(block)) + MAX_HEADER_BYTES + 64
+        return min(self.max_payload_bytes, own)
+
+    def _note_state(self, node: int, state: Mapping[str, Any]) -> str:
+        """Take what the node says it holds and its budget; return its status."""
+        try:
+            self.holdings[node] = protocol.load_holdings(text(state, protocol.HOLDINGS,
+                                                              max_len=1 << 20))
+        except (Dropped, ValueError, TypeError, RecursionError) as err:
+            log.warning("node %d sent unreadable holdings (%s); will resync it", node, err)
+            self.holdings.pop(node, None)
+        budget = number(state, protocol.MEMORY_BUDGET, low=0.0, high=1e9, default=0.0)
+        if budget > 0:
+            self.budgets[node] = budget
+        return text(state, protocol.STATUS, default="", max_len=64)
+
     def _read_reply(
         self, reply: Message, node: int, block: str
-    ) -> tuple[float, dict[str, torch.Tensor], MetricRecord] | None:
-        """Decode one reply; ``None`` (logged) when it brings no usable update."""
+    ) -> tuple[float, dict[str, torch.Tensor], dict[str, float], str]:
+        """Read one reply through the gate: ``(weight, tensors, metrics, rule used)``, or
+        :class:`Dropped`."""
         if reply.has_error():
-            log.warning("node %d failed block %s: %s", node, block, reply.error.reason)
-            return None
+            raise Dropped(CLIENT_ERROR, str(reply.error.reason)[:500])
         content = reply.content
         state = content.config_records.get(protocol.STATE)
         if state is None:
-            log.warning("node %d sent a reply without a state record; dropped", node)
-            return None
-        try:
-            self.holdings[node] = protocol.load_holdings(str(state[protocol.HOLDINGS]))
-        except (ValueError, KeyError) as err:
-            log.warning("node %d sent unreadable holdings (%s); will resync it", node, err)
-            self.holdings.pop(node, None)
-        budget = state.get(protocol.MEMORY_BUDGET)
-        if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
-            self.budgets[node] = float(budget)
-        status = str(state.get(protocol.STATUS, ""))
+            raise Dropped(MALFORMED, "no state record")
+        status = self._note_state(node, state)
+        reason = text(state, protocol.REASON, default="")
         if status == protocol.REJECTED:
-            self.excluded[node] = str(state.get(protocol.REASON, ""))
+            self.excluded[node] = reason[:500]
             log.warning("node %d takes no part: %s", node, self.excluded[node])
-            return None
+            raise Dropped(NOT_TRAINED, f"rejected: {reason[:200]}")
         if status != protocol.OK:
-            log.info("node %d did not train block %s: %s (%s)", node, block, status,
-                     state.get(protocol.REASON, ""))
-            return None
-        try:
-            upload = content.array_records[protocol.UPLOAD]
-            metrics = content.metric_records[protocol.METRICS]
-            if list(upload.keys()) != [block]:
-                raise CodecError(f"expected an upload of block '{block}', got {list(upload)}")
-            payload = payload_from_array(upload[block])
-            self._round.bytes_up += len(payload)
-            if len(payload) > self.max_payload_bytes:
-                raise CodecError(f"upload of {len(payload)} bytes exceeds the limit")
-            # the start of the client's training: blocks are installed after all replies
-            start = self.block_tensors(block)
-            if state.get(protocol.UPLOAD_KIND) == protocol.SEEDLOG:
-                step_log = seedlog.decode_seedlog(payload)
-                if step_log.block != block:
-                    raise CodecError(f"seed log is for block '{step_log.block}', not '{block}'")
-                layout = seedlog.unit_layout(self.block_map, block)
-                tensors = seedlog.replay(start, step_log, layout)
-            else:
-                header = read_header(payload, max_bytes=self.max_payload_bytes)
-                tensors = decode(
-                    payload,
-                    base=start if uses_base(header.spec) else None,
-                    expect_block=block,
-                    expect_shapes={k: tuple(v.shape) for k, v in start.items()},
-                    max_bytes=self.max_payload_bytes,
-                ).tensors
-            weight = float(metrics[protocol.NUM_EXAMPLES])  # type: ignore[arg-type]
-        except (CodecError, KeyError, TypeError, ValueError) as err:
-            log.warning("dropped node %d's upload of block %s: %s", node, block, err)
-            return None
-        if state.get(protocol.REASON):
-            log.info("node %d: %s", node, state.get(protocol.REASON))
-        self._round.bytes_up_raw += raw_fp32_bytes(tensors)
-        self._round.update_rules.append(str(state.get(protocol.RULE, "")))
-        return max(weight, 1e-12), tensors, metrics
+            raise Dropped(NOT_TRAINED, f"{status}: {reason[:200]}")
+        only_records(content, arrays={protocol.UPLOAD}, metrics={protocol.METRICS},
+                     configs={protocol.STATE})
+        metrics = scalar_metrics(content.metric_records[protocol.METRICS])
+        weight = examples_weight(metrics, protocol.NUM_EXAMPLES,
+                                 self.local_steps * self.batch_size)
+        for key in ("train_loss", "peak_mem_mb", "train_s"):
+            metrics[key] = bounded(metrics, key, default=math.nan if key == "train_loss" else 0.0)
+        upload = content.array_records[protocol.UPLOAD]
+        if list(upload.keys()) != [block]:
+            raise Dropped(MALFORMED, f"expected an upload of block '{block}', got "
+                                     f"{list(upload)[:5]}")
+        payload = guarded(lambda: payload_from_array(upload[block]), BAD_PAYLOAD)
+        self._round.bytes_up += len(payload)
+        limit = self.payload_limit(block)
+        if len(payload) > limit:
+            raise Dropped(BAD_PAYLOAD, f"upload of {len(payload)} bytes exceeds the block's "
+                                       f"limit of {limit}")
+        # the start of the client's training: blocks are installed after all replies
+        start = self.block_tensors(block)
+        kind = text(state, protocol.UPLOAD_KIND, default=protocol.WEIGHTS, max_len=16)
+        if kind == protocol.SEEDLOG:
+            if self.upload_codec != protocol.SEEDLOG:
+                raise Dropped(BAD_SEEDLOG, "a seed log was sent, but weights were asked for")
+            step_log = guarded(
+                lambda: seedlog.decode_seedlog(payload, max_steps=self.local_steps), BAD_SEEDLOG)
+            if step_log.block != block:
+                raise Dropped(BAD_SEEDLOG, f"seed log is for block '{step_log.block[:64]}'")
+            layout = seedlog.unit_layout(self.block_map, block)
+            tensors = guarded(lambda: seedlog.replay(start, step_log, layout), REPLAY_FAILED)
+        elif kind == protocol.WEIGHTS:
+            tensors = guarded(lambda: decode(
+                payload,
+                base=start if uses_base(read_header(payload, max_bytes=limit).spec) else None,
+                expect_block=block,
+                expect_shapes={k: tuple(v.shape) for k, v in start.items()},
+                max_bytes=limit,
+            ).tensors, BAD_PAYLOAD)
+        else:
+            raise Dropped(MALFORMED, f"upload-kind {kind!r} is neither weights nor seedlog")
+        if reason:
+            log.info("node %d: %s", node, reason[:500])
+        return weight, tensors, metrics, text(state, protocol.RULE, default="", max_len=64)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Average each block's uploads, install them, re-queue blocks that got none."""
-        results: dict[str, list[tuple[float, dict[str, torch.Tensor]]]] = {}
+        """Admit each upload through the gate, merge each block's, install, re-queue the rest.
+
+        No reply can end the round: whatever goes wrong reading one becomes a drop, counted by
+        reason in the round's ``dropped``.
+        """
+        drops = DropLog(server_round)
+        results: dict[str, list[tuple[float, dict[str, torch.Tensor], float]]] = {}
         losses: list[tuple[float, float]] = []
         # An error reply made by the SuperLink (e.g. the node died) comes from the SuperLink's
         # own id, so replies are matched to instructions by message id first.
@@ -485,51 +563,58 @@ class FedCyBGD(Strategy):
             if block is None:
                 log.warning("ignored a reply from node %d, which had no assignment", node)
                 continue
-            read = self._read_reply(reply, node, block)
-            if read is None:
+            try:
+                weight, tensors, got, rule = guarded(
+                    functools.partial(self._read_reply, reply, node, block))
+                tensors, rms = guarded(functools.partial(
+                    self.screen.admit, block, self.block_tensors(block), tensors))
+            except Dropped as drop:
+                drops.add(node, f"upload of block {block}", drop)
                 continue
-            weight, tensors, metrics = read
-            results.setdefault(block, []).append((weight, tensors))
-            losses.append((weight, float(metrics.get("train_loss", float("nan")))))  # type: ignore[arg-type]
+            results.setdefault(block, []).append((weight, tensors, rms))
+            losses.append((weight, got["train_loss"]))
             self._round.examples += int(weight)
-            self._round.client_peak_mem_mb = max(
-                self._round.client_peak_mem_mb, float(metrics.get("peak_mem_mb", 0.0))  # type: ignore[arg-type]
-            )
-            self._round.client_train_s = max(
-                self._round.client_train_s, float(metrics.get("train_s", 0.0))  # type: ignore[arg-type]
-            )
+            self._round.bytes_up_raw += raw_fp32_bytes(tensors)
+            self._round.update_rules.append(rule)
+            self._round.client_peak_mem_mb = max(self._round.client_peak_mem_mb,
+                                                 got["peak_mem_mb"])
+            self._round.client_train_s = max(self._round.client_train_s, got["train_s"])
         for node, block in self._assigned.items():
-            log.warning("node %d sent no reply for block %s (timeout or lost)", node, block)
+            drops.add(node, f"upload of block {block}", Dropped(NO_REPLY, "timeout or lost"))
         self._assigned = {}
 
         block_seed = {block: self._seeds[node] for node, block, _ in self._pairs}
+        installed = 0
         for block in self._round.blocks:
-            if block not in results:
-                self.schedule.requeue(block)
-                if block in block_seed:
-                    self._retry_seeds[block] = block_seed[block]
-                self._round.failed_blocks.append(block)
+            uploads = results.get(block)
+            if uploads and self._install(block, uploads, server_round, drops):
+                installed += 1
                 continue
-            self._install(block, results[block], server_round)
+            self.schedule.requeue(block)
+            if block in block_seed:
+                self._retry_seeds[block] = block_seed[block]
+            self._round.failed_blocks.append(block)
         finite = [(w, loss) for w, loss in losses if loss == loss]
         if finite:
             self._round.train_loss = sum(w * x for w, x in finite) / sum(w for w, _ in finite)
+        self._round.dropped = drops.as_dict()
         self.history.append(self._round)
 
         metrics = MetricRecord(
             {
-                "blocks_trained": len(results),
+                "blocks_trained": installed,
                 "blocks_failed": len(self._round.failed_blocks),
                 "bytes_down": self._round.bytes_down,
                 "bytes_up": self._round.bytes_up,
                 "bytes_down_raw": self._round.bytes_down_raw,
                 "bytes_up_raw": self._round.bytes_up_raw,
                 "client_peak_mem_mb": self._round.client_peak_mem_mb,
+                "dropped": sum(self._round.dropped.values()),
             }
         )
         if self._round.train_loss is not None:
             metrics["train_loss"] = self._round.train_loss
-        if not results or not self.return_arrays:
+        if not installed or not self.return_arrays:
             return None, metrics
         self._returned = ArrayRecord(
             {k: v.detach().clone() for k, v in self.weights.items()}
@@ -537,24 +622,32 @@ class FedCyBGD(Strategy):
         return self._returned, metrics
 
     def _install(
-        self, block: str, uploads: list[tuple[float, dict[str, torch.Tensor]]], version: int
-    ) -> None:
-        if len(uploads) == 1:
-            merged = uploads[0][1]
-        else:
-            total = sum(w for w, _ in uploads)
-            merged = {}
-            for name in uploads[0][1]:
-                acc = sum((w / total) * t[name].double() for w, t in uploads)
-                merged[name] = acc.to(uploads[0][1][name].dtype)  # type: ignore[union-attr]
+        self,
+        block: str,
+        uploads: list[tuple[float, dict[str, torch.Tensor], float]],
+        version: int,
+        drops: DropLog,
+    ) -> bool:
+        """Merge ``block``'s admitted uploads and install the result; ``False`` if it is not
+        finite in the model's dtypes (nothing is installed then)."""
+        pairs: list[Upload] = [(w, t) for w, t, _ in uploads]
+        merged = guarded(lambda: self.aggregate(pairs))
+        target = self.block_tensors(block)
+        merged = {name: merged[name].to(target[name].dtype) for name in target}
+        if not all_finite(merged):
+            # e.g. finite fp32 values that overflow the model's fp16/bf16
+            for _ in uploads:
+                drops.counts[NON_FINITE] += 1
+            log.warning("block %s: the merged update is not finite in the model's dtypes; "
+                        "nothing installed", block)
+            return False
         previous = self.current(block)
         if previous is None:
             if self._read_pretrained is None:
-                self._pristine[block] = {k: v.detach().clone()
-                                         for k, v in self.block_tensors(block).items()}
+                self._pristine[block] = {k: v.detach().clone() for k, v in target.items()}
         elif self.version_history:
             kept = self._kept.setdefault(block, {})
-            kept[previous] = {k: v.detach().clone() for k, v in self.block_tensors(block).items()}
+            kept[previous] = {k: v.detach().clone() for k, v in target.items()}
             while len(kept) > self.version_history:
                 del kept[min(kept, key=lambda h: h.version)]
         with torch.no_grad():
@@ -562,6 +655,9 @@ class FedCyBGD(Strategy):
                 self.weights[name].copy_(tensor)
         self.versions[block] = version
         self.checksums[block] = content_checksum(self.block_tensors(block))
+        for _, _, rms in uploads:
+            self.screen.accepted(block, rms)
+        return True
 
     # ------------------------------------------------------------------------- evaluation
     def configure_evaluate(
@@ -598,6 +694,7 @@ class FedCyBGD(Strategy):
             "excluded": {str(node): why for node, why in self.excluded.items()},
             "budgets": {str(node): mb for node, mb in self.budgets.items()},
             "retry_seeds": dict(self._retry_seeds),
+            "update_sizes": self.screen.state(),
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -611,3 +708,4 @@ class FedCyBGD(Strategy):
         self.excluded = {int(node): str(why) for node, why in state["excluded"].items()}
         self.budgets = {int(node): float(mb) for node, mb in state.get("budgets", {}).items()}
         self._retry_seeds = {str(b): int(s) for b, s in state.get("retry_seeds", {}).items()}
+        self.screen.load_state(state.get("update_sizes", {}))

@@ -1,0 +1,81 @@
+"""Aggregators: how the uploads of one block (``clients-per-block > 1``) become one block.
+
+An aggregator takes ``[(weight, tensors), ...]`` (weights are example counts, already bounded
+by the reply gate) and returns the merged tensors. All uploads of a block started from the same
+tensors, so merging weights equals merging deltas. ``median`` and ``trimmed-mean`` are
+coordinate-wise and unweighted: they bound what a minority of hostile nodes can move, which a
+weighted mean cannot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+Upload = tuple[float, dict[str, torch.Tensor]]
+Aggregator = Callable[[Sequence[Upload]], dict[str, torch.Tensor]]
+
+
+def weighted_mean(uploads: Sequence[Upload]) -> dict[str, torch.Tensor]:
+    """Mean weighted by examples, in float64; a single upload is returned as it is (exact)."""
+    if len(uploads) == 1:
+        return uploads[0][1]
+    total = sum(w for w, _ in uploads)
+    first = uploads[0][1]
+    merged = {}
+    for name in first:
+        acc = sum((w / total) * t[name].double() for w, t in uploads)
+        merged[name] = acc.to(first[name].dtype)  # type: ignore[union-attr]
+    return merged
+
+
+def _sorted_stack(uploads: Sequence[Upload], name: str) -> torch.Tensor:
+    return torch.stack([t[name].double() for _, t in uploads]).sort(dim=0).values
+
+
+def coordinate_median(uploads: Sequence[Upload]) -> dict[str, torch.Tensor]:
+    """Coordinate-wise median (the mean of the two middle values for an even count)."""
+    if len(uploads) == 1:
+        return uploads[0][1]
+    n = len(uploads)
+    merged = {}
+    for name, like in uploads[0][1].items():
+        ranked = _sorted_stack(uploads, name)
+        middle = ranked[(n - 1) // 2 : n // 2 + 1].mean(dim=0)
+        merged[name] = middle.to(like.dtype)
+    return merged
+
+
+def trimmed_mean(fraction: float) -> Aggregator:
+    """Coordinate-wise mean after dropping ``floor(fraction * n)`` values at each end."""
+    if not 0 <= fraction < 0.5:
+        raise ValueError(f"trim-fraction must be in [0, 0.5), got {fraction}")
+
+    def aggregate(uploads: Sequence[Upload]) -> dict[str, torch.Tensor]:
+        if len(uploads) == 1:
+            return uploads[0][1]
+        n = len(uploads)
+        cut = math.floor(fraction * n)
+        merged = {}
+        for name, like in uploads[0][1].items():
+            kept = _sorted_stack(uploads, name)[cut : n - cut]
+            merged[name] = kept.mean(dim=0).to(like.dtype)
+        return merged
+
+    return aggregate
+
+
+AGGREGATES = ("mean", "median", "trimmed-mean")
+
+
+def build_aggregator(name: str, trim_fraction: float = 0.2) -> Aggregator:
+    """The aggregator called ``name`` (one of :data:`AGGREGATES`)."""
+    if name == "mean":
+        return weighted_mean
+    if name == "median":
+        return coordinate_median
+    if name == "trimmed-mean":
+        return trimmed_mean(trim_fraction)
+    raise ValueError(f"aggregate = {name!r} is not known; choose one of {list(AGGREGATES)}")
