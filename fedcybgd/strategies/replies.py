@@ -85,10 +85,12 @@ def only_records(content: Any, *, arrays: set[str], metrics: set[str], configs: 
             raise Dropped(MALFORMED, f"{kind} records {sorted(got)}, expected {sorted(want)}")
 
 
-def scalar_metrics(record: Mapping[str, Any]) -> dict[str, float]:
+def scalar_metrics(record: Mapping[str, Any],
+                   capped: frozenset[str] = frozenset({"num-examples"})) -> dict[str, float]:
     """All metrics of a MetricRecord as floats; each must be a finite number in range.
 
-    ``train_loss`` may be NaN (a client whose loss went undefined); nothing else may.
+    ``train_loss`` may be NaN (a client whose loss went undefined); nothing else may. Keys in
+    ``capped`` skip the magnitude ceiling: the caller caps them (see :func:`examples_weight`).
     """
     out: dict[str, float] = {}
     for key, value in record.items():
@@ -98,8 +100,8 @@ def scalar_metrics(record: Mapping[str, Any]) -> dict[str, float]:
         if math.isnan(number) and key == "train_loss":
             out[key] = number
             continue
-        if not math.isfinite(number) or abs(number) > METRIC_CEILING:
-            raise Dropped(BAD_METRICS, f"metric {key!r} = {number} is not finite or too large")
+        if not math.isfinite(number) or (abs(number) > METRIC_CEILING and key not in capped):
+            raise Dropped(BAD_METRICS, f"{key} = {number} is not finite or too large")
         out[key] = number
     return out
 
