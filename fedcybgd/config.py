@@ -1,28 +1,49 @@
 """Typed run configuration, built once at the edge from Flower's flat ``run_config`` dict.
 
-Every key of ``[tool.flwr.app.config]`` maps to one field (dashes become underscores). A bad
-value stops the run at start with a :class:`ConfigError` naming the key and what is allowed.
+Every key of ``[tool.flwr.app.config]`` is either a field of :class:`RunConfig` (dashes become
+underscores) or an update rule's option (:mod:`fedcybgd.rule_options`). Nothing else is
+accepted: an unknown key stops the run at start with the closest known key suggested, and a bad
+value (wrong type, NaN, infinite, out of range, not an allowed choice) with a
+:class:`ConfigError` naming the key and what is allowed. The rules' options are checked for
+every rule here, on the server, before round 1.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args, get_origin
+from typing import Any
 
+from fedcybgd import rule_options
+from fedcybgd.choices import (
+    AGGREGATES,
+    DATASETS,
+    FEDAVG_PARAMS,
+    PARTITIONERS,
+    SCHEDULES,
+    STRATEGIES,
+    UPDATE_RULES,
+)
 from fedcybgd.compression import CodecError, parse_spec
+from fedcybgd.config_fields import ConfigError, build, closest, normalize, setting, settings
+from fedcybgd.rule_options import RuleOptions
 
-UPDATE_RULES = ("fo", "zerolock", "lezo", "mezo")
-SCHEDULES = ("ascending", "descending", "random")
-PARTITIONERS = ("iid", "dirichlet", "movie")
-DATASETS = ("rotten-tomatoes",)
-STRATEGIES = ("fedcybgd", "fedavg")  # fedavg: Flower's own FedAvg, the baselines
-FEDAVG_PARAMS = ("full", "lora")
+__all__ = [
+    "AGGREGATES",
+    "DATASETS",
+    "FEDAVG_PARAMS",
+    "PARTITIONERS",
+    "SCHEDULES",
+    "STRATEGIES",
+    "UPDATE_RULES",
+    "ConfigError",
+    "NodeConfig",
+    "RunConfig",
+    "run_config_keys",
+]
 
-
-class ConfigError(ValueError):
-    """A run-config or node-config value is missing, of the wrong type or out of range."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,73 +51,59 @@ class RunConfig:
     """Everything a run needs, validated. Defaults equal ``[tool.flwr.app.config]`` (a test
     checks), so a strategy built in code behaves like ``flwr run`` with no overrides."""
 
-    model: str = "smollm2-135m"  # alias, tiny-<family>, local path or hub id
-    strategy: str = "fedcybgd"  # or "fedavg": Flower's FedAvg baseline over `fedavg-params`
-    fedavg_params: str = "full"  # fedavg exchanges the whole model or PEFT LoRA adapters
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    lora_target_modules: str = "q_proj,v_proj"  # comma-separated module names
-    dataset: str = "rotten-tomatoes"
-    partitioner: str = "dirichlet"  # iid | dirichlet | movie
-    dirichlet_alpha: float = 0.5
-    num_server_rounds: int = 6
-    clients_per_round: int = 4
-    clients_per_block: int = 1  # >1: that many clients train the same block, averaged
-    block_schedule: str = "ascending"
-    layers_per_block: int = 8
-    train_embeddings: bool = False
-    train_head: bool = False
-    update_rule: str = "fo"
-    local_steps: int = 6
-    batch_size: int = 8
-    max_seq_len: int = 64
-    lr: float = 2e-6
-    weight_decay: float = 0.0
-    eval_every: int = 3  # 0 = only before and after training
-    eval_examples: int = 200
-    eval_batch_size: int = 32
-    output_dir: str = "outputs/demo"
-    resume: bool = False
-    seed: int = 0
-    round_timeout: float = 3600.0
-    upload_codec: str = "delta+int8+zstd"  # a codec spec, or "seedlog" (ZO rules' step log)
-    seedlog_fallback: str = "delta+int8+zstd"  # weights codec when a log cannot be replayed
-    download_codec: str = "delta+int8+zstd"  # frozen blocks; the trained one arrives exact
-    download_fraction: float = 1.0  # the paper's random dropping of stale frozen blocks
-    version_history: int = 2  # past exact block versions the server keeps for deltas
-    max_payload_mb: float = 2048.0
-    extra: dict[str, Any] = field(default_factory=dict)  # unknown keys, kept for plug-ins
+    model: str = setting("smollm2-135m")  # alias, tiny-<family>, local path or hub id
+    strategy: str = setting("fedcybgd", choices=STRATEGIES)  # fedavg: Flower's FedAvg
+    fedavg_params: str = setting("full", choices=FEDAVG_PARAMS)  # whole model or LoRA
+    lora_rank: int = setting(8, ge=1)
+    lora_alpha: int = setting(16, ge=1)
+    lora_target_modules: str = setting("q_proj,v_proj")  # comma-separated module names
+    dataset: str = setting("rotten-tomatoes", choices=DATASETS)
+    partitioner: str = setting("dirichlet", choices=PARTITIONERS)
+    dirichlet_alpha: float = setting(0.5, gt=0)
+    num_server_rounds: int = setting(6, ge=1)
+    clients_per_round: int = setting(4, ge=1)
+    clients_per_block: int = setting(1, ge=1)  # >1: that many clients train the same block
+    block_schedule: str = setting("ascending", choices=SCHEDULES)
+    layers_per_block: int = setting(8, ge=1)
+    train_embeddings: bool = setting(False)
+    train_head: bool = setting(False)
+    update_rule: str = setting("fo", choices=UPDATE_RULES)
+    local_steps: int = setting(6, ge=1)
+    batch_size: int = setting(8, ge=1)
+    max_seq_len: int = setting(64, ge=8)
+    lr: float = setting(2e-6, gt=0)
+    weight_decay: float = setting(0.0, ge=0)
+    eval_every: int = setting(3, ge=0)  # 0 = only before and after training
+    eval_examples: int = setting(200, ge=1)
+    eval_batch_size: int = setting(32, ge=1)
+    output_dir: str = setting("outputs/demo")
+    resume: bool = setting(False)
+    overwrite: bool = setting(False)  # allow starting over a non-empty output-dir
+    seed: int = setting(0, ge=0, lt=2**32)
+    round_timeout: float = setting(3600.0, gt=0)
+    upload_codec: str = setting("delta+int8+zstd")  # a codec spec, or "seedlog" (ZO step log)
+    seedlog_fallback: str = setting("delta+int8+zstd")  # weights codec when no exact replay
+    download_codec: str = setting("delta+int8+zstd")  # frozen blocks; the trained one is exact
+    download_fraction: float = setting(1.0, gt=0, le=1)  # the paper's random dropping
+    version_history: int = setting(2, ge=0)  # past exact block versions kept for deltas
+    max_payload_mb: float = setting(2048.0, gt=0)
+    max_update_norm: float = setting(0.0, ge=0)  # clip a node's block delta (L2); 0 = off
+    outlier_factor: float = setting(10.0, ge=0)  # refuse a delta > factor x median; 0 = off
+    aggregate: str = setting("mean", choices=AGGREGATES)  # clients-per-block > 1
+    trim_fraction: float = setting(0.2, ge=0, lt=0.5)  # trimmed-mean: share cut at each end
+    # The update rules' options (zerolock-*, zo-*, lezo-*), every key with its value; keys not
+    # given take the rule's default. See fedcybgd.rule_options.
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _choice("update-rule", self.update_rule, UPDATE_RULES)
-        _choice("block-schedule", self.block_schedule, SCHEDULES)
-        _choice("partitioner", self.partitioner, PARTITIONERS)
-        _choice("dataset", self.dataset, DATASETS)
-        _choice("strategy", self.strategy, STRATEGIES)
-        _choice("fedavg-params", self.fedavg_params, FEDAVG_PARAMS)
-        _at_least("lora-rank", self.lora_rank, 1)
-        _positive("lora-alpha", self.lora_alpha)
+        normalize(self)
+        object.__setattr__(self, "options", rule_options.check_all(self.options))
+        if not self.model:
+            raise ConfigError("model must name a model (alias, tiny-<family>, path or hub id)")
+        if not self.output_dir:
+            raise ConfigError("output-dir must name a folder")
         if not self.lora_modules:
             raise ConfigError("lora-target-modules must name at least one module")
-        _at_least("num-server-rounds", self.num_server_rounds, 1)
-        _at_least("clients-per-round", self.clients_per_round, 1)
-        _at_least("clients-per-block", self.clients_per_block, 1)
-        _at_least("layers-per-block", self.layers_per_block, 1)
-        _at_least("local-steps", self.local_steps, 1)
-        _at_least("batch-size", self.batch_size, 1)
-        _at_least("max-seq-len", self.max_seq_len, 8)
-        _at_least("eval-every", self.eval_every, 0)
-        _at_least("eval-examples", self.eval_examples, 1)
-        _at_least("eval-batch-size", self.eval_batch_size, 1)
-        _positive("lr", self.lr)
-        _positive("dirichlet-alpha", self.dirichlet_alpha)
-        _positive("round-timeout", self.round_timeout)
-        _positive("max-payload-mb", self.max_payload_mb)
-        if not 0 < self.download_fraction <= 1:
-            raise ConfigError(
-                f"download-fraction must be in (0, 1], got {self.download_fraction}"
-            )
-        _at_least("version-history", self.version_history, 0)
         specs = [("download-codec", self.download_codec),
                  ("seedlog-fallback", self.seedlog_fallback)]
         if self.upload_codec != "seedlog":
@@ -106,15 +113,11 @@ class RunConfig:
                 parse_spec(spec)
             except CodecError as err:
                 raise ConfigError(f"{key} = {spec!r}: {err}") from None
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight-decay must be >= 0, got {self.weight_decay}")
         if self.clients_per_round % self.clients_per_block:
             raise ConfigError(
                 f"clients-per-round ({self.clients_per_round}) must be a multiple of "
                 f"clients-per-block ({self.clients_per_block})"
             )
-        if not self.model:
-            raise ConfigError("model must name a model (alias, tiny-<family>, path or hub id)")
 
     @property
     def lora_modules(self) -> list[str]:
@@ -126,107 +129,66 @@ class RunConfig:
         """Distinct blocks trained in parallel each round."""
         return self.clients_per_round // self.clients_per_block
 
+    def rule_options(self, rule: str) -> RuleOptions:
+        """The typed options of update rule ``rule`` (one of ``UPDATE_RULES``)."""
+        return rule_options.parse_options(rule, self.options)
+
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> RunConfig:
-        """Build from Flower's ``context.run_config`` (keys with dashes)."""
-        return _build(cls, run_config)
+        """Build from Flower's ``context.run_config`` (keys with dashes).
+
+        Raises
+        ------
+        ConfigError
+            A key is unknown (the message suggests the closest known key), or a value is of
+            the wrong type, not finite, out of range or not an allowed choice.
+        """
+        options = {k: v for k, v in run_config.items() if k in rule_options.OPTIONS}
+        core = {k: v for k, v in run_config.items() if k not in rule_options.OPTIONS}
+        run: RunConfig = build(cls, core, also_known=rule_options.OPTIONS, options=options)
+        return run
 
     def to_run_config(self) -> dict[str, Any]:
         """Back to Flower's flat key style (for records, checkpoints and the summary)."""
-        out = {
-            f.name.replace("_", "-"): getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name != "extra"
-        }
-        out.update(self.extra)
+        out = {key: getattr(self, s.name) for key, s in settings(type(self)).items()}
+        out.update(self.options)
         return out
+
+
+def run_config_keys() -> dict[str, Any]:
+    """Every run-config key with its default: the run's own keys, then the rules' options."""
+    return RunConfig().to_run_config()
 
 
 @dataclass(frozen=True)
 class NodeConfig:
     """What a SuperNode declares about itself (``--node-config``)."""
 
-    partition_id: int = 0
-    num_partitions: int = 1
-    update_rule: str = ""  # empty: follow the run config
-    memory_budget_mb: float = 0.0  # 0: no budget declared
-    cache_dir: str = ""  # empty: FEDCYBGD_CACHE or ~/.cache/fedcybgd
+    partition_id: int = setting(0, ge=0)
+    num_partitions: int = setting(1, ge=1)
+    update_rule: str = setting("", choices=("", *UPDATE_RULES))  # "": follow the run config
+    memory_budget_mb: float = setting(0.0, ge=0)  # 0: no budget declared
+    cache_dir: str = setting("")  # empty: FEDCYBGD_CACHE or ~/.cache/fedcybgd
 
     def __post_init__(self) -> None:
-        _at_least("num-partitions", self.num_partitions, 1)
-        if not 0 <= self.partition_id < self.num_partitions:
+        normalize(self)
+        if not self.partition_id < self.num_partitions:
             raise ConfigError(
                 f"partition-id must be in [0, num-partitions={self.num_partitions}), "
                 f"got {self.partition_id}"
             )
-        if self.update_rule:
-            _choice("update-rule", self.update_rule, UPDATE_RULES)
-        if self.memory_budget_mb < 0:
-            raise ConfigError(f"memory-budget-mb must be >= 0, got {self.memory_budget_mb}")
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeConfig:
-        """Build from Flower's ``context.node_config``; unknown keys are ignored."""
-        known = {f.name.replace("_", "-") for f in dataclasses.fields(cls)}
-        return _build(cls, {k: v for k, v in node_config.items() if k in known})
+        """Build from Flower's ``context.node_config``.
 
-
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {list(allowed)}")
-
-
-def _at_least(key: str, value: int, low: int) -> None:
-    if value < low:
-        raise ConfigError(f"{key} must be >= {low}, got {value}")
-
-
-def _positive(key: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{key} must be > 0, got {value}")
-
-
-def _coerce(key: str, value: Any, kind: Any) -> Any:
-    origin = get_origin(kind)
-    if origin is Literal:
-        kind = type(get_args(kind)[0])
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        return int(value)
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if kind is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
-        return value
-    return value
-
-
-def _build(cls: Any, raw: Mapping[str, Any]) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = {name: _field_type(cls, name) for name in fields}
-    kwargs: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name in fields and name != "extra":
-            kwargs[name] = _coerce(key, value, hints[name])
-        else:
-            extra[key] = value
-    if "extra" in fields:
-        kwargs["extra"] = extra
-    return cls(**kwargs)
-
-
-def _field_type(cls: Any, name: str) -> Any:
-    annotation = cls.__dataclass_fields__[name].type
-    return {"str": str, "int": int, "float": float, "bool": bool}.get(annotation, annotation)
+        Other keys are ignored (a node's config may carry keys for other apps); one that looks
+        like a misspelt key of ours is logged as a warning with the key it resembles.
+        """
+        known = settings(cls)
+        for key in node_config:
+            if key not in known and (match := closest(key, known)) is not None:
+                log.warning("node-config key %r is not known and is ignored; did you mean %r?",
+                            key, match)
+        node: NodeConfig = build(cls, {k: v for k, v in node_config.items() if k in known})
+        return node

@@ -183,7 +183,7 @@ def train(msg: Message, context: Context) -> Message:
         lr=run.lr,
         weight_decay=run.weight_decay,
         seed=seed,
-        options=dict(run.extra),
+        options=dict(run.options),
         state_dir=store.root.with_name(store.root.name + "-rule-state"),
     )
     began = time.perf_counter()

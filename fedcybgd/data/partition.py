@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Partitioner
 
-PARTITIONERS = ("iid", "dirichlet", "movie")
+from fedcybgd.choices import PARTITIONERS
+
 # A client needs at least one batch's worth of data to train on; below this the split is
 # refused instead of handing a client a nearly empty (or empty) share.
 MIN_PARTITION_SIZE = 8

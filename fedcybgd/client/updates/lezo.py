@@ -43,8 +43,8 @@ an inference forward for MeZO and LeZO alike.
 ``rule.last_log`` holds the :class:`~fedcybgd.compression.seedlog.SeedLog` after
 :meth:`ZerothOrder.train`, and ``seedlog.replay`` rebuilds the trained block from it.
 
-Options (``task.options``, run-config keys): ``zo-eps`` (1e-3), ``lezo-density`` (0.25;
-``mezo`` ignores it), ``zo-weight-decay`` (default ``task.weight_decay``).
+Options (``task.options``, run-config keys, parsed by :mod:`fedcybgd.rule_options`): ``zo-eps``
+(1e-3), ``lezo-density`` (0.25; ``mezo`` ignores it). Weight decay is the run's ``weight-decay``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -64,6 +63,7 @@ from fedcybgd.compression import seedlog
 from fedcybgd.data.prompts import Batch
 from fedcybgd.layerwise import Hidden, LayerStack
 from fedcybgd.objective import label_loss
+from fedcybgd.rule_options import LezoOptions, MezoOptions
 
 
 @dataclass(frozen=True)
@@ -77,30 +77,19 @@ class ZoOptions:
 
     @classmethod
     def from_task(cls, task: TrainTask, density: float | None) -> ZoOptions:
-        """Read ``zo-eps``, ``lezo-density``, ``zo-weight-decay`` (``density`` fixes it)."""
-        options = task.options
-        eps = _number(options, "zo-eps", 1e-3)
+        """Read ``zo-eps`` and ``lezo-density`` (``density`` fixes the latter: MeZO)."""
         if density is None:
-            density = _number(options, "lezo-density", 0.25)
-        wd = _number(options, "zo-weight-decay", task.weight_decay)
-        if not (math.isfinite(eps) and eps > 0):
-            raise ValueError(f"zo-eps must be finite and > 0, got {eps}")
-        if not 0.0 < density <= 1.0:
-            raise ValueError(f"lezo-density must be in (0, 1], got {density}")
+            lezo = LezoOptions.from_options(task.options)
+            eps, density = lezo.eps, lezo.density
+        else:
+            eps = MezoOptions.from_options(task.options).eps
+        wd = task.weight_decay
         if not (math.isfinite(wd) and wd >= 0):
-            raise ValueError(f"zo-weight-decay must be finite and >= 0, got {wd}")
+            raise ValueError(f"weight-decay must be finite and >= 0, got {wd}")
         if not (math.isfinite(task.lr) and task.lr >= 0):
             raise ValueError(f"lr must be finite and >= 0, got {task.lr}")
         to32 = seedlog.to_f32
         return cls(to32(eps), density, to32(wd), to32(task.lr))
-
-
-def _number(options: dict[str, Any], key: str, default: float) -> float:
-    value = options.get(key, default)
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key} must be a number, got {value!r}") from None
 
 
 def perturbed_loss(stack: LayerStack, batch: Batch, prefix: Hidden | None, start: int) -> float:

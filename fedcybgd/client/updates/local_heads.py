@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedcybgd.choices import ZEROLOCK_OBJECTIVES
 from fedcybgd.data.prompts import Batch
 from fedcybgd.layerwise import Hidden, LayerStack
 
 Objective = Literal["label", "next-token"]
-OBJECTIVES: tuple[str, ...] = ("label", "next-token")
+OBJECTIVES = ZEROLOCK_OBJECTIVES  # zerolock-objective
 
 
 class Translator(nn.Module):

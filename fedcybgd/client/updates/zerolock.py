@@ -78,91 +78,16 @@ from torch import nn
 from fedcybgd.atomic import save_tensors
 from fedcybgd.blocks import EMBED, HEAD
 from fedcybgd.client.updates.base import TrainOutcome, TrainTask, register
-from fedcybgd.client.updates.local_heads import OBJECTIVES, LocalHead, Translator
+from fedcybgd.client.updates.local_heads import LocalHead, Translator
 from fedcybgd.data import BatchIterator
 from fedcybgd.data.prompts import Batch
 from fedcybgd.layerwise import Hidden, LayerStack
+from fedcybgd.rule_options import ZeroLockOptions  # the options' one parser (server too)
 
 log = logging.getLogger(__name__)
 
-HEADS = ("frozen-lm", "tuned")
 _STATE = "zerolock"
 _CHECKPOINT = "checkpoint.safetensors"
-
-
-# ----------------------------------------------------------------------------------- options
-
-
-@dataclass(frozen=True)
-class ZeroLockOptions:
-    """The rule's run-config keys (``zerolock-*``), validated."""
-
-    head: str = "frozen-lm"  # zerolock-head: frozen-lm | tuned
-    head_rank: int = 0  # zerolock-head-rank: 0 = full d x d map, r > 0 = rank-r update
-    head_lr: float = 0.0  # zerolock-head-lr: translator lr; 0 = the task's lr
-    objective: str = "label"  # zerolock-objective: label | next-token
-    slice: int = 256  # zerolock-slice: rows per head slice (logits alive: slice x vocab)
-    chunks: int = 1  # zerolock-chunks: chunks per layer block, each with its own loss/optimizer
-    embed_layers: int = 1  # zerolock-embed-layers: frozen layers in the embed block's head
-    checkpoint_every: int = 0  # zerolock-checkpoint-every: steps; 0 = by time; < 0 = off
-    checkpoint_seconds: float = 60.0  # zerolock-checkpoint-seconds: the time rule; 0 = off
-    cache_mb: float = 256.0  # zerolock-cache-mb: prefix cache bound; 0 = no cache
-    fused_step: bool = True  # zerolock-fused-step: step each parameter inside the backward
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> ZeroLockOptions:
-        """Read ``zerolock-*`` keys of ``options``; other keys belong to other rules."""
-        known = {f"zerolock-{name.replace('_', '-')}": name for name in cls.__dataclass_fields__}
-        values: dict[str, Any] = {}
-        for key, value in options.items():
-            if not key.startswith("zerolock-"):
-                continue
-            if key not in known:
-                raise ValueError(f"unknown option {key!r}; zerolock knows {sorted(known)}")
-            name = known[key]
-            kind = type(getattr(cls, name))
-            values[name] = _coerce(key, value, kind)
-        opts = cls(**values)
-        if opts.head not in HEADS:
-            raise ValueError(f"zerolock-head must be one of {HEADS}, got {opts.head!r}")
-        if opts.objective not in OBJECTIVES:
-            raise ValueError(
-                f"zerolock-objective must be one of {OBJECTIVES}, got {opts.objective!r}"
-            )
-        for name in ("head_rank", "embed_layers"):
-            if getattr(opts, name) < 0:
-                raise ValueError(f"zerolock-{name.replace('_', '-')} must be >= 0")
-        for name in ("slice", "chunks"):
-            if getattr(opts, name) < 1:
-                raise ValueError(f"zerolock-{name} must be >= 1, got {getattr(opts, name)}")
-        for name in ("head_lr", "checkpoint_seconds", "cache_mb"):
-            if getattr(opts, name) < 0:
-                raise ValueError(f"zerolock-{name.replace('_', '-')} must be >= 0")
-        return opts
-
-
-def _coerce(key: str, value: Any, kind: type) -> Any:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    if kind is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{key} must be a string, got {value!r}")
-        return value
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key} must be a number, got {value!r}") from None
-    if kind is int:
-        if number != int(number):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
-        return int(number)
-    return number
 
 
 # ------------------------------------------------------------------------------ prefix cache

@@ -1,0 +1,18 @@
+"""The allowed values of every enumerated config key, in one place.
+
+The run config (:mod:`fedcybgd.config`), the rule options (:mod:`fedcybgd.rule_options`) and the
+code that acts on a value import these tuples, so a value that passes the check at start is one
+the code knows. No imports: the server, the clients and the tools can all use this module.
+"""
+
+from __future__ import annotations
+
+UPDATE_RULES: tuple[str, ...] = ("fo", "zerolock", "lezo", "mezo")  # update-rule
+SCHEDULES: tuple[str, ...] = ("ascending", "descending", "random")  # block-schedule
+PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "movie")  # partitioner
+DATASETS: tuple[str, ...] = ("rotten-tomatoes",)  # dataset
+STRATEGIES: tuple[str, ...] = ("fedcybgd", "fedavg")  # strategy (fedavg: Flower's own FedAvg)
+FEDAVG_PARAMS: tuple[str, ...] = ("full", "lora")  # fedavg-params
+AGGREGATES: tuple[str, ...] = ("mean", "median", "trimmed-mean")  # aggregate
+ZEROLOCK_HEADS: tuple[str, ...] = ("frozen-lm", "tuned")  # zerolock-head
+ZEROLOCK_OBJECTIVES: tuple[str, ...] = ("label", "next-token")  # zerolock-objective
