@@ -5,7 +5,9 @@ signed by it (``server.pem``, ``server.key``) whose SANs cover the addresses cli
 (default: ``IP:127.0.0.1``, ``DNS:localhost``, ``DNS:superlink``). ``make_node_key`` writes an
 ECDSA P-384 key pair in OpenSSH format (``<name>`` and ``<name>.pub``), what ``ssh-keygen -t
 ecdsa -b 384 -N ""`` makes and what ``flwr supernode register`` / ``--auth-supernode-private-key``
-read. Existing files are kept, so re-running is harmless (``--force`` replaces them).
+read. Existing files are kept, so re-running is harmless (``--force`` replaces them). Every file
+is written atomically (a fresh ``O_EXCL`` temporary file, then a rename); private keys are mode
+0600 from the moment they exist, in a folder created 0700.
 
 ``python -m fedcybgd.deploy.certs DIR [--san DNS:host|IP:addr ...] [--nodes N]`` does both (the
 docker-compose ``certs`` service runs it).
@@ -17,6 +19,7 @@ import argparse
 import datetime as dt
 import ipaddress
 import os
+import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +51,54 @@ class NodeKey:
     public: Path
 
 
+PRIVATE_MODE = 0o600  # private keys: the owner only, from the moment the file exists
+PUBLIC_MODE = 0o644  # certificates and public keys
+
+
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    if private:
-        os.chmod(tmp, 0o600)
-    tmp.replace(path)
+    """Write ``path`` atomically with its final permissions from the start.
+
+    The bytes go to a new temporary file beside ``path``, created with ``O_CREAT | O_EXCL``
+    (never an existing file, nor a planted symlink: ``O_NOFOLLOW``) and mode 0600 for private
+    keys (``fchmod`` pins the mode whatever the umask), fsynced, then renamed over ``path``; the
+    folder is fsynced too. A key is thus never readable by others, not even for an instant, and a
+    crash leaves either the old file or the new one, never half a key.
+    """
+    folder = path.parent
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = PRIVATE_MODE if private else PUBLIC_MODE
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(
+        os, "O_CLOEXEC", 0)
+    tmp = folder / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, flags, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _keep_private(path: Path) -> None:
+    """An existing private key readable by others (written by an older version with the umask)
+    is tightened to 0600, and the change is reported."""
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        os.chmod(path, PRIVATE_MODE)
+        print(f"{path}: was mode {mode:o}, now {PRIVATE_MODE:o} (a private key)",
+              file=sys.stderr)
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -79,6 +123,9 @@ def make_ca_and_server_cert(
                       folder / "server.key")
     if not force and all(p.exists() for p in (files.ca_cert, files.server_cert,
                                               files.server_key)):
+        for key in (files.ca_key, files.server_key):
+            if key.exists():
+                _keep_private(key)
         return files
     now = dt.datetime.now(dt.UTC)
     start, end = now - dt.timedelta(minutes=5), now + dt.timedelta(days=_VALID_DAYS)
@@ -127,6 +174,7 @@ def make_node_key(folder: Path, name: str, force: bool = False) -> NodeKey:
     """Write (or keep) an ECDSA P-384 OpenSSH key pair ``folder/name`` + ``folder/name.pub``."""
     key = NodeKey(folder / name, folder / f"{name}.pub")
     if not force and key.private.exists() and key.public.exists():
+        _keep_private(key.private)
         return key
     private = ec.generate_private_key(ec.SECP384R1())
     _write(key.private, private.private_bytes(serialization.Encoding.PEM,

@@ -1,0 +1,263 @@
+"""docker-compose for real: build the image, bring up the SuperLink and three SuperNodes, train.
+
+On a local Docker engine (started by scripts/prepare-docker-offline.sh when it is installed but
+not running; a base image made with debootstrap when none can be pulled):
+
+1. build ``fedcybgd:0.1.0`` (``docker-compose build``, the layer cache keeps a rebuild short);
+2. plain stack: ``up -d`` (SuperLink + 3 SuperNodes), the one-shot ``runner`` trains a tiny model
+   for two rounds, ``outputs/compose/metrics.jsonl`` and ``final/`` are checked, ``down -v``;
+3. TLS overlay: ``certs`` writes the CA, server certificate and node keys (private keys 0600),
+   ``register`` registers the three node keys, the published port answers HTTPS only and on
+   127.0.0.1 only, a SuperNode with an unregistered key is refused, the runner trains and the
+   outputs are checked, ``down -v``.
+
+Each stack is its own compose project (own network and volumes) with the SuperLink published
+on a free loopback port and /outputs on a temporary folder. Skipped, with the reason in the
+warnings summary, where no engine can run (no docker CLI / docker-compose, or dockerd neither
+running nor startable: not root, not installed). Durations are printed (``-s``) and written to
+``compose-e2e-timings.json`` in the test's temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedcybgd.deploy import certs
+from fedcybgd.deploy.commands import format_config
+from fedcybgd.deploy.control import healthy
+
+PROJECT = Path(__file__).resolve().parents[1]
+PREPARE = PROJECT / "scripts" / "prepare-docker-offline.sh"
+BUILD_ENV = PROJECT / "docker-extra" / "build.env"
+IMAGE = "fedcybgd:0.1.0"
+NODES = 3
+RUN_CONFIG: dict[str, object] = {
+    "model": "tiny-llama",
+    "partitioner": "iid",
+    "layers-per-block": 1,
+    "num-server-rounds": 2,
+    "eval-examples": 16,
+    "local-steps": 2,
+    "batch-size": 4,
+    "max-seq-len": 48,
+}
+TIMINGS: dict[str, float] = {}
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+
+def _skip(reason: str) -> None:
+    """Skip and say why where `pytest -q` shows it (the warnings summary)."""
+    warnings.warn(f"docker-compose end-to-end test skipped: {reason}", stacklevel=2)
+    pytest.skip(reason)
+
+
+def _engine_unavailable() -> str | None:
+    """Why no Docker engine can run here, or None."""
+    for tool in ("docker", "docker-compose"):
+        if shutil.which(tool) is None:
+            return (f"no `{tool}` command (Debian: apt-get install docker.io docker-compose "
+                    "debootstrap; .ci/run does this as root)")
+    running = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=60,
+                             check=False).returncode == 0
+    if running:
+        return None
+    if shutil.which("dockerd") is None:
+        return "the Docker engine is not running and dockerd is not installed"
+    if os.geteuid() != 0:
+        return "the Docker engine is not running and starting dockerd needs root"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _timed(name: str, start: float) -> None:
+    TIMINGS[name] = round(time.monotonic() - start, 1)
+    print(f"[compose-e2e] {name}: {TIMINGS[name]:.1f} s", flush=True)
+
+
+@pytest.fixture(scope="module")
+def image() -> Iterator[str]:
+    """The engine running, the build arguments for this machine, the image built."""
+    reason = _engine_unavailable()
+    if reason:
+        _skip(reason)
+    start = time.monotonic()
+    prep = subprocess.run(["bash", str(PREPARE), "--no-build", "--quiet"], capture_output=True,
+                          text=True, timeout=1200, check=False)
+    print(prep.stdout, prep.stderr, flush=True)
+    assert prep.returncode == 0, f"prepare-docker-offline.sh failed:\n{prep.stdout}{prep.stderr}"
+    _timed("prepare", start)
+    start = time.monotonic()
+    # One service builds the image all of them use (every service has the same build section).
+    build = subprocess.run(["docker-compose", "--env-file", str(BUILD_ENV), "build",
+                            "superlink"], cwd=PROJECT, capture_output=True, text=True,
+                           timeout=1800, check=False)
+    assert build.returncode == 0, f"build failed:\n{build.stdout[-5000:]}{build.stderr[-5000:]}"
+    _timed("build", start)
+    size = subprocess.run(["docker", "image", "inspect", "--format", "{{.Size}}", IMAGE],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+    TIMINGS["image_size_mb"] = round(int(size) / 1e6)
+    print(f"[compose-e2e] image {IMAGE}: {TIMINGS['image_size_mb']} MB", flush=True)
+    yield IMAGE
+
+
+class Stack:
+    """One compose project: its own network, volumes, loopback port and outputs folder."""
+
+    def __init__(self, name: str, tls: bool, folder: Path) -> None:
+        self.project = f"fedcybgde2e{name}{os.getpid()}"
+        self.files = ["-f", "docker-compose.yml"] + (
+            ["-f", "docker-compose.tls.yml"] if tls else [])
+        self.port = _free_port()
+        self.outputs = folder / "outputs"
+        self.outputs.mkdir(parents=True)
+        os.chown(self.outputs, 1000, 1000)  # the image's user writes the run's outputs
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("FEDCYBGD_")}
+        self.env.update(FEDCYBGD_PUBLISH=f"127.0.0.1:{self.port}",
+                        FEDCYBGD_OUTPUTS=str(self.outputs),
+                        RUN_CONFIG=format_config(RUN_CONFIG))
+        self.logs = folder / "compose.log"
+
+    def compose(self, *args: str, timeout: float = 600,
+                check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = ["docker-compose", "-p", self.project, *self.files, "--env-file", str(BUILD_ENV),
+               *args]
+        result = subprocess.run(cmd, cwd=PROJECT, env=self.env, capture_output=True, text=True,
+                                timeout=timeout, check=False)
+        with self.logs.open("a") as log:
+            log.write(f"$ {' '.join(cmd)}\n{result.stdout}{result.stderr}\n")
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} exited {result.returncode}:\n"
+                                 f"{result.stdout[-4000:]}{result.stderr[-4000:]}\n"
+                                 f"{self.service_logs()}")
+        return result
+
+    def service_logs(self) -> str:
+        result = subprocess.run(
+            ["docker-compose", "-p", self.project, *self.files, "--env-file", str(BUILD_ENV),
+             "logs", "--no-color", "--tail", "60"], cwd=PROJECT, env=self.env,
+            capture_output=True, text=True, timeout=120, check=False)
+        return result.stdout[-8000:]
+
+    def down(self) -> None:
+        self.compose("--profile", "run", "down", "-v", "--remove-orphans", timeout=300)
+
+
+@pytest.fixture
+def stack(request: pytest.FixtureRequest, image: str, tmp_path: Path) -> Iterator[Stack]:
+    tls = bool(request.param)
+    s = Stack("tls" if tls else "plain", tls, tmp_path)
+    try:
+        yield s
+    finally:
+        (tmp_path / "services.log").write_text(s.service_logs())
+        start = time.monotonic()
+        s.down()
+        _timed(f"{'tls' if tls else 'plain'}: down -v", start)
+        leftovers = subprocess.run(
+            ["docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project="
+             f"{s.project}"], capture_output=True, text=True, timeout=60, check=True).stdout
+        assert not leftovers.strip(), f"containers left behind: {leftovers}"
+        (tmp_path / "compose-e2e-timings.json").write_text(json.dumps(TIMINGS, indent=1))
+
+
+def _up_and_train(s: Stack, label: str) -> Path:
+    start = time.monotonic()
+    s.compose("up", "-d", timeout=900)
+    _timed(f"{label}: up -d", start)
+    published = s.compose("port", "superlink", "8000").stdout.strip()
+    assert published == f"127.0.0.1:{s.port}", published  # loopback only
+    assert healthy(published, timeout=10)
+
+    start = time.monotonic()
+    runner = s.compose("--profile", "run", "run", "--rm", "-T", "runner", timeout=900,
+                       check=False)
+    _timed(f"{label}: runner (2 rounds, tiny-llama)", start)
+    assert runner.returncode == 0, (runner.stdout[-5000:] + runner.stderr[-3000:]
+                                    + s.service_logs())
+    assert "status: finished:completed" in runner.stdout
+    return s.outputs / "compose"
+
+
+def _check_outputs(out: Path) -> None:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    assert [r["round"] for r in rows] == [0, 1, 2], rows
+    for row in rows[1:]:
+        assert row["bytes_up"] > 0
+        assert len(row["clients"]) == NODES, row  # all three SuperNodes trained each round
+    assert rows[-1]["eval_loss"] is not None
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 2
+    final = out / "final"
+    assert final.is_dir() and any(final.iterdir()), f"no final model in {final}"
+
+
+@pytest.mark.parametrize("stack", [False], indirect=True, ids=["plain"])
+def test_compose_stack_trains(stack: Stack) -> None:
+    out = _up_and_train(stack, "plain")
+    _check_outputs(out)
+
+
+@pytest.mark.parametrize("stack", [True], indirect=True, ids=["tls"])
+def test_compose_tls_stack_trains_and_refuses_an_unregistered_node(stack: Stack,
+                                                                    tmp_path: Path) -> None:
+    start = time.monotonic()
+    stack.compose("up", "-d", timeout=900)
+    _timed("tls: up -d (certs, register, 3 nodes)", start)
+    published = stack.compose("port", "superlink", "8000").stdout.strip()
+    assert published == f"127.0.0.1:{stack.port}", published
+
+    # the certs volume: private keys 0600, public files 0644 (as the image's user wrote them)
+    modes = stack.compose("exec", "-T", "superlink", "stat", "-c", "%a %n", "/certs/ca.key",
+                          "/certs/server.key", "/certs/supernode-1", "/certs/ca.crt",
+                          "/certs/supernode-1.pub").stdout.split("\n")
+    modes = [m for m in modes if m.strip()]
+    assert [m.split()[0] for m in modes] == ["600", "600", "600", "644", "644"], modes
+
+    # the published port answers HTTPS (the CA's certificate, SAN IP:127.0.0.1), not HTTP
+    ca = tmp_path / "ca.crt"
+    ca.write_text(stack.compose("exec", "-T", "superlink", "cat", "/certs/ca.crt").stdout)
+    address = f"127.0.0.1:{stack.port}"
+    assert healthy(address, root_certificates=str(ca), timeout=10)
+    assert not healthy(address, timeout=10)
+
+    # a SuperNode whose key was never registered is refused (flower-supernode exits, 305)
+    rogue = tmp_path / "rogue"
+    key = certs.make_node_key(rogue, "rogue")
+    for path in (rogue, key.private, key.public):
+        os.chown(path, 1000, 1000)
+    start = time.monotonic()
+    refused = stack.compose(
+        "run", "--rm", "-T", "--no-deps", "-v", f"{rogue}:/rogue:ro", "supernode-1",
+        "flower-supernode", "--root-certificates", "/certs/ca.crt",
+        "--auth-supernode-private-key", "/rogue/rogue", "--superlink", "superlink:8000",
+        "--port", "9094", "--node-config", "partition-id=0 num-partitions=3 cache-dir='/tmp'",
+        timeout=300, check=False)
+    _timed("tls: unregistered node refused", start)
+    text = refused.stdout + refused.stderr
+    assert refused.returncode != 0, text[-3000:]
+    assert "305" in text or "Failed to activate" in text, text[-3000:]
+
+    start = time.monotonic()
+    runner = stack.compose("--profile", "run", "run", "--rm", "-T", "runner", timeout=900,
+                           check=False)
+    _timed("tls: runner (2 rounds, tiny-llama)", start)
+    assert runner.returncode == 0, (runner.stdout[-5000:] + runner.stderr[-3000:]
+                                    + stack.service_logs())
+    assert "status: finished:completed" in runner.stdout
+    _check_outputs(stack.outputs / "compose")
