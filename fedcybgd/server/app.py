@@ -33,6 +33,7 @@ from fedcybgd.models import load_model, load_tokenizer, read_tensors, safetensor
 from fedcybgd.objective import EvalResult, evaluate
 from fedcybgd.server.checkpoint import Checkpointer
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
+from fedcybgd.server.outputs import overwrite_requested, prepare_output_dir
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 
@@ -125,9 +126,9 @@ def require_nodes(grid: Grid, wanted: int, wait_s: float) -> int:
 def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[str, Any]:
     """Run a whole FedCyBGD training; returns the summary it also writes."""
     started = time.perf_counter()
-    require_nodes(grid, run.clients_per_round, node_wait_s)
     out = resolve_output_dir(run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(out, run.resume, overwrite_requested(run), can_resume=True)
+    require_nodes(grid, run.clients_per_round, node_wait_s)
     model = load_model(run.model)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -163,7 +164,17 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
             strategy.install_checkpoint(name, tensors)
         strategy.load_state(saved["strategy"])
     strategy.summary()
-    writer = MetricsWriter(out, resume=resumed)
+    # Resuming: rows after the checkpoint belong to rounds about to be redone. Without a
+    # checkpoint, any rows are those of a run that never reached one (it starts again).
+    keep_through: int | None = None
+    if run.resume:
+        keep_through = first_round - 1 if resumed else -1
+    writer = MetricsWriter(out, keep_through)
+    if resumed and not writer.has_round(first_round - 1) and saved.get("record"):
+        # Stopped between the checkpoint and its metrics row: the row is in the checkpoint.
+        log.warning("metrics.jsonl lacks round %d; restoring its row from the checkpoint",
+                    first_round - 1)
+        writer.write(dict(saved["record"]))
     evaluator = Evaluator(run, stack)
 
     initial: EvalResult | None = None
@@ -204,7 +215,8 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
             record.update(eval_loss=last_eval.loss, eval_accuracy=last_eval.accuracy,
                           eval_s=time.perf_counter() - eval_start)
         record["round_s"] = time.perf_counter() - round_start
-        writer.write(record)
+        # The checkpoint first, then the row: a round has a row only once it is durable, so a
+        # resumed run never lists a round twice (the checkpoint keeps the row, see above).
         checkpointer.save(
             server_round,
             {b: (v, strategy.block_tensors(b)) for b, v in strategy.versions.items() if v > 0},
@@ -214,11 +226,15 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
                 "strategy": strategy.state(),
                 "initial_eval": asdict(initial),
                 "run_config": run.to_run_config(),
+                "record": record,
             },
         )
+        writer.write(record)
         print_progress(record, run.num_server_rounds)
 
     final_dir = out / "final"
+    if final_dir.exists():
+        log.info("replacing the final model in %s", final_dir)
     model.save_pretrained(final_dir)
     load_tokenizer(run.model).save_pretrained(final_dir)
     summary = {

@@ -32,6 +32,7 @@ from fedcybgd.config import RunConfig
 from fedcybgd.models import load_tokenizer
 from fedcybgd.server.app import Evaluator, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
+from fedcybgd.server.outputs import overwrite_requested, prepare_output_dir
 from fedcybgd.server.report import print_progress, print_summary_table
 
 log = logging.getLogger(__name__)
@@ -142,15 +143,16 @@ def _train_record(strategy: CheckedFedAvg, run: RunConfig) -> dict[str, Any]:
 def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     """Run a FedAvg baseline (``fedavg-params`` = full | lora); returns the summary it writes."""
     started = time.perf_counter()
-    require_nodes(grid, run.clients_per_round, 120.0)
     out = resolve_output_dir(run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    # FedAvg keeps no checkpoint: resume = true is refused over earlier outputs.
+    prepare_output_dir(out, run.resume, overwrite_requested(run), can_resume=False)
+    require_nodes(grid, run.clients_per_round, 120.0)
     server = build_baseline(run)
     for p in server.model.parameters():
         p.requires_grad_(False)
     initial = server.get()
     evaluator = Evaluator(run, server.stack)
-    writer = MetricsWriter(out, resume=False)
+    writer = MetricsWriter(out)
     strategy = CheckedFedAvg(
         server.signature(),
         # A fraction of ~0 makes FedAvg sample exactly min_train_nodes, however many connect.

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
+
+from fedcybgd.atomic import append_line, make_dirs, write_bytes
+
+log = logging.getLogger(__name__)
 
 
 def _clean(value: Any) -> Any:
@@ -15,31 +20,82 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Append round records to ``metrics.jsonl``; a fresh run starts the file anew."""
+    """Round records in ``metrics.jsonl``, one line each, appended and fsync'd.
 
-    def __init__(self, output_dir: Path, resume: bool) -> None:
+    Parameters
+    ----------
+    output_dir : Path
+        The run's output folder.
+    keep_through : int, optional
+        ``None``: a fresh run; the file starts empty. An integer (resume): the rows of rounds
+        up to it are kept and later ones dropped (the run redoes those rounds); torn or
+        unreadable lines are skipped with a warning naming the line.
+    """
+
+    def __init__(self, output_dir: Path, keep_through: int | None = None) -> None:
         self.path = output_dir / "metrics.jsonl"
-        output_dir.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            self.path.write_text("")
+        make_dirs(output_dir)
         self.records: list[dict[str, Any]] = []
-        if resume and self.path.exists():
-            self.records = [json.loads(line) for line in self.path.read_text().splitlines()
-                            if line.strip()]
+        if keep_through is None:
+            write_bytes(self.path, b"")
+        else:
+            self._resume(keep_through)
+
+    def _resume(self, keep_through: int) -> None:
+        if not self.path.exists():
+            return
+        rows: dict[int, dict[str, Any]] = {}
+        lines = self.path.read_bytes().split(b"\n")
+        changed = bool(lines[-1])  # the last line lacks its newline: a torn write
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                server_round = record["round"]
+                if isinstance(server_round, bool) or not isinstance(server_round, int):
+                    raise TypeError(f"round = {server_round!r}")
+            except (ValueError, KeyError, TypeError) as err:
+                log.warning("%s line %d is torn or unreadable (%s); skipping it: %.80r",
+                            self.path, number, err, line)
+                changed = True
+                continue
+            if server_round > keep_through:
+                log.warning("%s line %d: dropping the row of round %d, after the checkpoint "
+                            "(round %d); the round is run again", self.path, number,
+                            server_round, keep_through)
+                changed = True
+                continue
+            if server_round in rows:
+                log.warning("%s line %d: round %d appears again; keeping this later row",
+                            self.path, number, server_round)
+                changed = True
+            rows[server_round] = record
+        self.records = [rows[r] for r in sorted(rows)]
+        if changed:
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        body = "".join(json.dumps(r) + "\n" for r in self.records)
+        write_bytes(self.path, body.encode())
+
+    def has_round(self, server_round: int) -> bool:
+        """Is there a row for ``server_round``?"""
+        return any(r.get("round") == server_round for r in self.records)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one round's record (and drop records of rounds it supersedes)."""
+        """Append one round's record (non-finite numbers become ``null``)."""
         record = {k: _clean(v) for k, v in record.items()}
-        self.records = [r for r in self.records if r.get("round") != record.get("round")]
+        if self.has_round(record.get("round", -1)):
+            raise ValueError(f"{self.path} already has a row for round {record.get('round')}")
         self.records.append(record)
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(self.path, json.dumps(record))
 
 
 def write_summary(output_dir: Path, summary: dict[str, Any]) -> Path:
-    """Write ``summary.json`` and return its path."""
+    """Write ``summary.json`` (atomically) and return its path."""
     path = output_dir / "summary.json"
-    path.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=1))
+    write_bytes(path, json.dumps({k: _clean(v) for k, v in summary.items()}, indent=1).encode())
     return path
 
 

@@ -1,0 +1,97 @@
+"""The output-folder rule every strategy follows (FedCyBGD and the FedAvg baselines).
+
+A run never starts over another run's outputs by accident: a non-empty ``output-dir`` is used
+only with ``resume = true`` (continue that run) or ``overwrite = true`` (replace its outputs),
+and nothing is removed without a log line naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from fedcybgd.atomic import fsync_dir, make_dirs
+from fedcybgd.config import ConfigError, RunConfig
+
+log = logging.getLogger(__name__)
+
+# What a run writes in its output folder; ``overwrite = true`` removes these and nothing else.
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoint", "final")
+# Written there by the launcher (fedcybgd.deploy.local) before the ServerApp starts.
+LAUNCHER_ENTRIES = ("logs",)
+
+
+class OutputDirError(ConfigError):
+    """The output folder holds another run's outputs and the run config does not say what to do."""
+
+
+def overwrite_requested(run: RunConfig) -> bool:
+    """The run config's ``overwrite`` key.
+
+    Read defensively while ``RunConfig.overwrite`` is being added: until then the key arrives
+    among the unknown keys in ``run.extra``.
+    """
+    value = getattr(run, "overwrite", None)
+    if value is None:
+        value = run.extra.get("overwrite", False)
+    return bool(value)
+
+
+def prepare_output_dir(out: Path, resume: bool, overwrite: bool, can_resume: bool) -> None:
+    """Check ``out`` against the output rule, clear it for ``overwrite``, and create it.
+
+    Parameters
+    ----------
+    out : Path
+        The run's output folder.
+    resume, overwrite : bool
+        The run config's ``resume`` and ``overwrite``.
+    can_resume : bool
+        Whether the strategy checkpoints (FedCyBGD) or not (the FedAvg baselines).
+
+    Raises
+    ------
+    OutputDirError
+        ``out`` holds entries besides the launcher's logs and neither key allows using it, or
+        both keys are set, or ``resume`` is asked of a strategy that keeps no checkpoint.
+    """
+    if resume and overwrite:
+        raise OutputDirError("resume = true and overwrite = true contradict each other: "
+                             "set one of them")
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"output-dir {out} is a file, not a folder")
+    entries = sorted(p for p in out.iterdir() if p.name not in LAUNCHER_ENTRIES) \
+        if out.exists() else []
+    if not entries:
+        if resume and not can_resume:
+            log.info("resume = true, but this strategy keeps no checkpoint and %s holds no "
+                     "outputs: starting fresh", out)
+        make_dirs(out)
+        return
+    names = ", ".join(p.name for p in entries[:6]) + (", ..." if len(entries) > 6 else "")
+    if resume:
+        if can_resume:
+            return
+        raise OutputDirError(
+            f"output-dir {out} holds earlier outputs ({names}) and this strategy keeps no "
+            "checkpoint, so resume = true cannot continue that run: set overwrite = true to "
+            "replace them, or choose another output-dir"
+        )
+    if not overwrite:
+        raise OutputDirError(
+            f"output-dir {out} is not empty ({names}): set resume = true to continue the run "
+            "there, overwrite = true to replace its outputs, or choose another output-dir"
+        )
+    for path in entries:
+        if path.name not in RUN_OUTPUTS:
+            log.warning("overwrite = true: leaving %s in place (not an output of a run)", path)
+            continue
+        if path.is_dir() and not path.is_symlink():
+            count = sum(1 for p in path.rglob("*") if not p.is_dir())
+            log.warning("overwrite = true: removing %s (%d files)", path, count)
+            shutil.rmtree(path)
+        else:
+            log.warning("overwrite = true: removing %s", path)
+            path.unlink()
+    fsync_dir(out)
