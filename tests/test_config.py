@@ -366,6 +366,11 @@ def test_flwr_run_with_rule_options_and_no_dependency_installation(tmp_path: Pat
     if probe.stdout.strip() != "1":
         pytest.skip("this venv was not made by `make install` (no fedcybgd-flwr-env.pth); "
                     "run `make venv-defaults`")
+    # Flower 1.42's own default for a SuperLink started from this venv: no installation
+    default = subprocess.run([sys.executable, "-c", "from flwr.superlink.cli.flower_superlink "
+                              "import _runtime_dependency_install_default as d; print(d())"],
+                             env=env, capture_output=True, text=True, check=True)
+    assert default.stdout.strip() == "False"
     # Prepare: a private Flower home and private ports, so the managed SuperLink is ours alone
     flwr_home = tmp_path / "flwr-home"
     write_flower_config(flwr_home)

@@ -33,7 +33,8 @@ class TrainTask:
     steps, lr, weight_decay, seed :
         Local steps, learning rate, weight decay and the seed of the round's randomness.
     options : dict
-        Rule-specific run-config values (e.g. ``zo-eps``), keyed as in the run config.
+        The rules' run-config options (e.g. ``zo-eps``), keyed as in the run config; a rule
+        reads its own with :mod:`fedcybgd.rule_options` (the parser the server checks them with).
     state_dir : Path
         A folder the rule may keep state in across rounds (e.g. a local head).
     """
