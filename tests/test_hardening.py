@@ -453,3 +453,17 @@ def test_fuzzed_replies_never_stop_or_poison_the_server(fuzz_rig, data):
     accepted = entry.examples // 8
     assert accepted + sum(entry.dropped.values()) == len(entry.clients)
     assert all(bool(torch.isfinite(t).all()) for t in strategy.weights.values())
+
+
+def test_late_reply_from_an_earlier_round_is_ignored(tiny_run_config, tmp_path):
+    # Prepare: round 1's replies are held back (lost in time); round 2 runs
+    rig = Rig(dict(tiny_run_config, **{"clients-per-block": 2}), tmp_path)
+    late = rig.replies(1)
+    rig.strategy.aggregate_train(1, [])
+    assert rig.strategy.history[-1].dropped == {"no-reply": 2}
+    # Execute: the late round-1 replies arrive among round 2's
+    replies = rig.replies(2)
+    rig.strategy.aggregate_train(2, late + replies)
+    # Assert: only round 2's own replies count
+    entry = rig.strategy.history[-1]
+    assert entry.examples == 2 * 8 and not entry.dropped and not entry.failed_blocks

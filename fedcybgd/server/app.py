@@ -33,7 +33,7 @@ from fedcybgd.models import load_model, load_tokenizer, read_tensors, safetensor
 from fedcybgd.objective import EvalResult, evaluate
 from fedcybgd.server.checkpoint import Checkpointer
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
-from fedcybgd.server.outputs import overwrite_requested, prepare_output_dir
+from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 
@@ -104,6 +104,12 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
         base_hash=base_hash,
         max_payload_bytes=int(run.max_payload_mb * 2**20),
         return_arrays=False,
+        local_steps=run.local_steps,
+        batch_size=run.batch_size,
+        aggregate=run.aggregate,
+        trim_fraction=run.trim_fraction,
+        max_update_norm=run.max_update_norm,
+        outlier_factor=run.outlier_factor,
     )
 
 
@@ -123,11 +129,20 @@ def require_nodes(grid: Grid, wanted: int, wait_s: float) -> int:
         time.sleep(1.0)
 
 
-def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[str, Any]:
-    """Run a whole FedCyBGD training; returns the summary it also writes."""
+def run_server(
+    grid: Grid,
+    run: RunConfig,
+    node_wait_s: float = 120.0,
+    on_checkpoint_file: Callable[[Path], None] | None = None,
+) -> dict[str, Any]:
+    """Run a whole FedCyBGD training; returns the summary it also writes.
+
+    ``on_checkpoint_file`` is called after each checkpoint file is written (a seam for crash
+    tests, see :class:`fedcybgd.server.checkpoint.Checkpointer`).
+    """
     started = time.perf_counter()
     out = resolve_output_dir(run.output_dir)
-    prepare_output_dir(out, run.resume, overwrite_requested(run), can_resume=True)
+    prepare_output_dir(out, run.resume, run.overwrite, can_resume=True)
     require_nodes(grid, run.clients_per_round, node_wait_s)
     model = load_model(run.model)
     for p in model.parameters():
@@ -136,7 +151,7 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
     blocks = BlockMap(model, run.layers_per_block)
     weights = dict(model.named_parameters())
     base_hash = content_checksum(weights)
-    checkpointer = Checkpointer(out / "checkpoint")
+    checkpointer = Checkpointer(out / "checkpoint", on_file_written=on_checkpoint_file)
 
     lineage = uuid.uuid4().hex[:16]
     first_round = 1
@@ -207,6 +222,8 @@ def run_server(grid: Grid, run: RunConfig, node_wait_s: float = 120.0) -> dict[s
             "client_peak_mem_mb": entry.client_peak_mem_mb,
             "client_train_s": entry.client_train_s,
             "examples": entry.examples,
+            "dropped": entry.dropped,
+            "accepted": {b: [str(n) for n in nodes] for b, nodes in entry.accepted.items()},
         }
         is_last = server_round == run.num_server_rounds
         if is_last or (run.eval_every and server_round % run.eval_every == 0):

@@ -8,6 +8,7 @@ cannot corrupt the global model.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -32,34 +33,51 @@ from fedcybgd.config import RunConfig
 from fedcybgd.models import load_tokenizer
 from fedcybgd.server.app import Evaluator, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
-from fedcybgd.server.outputs import overwrite_requested, prepare_output_dir
+from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.strategies.replies import (
+    BAD_PAYLOAD,
+    CLIENT_ERROR,
+    MALFORMED,
+    DropLog,
+    Dropped,
+    examples_weight,
+    guarded,
+    only_records,
+    scalar_metrics,
+)
 
 log = logging.getLogger(__name__)
 
 
 class CheckedFedAvg(FedAvg):
-    """Flower's FedAvg, dropping replies that would corrupt the average or stop the server.
+    """Flower's FedAvg behind the reply gate (:mod:`fedcybgd.strategies.replies`).
 
     A reply is kept only with exactly one ArrayRecord (``"arrays"``) matching the model's
-    names, shapes and dtypes with finite values, and one MetricRecord (``"metrics"``) of
-    scalars whose ``num-examples`` is a positive finite number and whose keys are those of the
-    other kept replies (Flower's FedAvg raises on mixed keys).
+    names, shapes and dtypes with finite values, and one MetricRecord (``"metrics"``) of finite
+    scalars whose ``num-examples`` is positive (capped at ``max_examples``, so no node owns the
+    average) and whose keys are those of the other kept replies (Flower's FedAvg raises on mixed
+    keys). Anything else, including any exception while reading a reply, drops that reply with
+    a named reason; the round goes on.
 
     Parameters
     ----------
     reference : dict[str, tuple[tuple[int, ...], torch.dtype]]
         The exchanged tensors' names, shapes and dtypes.
+    max_examples : float
+        The most examples a node can train on in a round (local steps x batch size).
     **kwargs
         Passed to :class:`flwr.serverapp.strategy.FedAvg`.
     """
 
     def __init__(self, reference: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 **kwargs: Any) -> None:
+                 max_examples: float = math.inf, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reference = reference
+        self.max_examples = max_examples
         self.last_replies: list[Message] = []  # kept replies of the last round
         self.last_dropped: list[Message] = []
+        self.last_drops: dict[str, int] = {}  # reason -> count, last round
         self.last_sent_bytes = 0
 
     def configure_train(
@@ -70,44 +88,44 @@ class CheckedFedAvg(FedAvg):
         self.last_sent_bytes = payload_bytes(arrays) * len(messages)
         return messages
 
-    def _problem(self, reply: Message, metric_keys: set[str] | None) -> str | None:
+    def _check(self, reply: Message, metric_keys: set[str] | None) -> None:
+        """Raise :class:`Dropped` unless the reply is safe to average; caps num-examples."""
         content = reply.content
-        if list(content.array_records) != [ARRAYS]:
-            return f"array records {list(content.array_records)}, expected ['{ARRAYS}']"
-        if list(content.metric_records) != [METRICS]:
-            return f"metric records {list(content.metric_records)}, expected ['{METRICS}']"
-        metrics = content.metric_records[METRICS]
-        if any(isinstance(v, list) for v in metrics.values()):
-            return "a metric is a list, expected scalars"
-        examples = metrics.get("num-examples")
-        if not isinstance(examples, (int, float)) or not 0 < examples < math.inf:
-            return f"num-examples = {examples!r}, expected a positive number"
+        only_records(content, arrays={ARRAYS}, metrics={METRICS}, configs=set())
+        record = content.metric_records[METRICS]
+        metrics = scalar_metrics(record)
+        examples = examples_weight(metrics, "num-examples", self.max_examples)
         if metric_keys is not None and set(metrics) != metric_keys:
-            return f"metric keys {sorted(metrics)} differ from the other replies'"
+            raise Dropped(MALFORMED, f"metric keys {sorted(metrics)[:8]} differ from the other "
+                                     "replies'")
         try:
             check_tensors(from_record(content.array_records[ARRAYS]), self.reference)
         except (ValueError, TypeError) as err:
-            return str(err)
-        return None
+            raise Dropped(BAD_PAYLOAD, str(err)) from None
+        record["num-examples"] = examples
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Drop malformed uploads (logged with the reason), then average as FedAvg does."""
+        """Drop unsafe uploads (logged and counted by reason), then average as FedAvg does."""
         kept: list[Message] = []
         dropped: list[Message] = []
+        drops = DropLog(server_round)
         keys: set[str] | None = None
         for reply in replies:
             if reply.has_content():
-                problem = self._problem(reply, keys)
-                if problem is not None:
-                    log.warning("round %d: dropped node %d's upload: %s", server_round,
-                                reply.metadata.src_node_id, problem)
+                try:
+                    guarded(functools.partial(self._check, reply, keys))
+                except Dropped as drop:
+                    drops.add(reply.metadata.src_node_id, "upload", drop)
                     dropped.append(reply)
                     continue
                 keys = set(reply.content.metric_records[METRICS])
+            else:
+                drops.counts[CLIENT_ERROR] += 1
             kept.append(reply)
         self.last_replies, self.last_dropped = kept, dropped
+        self.last_drops = drops.as_dict()
         if not any(r.has_content() for r in kept):
             return None, None  # nothing usable: the global model stays as it was
         return super().aggregate_train(server_round, kept)
@@ -131,6 +149,7 @@ def _train_record(strategy: CheckedFedAvg, run: RunConfig) -> dict[str, Any]:
         "clients": [str(r.metadata.src_node_id) for r in kept],
         "update_rule": [f"fedavg-{run.fedavg_params}"],
         "dropped_uploads": len(strategy.last_dropped),
+        "dropped": strategy.last_drops,
         "bytes_down": down, "bytes_up": up, "bytes_down_raw": down, "bytes_up_raw": up,
         "client_peak_mem_mb": max([m.get("peak_mem_mb", 0.0) for m in metrics] or [0.0]),
         "client_train_s": max([m.get("train_s", 0.0) for m in metrics] or [0.0]),
@@ -145,7 +164,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     started = time.perf_counter()
     out = resolve_output_dir(run.output_dir)
     # FedAvg keeps no checkpoint: resume = true is refused over earlier outputs.
-    prepare_output_dir(out, run.resume, overwrite_requested(run), can_resume=False)
+    prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)
     require_nodes(grid, run.clients_per_round, 120.0)
     server = build_baseline(run)
     for p in server.model.parameters():
@@ -160,6 +179,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         fraction_evaluate=0.0,
         min_train_nodes=run.clients_per_round,
         min_available_nodes=run.clients_per_round,
+        max_examples=run.local_steps * run.batch_size,
     )
     random.seed(run.seed)  # Flower samples nodes with the `random` module
     marks: dict[str, float] = {"round_start": 0.0}

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from fedcybgd.atomic import fsync_dir, make_dirs
-from fedcybgd.config import ConfigError, RunConfig
+from fedcybgd.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -24,18 +24,6 @@ LAUNCHER_ENTRIES = ("logs",)
 
 class OutputDirError(ConfigError):
     """The output folder holds another run's outputs and the run config does not say what to do."""
-
-
-def overwrite_requested(run: RunConfig) -> bool:
-    """The run config's ``overwrite`` key.
-
-    Read defensively while ``RunConfig.overwrite`` is being added: until then the key arrives
-    among the unknown keys in ``run.extra``.
-    """
-    value = getattr(run, "overwrite", None)
-    if value is None:
-        value = run.extra.get("overwrite", False)
-    return bool(value)
 
 
 def prepare_output_dir(out: Path, resume: bool, overwrite: bool, can_resume: bool) -> None:

@@ -93,6 +93,7 @@ class RoundLog:
     client_train_s: float = 0.0
     examples: int = 0
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> assignments that failed
+    accepted: dict[str, list[int]] = field(default_factory=dict)  # installed block -> its nodes
 
 
 class FedCyBGD(Strategy):
@@ -553,15 +554,19 @@ class FedCyBGD(Strategy):
         """
         drops = DropLog(server_round)
         results: dict[str, list[tuple[float, dict[str, torch.Tensor], float]]] = {}
+        senders: dict[str, list[int]] = {}
         losses: list[tuple[float, float]] = []
-        # An error reply made by the SuperLink (e.g. the node died) comes from the SuperLink's
-        # own id, so replies are matched to instructions by message id first.
+        # Replies are matched to this round's instructions by message id: an error reply made
+        # by the SuperLink (e.g. the node died) comes from the SuperLink's own id, and a late
+        # reply to an earlier round must not pass for this round's upload.
         by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in self._sent}
         for reply in replies:
-            node = by_id.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
-            block = self._assigned.pop(node, None)
-            if block is None:
-                log.warning("ignored a reply from node %d, which had no assignment", node)
+            node = by_id.get(reply.metadata.reply_to_message_id)
+            block = self._assigned.pop(node, None) if node is not None else None
+            if node is None or block is None:
+                log.warning("round %d: ignored a reply from node %d that answers no open "
+                            "instruction of this round (late, duplicate or forged)",
+                            server_round, reply.metadata.src_node_id)
                 continue
             try:
                 weight, tensors, got, rule = guarded(
@@ -572,6 +577,7 @@ class FedCyBGD(Strategy):
                 drops.add(node, f"upload of block {block}", drop)
                 continue
             results.setdefault(block, []).append((weight, tensors, rms))
+            senders.setdefault(block, []).append(node)
             losses.append((weight, got["train_loss"]))
             self._round.examples += int(weight)
             self._round.bytes_up_raw += raw_fp32_bytes(tensors)
@@ -589,6 +595,7 @@ class FedCyBGD(Strategy):
             uploads = results.get(block)
             if uploads and self._install(block, uploads, server_round, drops):
                 installed += 1
+                self._round.accepted[block] = senders[block]
                 continue
             self.schedule.requeue(block)
             if block in block_seed:
