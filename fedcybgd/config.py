@@ -118,6 +118,9 @@ class RunConfig:
                 f"clients-per-round ({self.clients_per_round}) must be a multiple of "
                 f"clients-per-block ({self.clients_per_block})"
             )
+        if 0 < self.outlier_factor < 1:
+            # below 1 it would refuse about half of the honest updates
+            raise ConfigError(f"outlier-factor must be 0 (off) or >= 1, got {self.outlier_factor}")
 
     @property
     def lora_modules(self) -> list[str]:

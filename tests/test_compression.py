@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import struct
 from typing import Any
@@ -30,6 +31,8 @@ from fedcybgd.compression import (
 from fedcybgd.compression import decode as strict_decode
 from fedcybgd.compression import read_header as strict_read_header
 
+# FEDCYBGD_FUZZ_SCALE=N runs every hypothesis fuzzer N times longer (the long fuzz runs).
+FUZZ_SCALE = int(os.environ.get("FEDCYBGD_FUZZ_SCALE", "1"))
 # Every decode takes a size bound; these tests bound payloads generously unless the bound is the
 # point of the test.
 LIMIT = 1 << 30
@@ -820,8 +823,8 @@ def test_fuzz_corrupt_bodies_with_matching_body_hash(fuzz_cases):
         _decode_or_codec_error(_join(header, bytes(buf)), base)
 
 
-@pytest.mark.timeout(60)
-@settings(max_examples=100, deadline=None)
+@pytest.mark.timeout(60 * FUZZ_SCALE)
+@settings(max_examples=100 * FUZZ_SCALE, deadline=None)
 @given(blob=st.binary(max_size=400), framed=st.booleans())
 def test_fuzz_random_bytes_hypothesis(blob: bytes, framed: bool):
     if framed:
@@ -829,8 +832,8 @@ def test_fuzz_random_bytes_hypothesis(blob: bytes, framed: bool):
     assert not _decode_or_codec_error(blob, None)
 
 
-@pytest.mark.timeout(60)
-@settings(max_examples=150, deadline=None)
+@pytest.mark.timeout(60 * FUZZ_SCALE)
+@settings(max_examples=150 * FUZZ_SCALE, deadline=None)
 @given(case=st.integers(0, 7), seed=st.integers(0, 2**32 - 1))
 def test_fuzz_mutated_payloads_hypothesis(fuzz_cases, case, seed):
     data, base = fuzz_cases[case]

@@ -10,16 +10,17 @@ import contextlib
 import copy
 import json
 import math
+import os
+import random
 import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,14 +28,17 @@ from fedcybgd import protocol
 from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.app import app as client_app
-from fedcybgd.compression import decode, encode, payload_from_array, payload_to_array, seedlog
+from fedcybgd.compression import decode, encode, seedlog
 from fedcybgd.config import RunConfig
+from fedcybgd.faults import HOSTILE, SANITIZED, set_upload, upload_of
 from fedcybgd.loopback import LoopbackGrid
 from fedcybgd.models import load_model
 from fedcybgd.server.app import build_strategy
 from fedcybgd.strategies.aggregate import coordinate_median, trimmed_mean, weighted_mean
 
-Tamper = Callable[[Message], None]
+# FEDCYBGD_FUZZ_SCALE=N runs the fuzzers N times longer (the long fuzz runs).
+FUZZ_SCALE = int(os.environ.get("FEDCYBGD_FUZZ_SCALE", "1"))
+Tamper = Callable[[Message, random.Random], None]
 
 
 class Rig:
@@ -62,33 +66,13 @@ class Rig:
                                                       ConfigRecord(), self.grid))
         return list(self.grid.send_and_receive(messages))
 
-    def play(self, server_round: int, tamper: Tamper | None = None) -> Any:
+    def play(self, server_round: int, tamper: Callable[[Message], None] | None = None) -> Any:
         replies = self.replies(server_round)
         for reply in replies:
             if tamper is not None:
                 tamper(reply)
         self.strategy.aggregate_train(server_round, replies)
         return self.strategy.history[-1]
-
-
-def upload_of(reply: Message) -> tuple[str, bytes]:
-    upload = reply.content.array_records[protocol.UPLOAD]
-    block = next(iter(upload))
-    return block, payload_from_array(upload[block])
-
-
-def set_upload(reply: Message, payload: bytes, block: str | None = None) -> None:
-    upload = reply.content.array_records[protocol.UPLOAD]
-    name = block or next(iter(upload))
-    for key in list(upload):
-        del upload[key]
-    upload[name] = payload_to_array(payload)
-
-
-def metric(key: str, value: Any) -> Tamper:
-    def tamper(reply: Message) -> None:
-        reply.content.metric_records[protocol.METRICS][key] = value
-    return tamper
 
 
 def assert_untouched(rig: Rig, before: dict[str, torch.Tensor], entry: Any, reason: str) -> None:
@@ -100,86 +84,57 @@ def assert_untouched(rig: Rig, before: dict[str, torch.Tensor], entry: Any, reas
 
 
 # ------------------------------------------------------------------ weights-upload replies
-def _state(key: str, value: Any) -> Tamper:
-    def tamper(reply: Message) -> None:
-        reply.content.config_records[protocol.STATE][key] = value
-    return tamper
-
-
-def _extra_record(reply: Message) -> None:
-    reply.content.array_records["extra"] = ArrayRecord()
-
-
-def _two_blocks(reply: Message) -> None:
-    _block, payload = upload_of(reply)
-    reply.content.array_records[protocol.UPLOAD]["layer.3"] = payload_to_array(payload)
-
-
-def _huge_header(reply: Message) -> None:
-    head = b'{"pad":"' + b"x" * (20 << 20) + b'"}'
-    set_upload(reply, struct.pack("<4sHI", b"FCYB", 1, len(head)) + head)
-
-
-def _not_a_payload(reply: Message) -> None:
-    block, _ = upload_of(reply)
-    reply.content.array_records[protocol.UPLOAD][block] = Array(np.zeros((4, 4), np.float32))
-
-
-def _seedlog_unasked(reply: Message) -> None:
-    block, _ = upload_of(reply)
-    log = seedlog.SeedLog(block=block, units=9, layout="0" * 16, eps=1e-3, weight_decay=0.0,
-                          torch=torch.__version__, z=seedlog.z_fingerprint())
-    set_upload(reply, seedlog.encode_seedlog(log))
-    reply.content.config_records[protocol.STATE][protocol.UPLOAD_KIND] = protocol.SEEDLOG
-
-
-HOSTILE_WEIGHTS = {
-    "num-examples NaN": (metric(protocol.NUM_EXAMPLES, math.nan), "bad-metrics"),
-    "num-examples inf": (metric(protocol.NUM_EXAMPLES, math.inf), "bad-metrics"),
-    "num-examples negative": (metric(protocol.NUM_EXAMPLES, -5.0), "bad-metrics"),
-    "train_loss a list": (metric("train_loss", [1.0]), "bad-metrics"),
-    "peak memory inf": (metric("peak_mem_mb", math.inf), "bad-metrics"),
-    "train_s negative": (metric("train_s", -1.0), "bad-metrics"),
-    "extra record": (_extra_record, "malformed"),
-    "two blocks uploaded": (_two_blocks, "malformed"),
-    "status not a string": (_state(protocol.STATUS, 3), "malformed"),
-    "budget NaN": (_state(protocol.MEMORY_BUDGET, math.nan), "malformed"),
-    "unknown upload kind": (_state(protocol.UPLOAD_KIND, "pickle"), "malformed"),
-    "20 MiB header": (_huge_header, "bad-payload"),
-    "not a payload array": (_not_a_payload, "bad-payload"),
-    "seed log not asked for": (_seedlog_unasked, "bad-seedlog"),
+# What each case of the shared catalog (fedcybgd.faults.HOSTILE) must be dropped as.
+EXPECTED = {
+    "num-examples NaN": "bad-metrics",
+    "num-examples inf": "bad-metrics",
+    "train_loss a list": "bad-metrics",
+    "peak memory inf": "bad-metrics",
+    "extra record": "malformed",
+    "second block": "malformed",
+    "status not a string": "malformed",
+    "budget NaN": "malformed",
+    "unknown upload kind": "malformed",
+    "oversized header": "bad-payload",
+    "not a payload array": "bad-payload",
+    "finite huge weights": "outlier",  # no history yet: larger than the block itself
+    "seed log eps 1e400": "bad-seedlog",  # weights were asked for
+    "seed log nested 5000 deep": "bad-seedlog",
+    "seed log g = lr = 3e38": "bad-seedlog",
+    "seed log 20,000 steps": "bad-seedlog",
+}
+RANDOM = {"fuzzed bytes", "fuzzed fields"}  # reasons vary: the fuzzer below covers them
+EXTRA: dict[str, tuple[Tamper, str]] = {
+    "num-examples negative": (lambda r, _: _metric(r, protocol.NUM_EXAMPLES, -5.0),
+                              "bad-metrics"),
+    "train_s negative": (lambda r, _: _metric(r, "train_s", -1.0), "bad-metrics"),
 }
 
 
-@pytest.mark.parametrize("case", list(HOSTILE_WEIGHTS))
+def _metric(reply: Message, key: str, value: Any) -> None:
+    reply.content.metric_records[protocol.METRICS][key] = value
+
+
+def test_every_catalog_case_has_an_expectation():
+    assert set(EXPECTED) | RANDOM | SANITIZED == set(HOSTILE)
+
+
+CASES = {name: (HOSTILE[name], reason) for name, reason in EXPECTED.items()} | EXTRA
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_hostile_reply_is_dropped_by_name(case, tiny_run_config, tmp_path, caplog):
     # Prepare
-    tamper, reason = HOSTILE_WEIGHTS[case]
+    tamper, reason = CASES[case]
     rig = Rig(tiny_run_config, tmp_path)
     before = rig.snapshot()
     # Execute
     began = time.perf_counter()
-    entry = rig.play(1, tamper)
+    entry = rig.play(1, lambda reply: tamper(reply, random.Random(0)))
     # Assert: named drops, the model untouched, the blocks back at the front of the queue
     assert time.perf_counter() - began < 30
     assert_untouched(rig, before, entry, reason)
     assert f"({reason})" in caplog.text
-
-
-def test_finite_but_huge_weights_are_refused_as_outliers(tiny_run_config, tmp_path):
-    # Prepare: finite weights of 3e38 (fp32's edge), through an exact codec
-    rig = Rig(tiny_run_config, tmp_path)
-    before = rig.snapshot()
-
-    def huge(reply: Message) -> None:
-        block, _ = upload_of(reply)
-        tensors = rig.strategy.block_tensors(block)
-        set_upload(reply, encode({k: torch.full_like(v, 3e38) for k, v in tensors.items()},
-                                 "fp32", block=block, target_version=1, base_version=0))
-    # Execute
-    entry = rig.play(1, huge)
-    # Assert
-    assert_untouched(rig, before, entry, "outlier")
 
 
 def test_outlier_is_refused_against_the_recent_history(tiny_run_config, tmp_path):
@@ -226,7 +181,9 @@ def seedlog_config(tiny_run_config: dict[str, Any]) -> dict[str, Any]:
                                     "lr": 1e-4})
 
 
-def _rewrite_log(edit: Callable[[dict[str, Any], bytes], tuple[bytes, bytes]]) -> Tamper:
+def _rewrite_log(
+    edit: Callable[[dict[str, Any], bytes], tuple[bytes, bytes]],
+) -> Callable[[Message], None]:
     """Edit an honest seed log's JSON header text and step bytes."""
     def tamper(reply: Message) -> None:
         _, payload = upload_of(reply)
@@ -429,7 +386,7 @@ def fuzz_rig(tmp_path_factory: pytest.TempPathFactory) -> tuple[Rig, list[Messag
     return rig, replies
 
 
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=60 * FUZZ_SCALE, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_replies_never_stop_or_poison_the_server(fuzz_rig, data):
@@ -450,7 +407,7 @@ def test_fuzzed_replies_never_stop_or_poison_the_server(fuzz_rig, data):
     strategy.aggregate_train(1, replies)
     # Assert: every assignment is accounted for, the model stays finite
     entry = strategy.history[-1]
-    accepted = entry.examples // 8
+    accepted = sum(len(nodes) for nodes in entry.accepted.values())
     assert accepted + sum(entry.dropped.values()) == len(entry.clients)
     assert all(bool(torch.isfinite(t).all()) for t in strategy.weights.values())
 
@@ -467,3 +424,42 @@ def test_late_reply_from_an_earlier_round_is_ignored(tiny_run_config, tmp_path):
     # Assert: only round 2's own replies count
     entry = rig.strategy.history[-1]
     assert entry.examples == 2 * 8 and not entry.dropped and not entry.failed_blocks
+
+
+# ----------------------------------------------------------------------- seed-log fuzzing
+_HONEST_LOG = seedlog.SeedLog(
+    block="layer.0", units=9, layout="0123456789abcdef", eps=1e-3, weight_decay=0.0,
+    torch="2.13.0", z="fedcba9876543210",
+    steps=tuple(seedlog.SeedStep(seed=i, units=(0, 4, 8), g=0.5, lr=seedlog.to_f32(1e-4))
+                for i in range(4)))
+_HEADER_NOISE = ["[" * 5000, "1" + "0" * 400, "NaN", "-Infinity", "1e400", '"x"', "true", "null",
+                 "{}", "[]", "-1", "65536", "0.0", '"' + "a" * 300 + '"']
+
+
+@settings(max_examples=300 * FUZZ_SCALE, deadline=None)
+@given(data=st.data())
+def test_fuzzed_seed_logs_raise_only_value_error(data):
+    # Prepare: an honest log, then byte flips, cuts, or a header field replaced by noise
+    raw = seedlog.encode_seedlog(_HONEST_LOG)
+    head_len = struct.unpack_from("<I", raw, 6)[0]
+    how = data.draw(st.sampled_from(["bytes", "cut", "field"]))
+    if how == "bytes":
+        buf = bytearray(raw)
+        for _ in range(data.draw(st.integers(1, 6))):
+            buf[data.draw(st.integers(0, len(buf) - 1))] ^= data.draw(st.integers(1, 255))
+        raw = bytes(buf)
+    elif how == "cut":
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    else:
+        head = json.loads(raw[10:10 + head_len])
+        key = data.draw(st.sampled_from(sorted(head)))
+        text = json.dumps(head).replace(json.dumps(key) + ": " + json.dumps(head[key]),
+                                        json.dumps(key) + ": " + data.draw(
+                                            st.sampled_from(_HEADER_NOISE)), 1)
+        raw = struct.pack("<4sHI", b"FCZL", 1, len(text)) + text.encode() + raw[10 + head_len:]
+    # Execute / Assert: a ValueError or a well-formed log, never anything else
+    try:
+        decoded = seedlog.decode_seedlog(raw, max_steps=8)
+    except ValueError:
+        return
+    assert len(decoded.steps) <= 8 and decoded.units == 9

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -114,4 +115,6 @@ def run_totals(records: list[dict[str, Any]]) -> dict[str, Any]:
            for key in ("bytes_down", "bytes_up", "bytes_down_raw", "bytes_up_raw")},
         "client_peak_mem_mb": max([r.get("client_peak_mem_mb") or 0.0 for r in trained] or [0]),
         "mean_round_s": (sum(r["round_s"] for r in trained) / len(trained)) if trained else None,
+        "dropped": dict(sorted(sum((Counter(r.get("dropped") or {}) for r in trained),
+                                   Counter()).items())),
     }

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from fedcybgd.choices import AGGREGATES
+
 Upload = tuple[float, dict[str, torch.Tensor]]
 Aggregator = Callable[[Sequence[Upload]], dict[str, torch.Tensor]]
 
@@ -65,9 +67,6 @@ def trimmed_mean(fraction: float) -> Aggregator:
         return merged
 
     return aggregate
-
-
-AGGREGATES = ("mean", "median", "trimmed-mean")
 
 
 def build_aggregator(name: str, trim_fraction: float = 0.2) -> Aggregator:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-SCHEDULES = ("ascending", "descending", "random")
+from fedcybgd.choices import SCHEDULES
 
 
 class BlockSchedule:
