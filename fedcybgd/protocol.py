@@ -49,6 +49,7 @@ SEEDLOG = "seedlog"
 OK = "ok"
 RESYNC = "resync"  # the client's cache differs from what the server assumed; nothing trained
 REJECTED = "rejected"  # the client cannot take part (different base model, no fitting rule)
+REFUSED = "refused"  # the instruction was unsafe or malformed (e.g. a name that is no path)
 
 NUM_EXAMPLES = "num-examples"
 

@@ -3,11 +3,11 @@ the output-folder rule (no run starts over another's outputs unless told to)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +41,10 @@ def grid_for(config: dict[str, Any], cache: Path, nodes: int = 4) -> LoopbackGri
                         node_config=lambda i: {"cache-dir": str(cache)})
 
 
-def run(config: dict[str, Any], cache: Path) -> dict[str, Any]:
-    return run_server(grid_for(config, cache), RunConfig.from_run_config(config))
+def run(config: dict[str, Any], cache: Path,
+        on_checkpoint_file: Callable[[Path], None] | None = None) -> dict[str, Any]:
+    return run_server(grid_for(config, cache), RunConfig.from_run_config(config),
+                      on_checkpoint_file=on_checkpoint_file)
 
 
 def rows(out: Path) -> list[dict[str, Any]]:
@@ -236,7 +238,7 @@ def test_torn_last_metrics_line_does_not_stop_resume(tiny_run_config, tmp_path, 
 
 @pytest.mark.parametrize("kill_at", ["first block file", "state.json"])
 def test_killed_checkpoint_resumes_to_the_uninterrupted_model(tiny_run_config, tmp_path,
-                                                              monkeypatch, kill_at):
+                                                              kill_at):
     # Prepare: the same 3-round run straight, and killed during round 2's checkpoint
     straight = dict(tiny_run_config, **{"num-server-rounds": 3,
                                         "output-dir": str(tmp_path / "straight")})
@@ -253,11 +255,8 @@ def test_killed_checkpoint_resumes_to_the_uninterrupted_model(tiny_run_config, t
         if saves["state.json"] == 2 and kill_at == "state.json":
             raise ServerKilled  # round 2: state.json written, old files not yet pruned
 
-    with monkeypatch.context() as m:
-        m.setattr(server_app, "Checkpointer", functools.partial(Checkpointer,
-                                                                on_file_written=kill))
-        with pytest.raises(ServerKilled):
-            run(killed, tmp_path / "cache-b")
+    with pytest.raises(ServerKilled):
+        run(killed, tmp_path / "cache-b", on_checkpoint_file=kill)
     # Execute
     run(dict(killed, resume=True), tmp_path / "cache-b")
     # Assert: one row per round, and the model the uninterrupted run made

@@ -20,7 +20,8 @@ from flwr.clientapp import ClientApp
 
 from fedcybgd import data, protocol
 from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
-from fedcybgd.client.runtime import ClientModel, client_model, client_tokenizer, store_for
+from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
+from fedcybgd.client.runtime import ClientModel, client_model, client_tokenizer
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainTask, get_rule
 from fedcybgd.compression import (
@@ -133,6 +134,17 @@ def train(msg: Message, context: Context) -> Message:
             msg, protocol.REJECTED, None,
             f"pretrained weights differ: server {server_base}, client {cm.base_hash}",
         )
+    cache_dir = Path(node.cache_dir) if node.cache_dir else cache_root()
+    downloads = msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord())
+    try:
+        # Names the server sends become paths: checked before anything is touched.
+        dirs = node_dirs(cache_dir, lineage, context.node_id)
+        for name in (block, *downloads.keys()):
+            if block_name(name) not in cm.blocks.names:
+                raise UnsafeName(f"block {name!r} is not one of this model's {cm.blocks.names}")
+    except UnsafeName as err:
+        log.warning("round %s: refused an instruction (%s)", server_round, err)
+        return _reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")
     if node.memory_budget_mb:
         shape = ModelShape.of(cm.model, cm.blocks)
         fit = fitting_rule(shape, cm.blocks, block, node.memory_budget_mb, run.batch_size,
@@ -147,11 +159,9 @@ def train(msg: Message, context: Context) -> Message:
                 budget=node.memory_budget_mb,
             )
         rule_name = fit
-    cache_dir = Path(node.cache_dir) if node.cache_dir else cache_root()
-    store = store_for(cache_dir, lineage, context.node_id, cm.base_hash)
+    store = BlockStore(dirs.store, cm.base_hash)
     cm.sync(store)
 
-    downloads = msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord())
     try:
         bytes_down = apply_downloads(cm, store, downloads, max_bytes)
     except CodecError as err:
@@ -184,7 +194,7 @@ def train(msg: Message, context: Context) -> Message:
         weight_decay=run.weight_decay,
         seed=seed,
         options=dict(run.options),
-        state_dir=store.root.with_name(store.root.name + "-rule-state"),
+        state_dir=dirs.rule_state,
     )
     began = time.perf_counter()
     rule = get_rule(rule_name)

@@ -10,7 +10,6 @@ each block the first time it is overwritten instead.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -90,7 +89,3 @@ def client_model(name: str, layers_per_block: int) -> ClientModel:
     """The process's model for ``name`` (loaded once per process)."""
     return ClientModel(name, layers_per_block)
 
-
-def store_for(cache_dir: Path, lineage: str, node_id: int, base_hash: str) -> BlockStore:
-    """The block store of one node in one server lineage."""
-    return BlockStore(cache_dir / "clients" / lineage / f"node-{node_id}", base_hash)

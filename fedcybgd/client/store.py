@@ -4,6 +4,9 @@ Version 0 of every block is the pretrained model the client already has; only bl
 later version are stored, one safetensors file each, named by block and version. The manifest
 is written last and atomically (temp file + rename), so a crash leaves the previous complete
 state; a file that fails its checksum is dropped and the server resends that block.
+
+The store's folder comes checked from :func:`fedcybgd.client.paths.node_dirs`; the file names
+in it are the store's own, and a manifest naming any other path is discarded.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from safetensors.torch import load_file
 
 from fedcybgd.atomic import save_tensors, write_bytes
 from fedcybgd.checksum import content_checksum
+from fedcybgd.client.paths import UnsafeName, block_name
 from fedcybgd.protocol import Holding
 
 log = logging.getLogger(__name__)
 _MANIFEST = "manifest.json"
-_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+_FILE = re.compile(r"[A-Za-z0-9._-]+@v[0-9]+-[0-9a-f]{12}\.safetensors")  # put()'s names
 
 
 class BlockStore:
@@ -55,8 +59,11 @@ class BlockStore:
             if manifest.get("base_hash") != self.base_hash:
                 raise ValueError("built on different pretrained weights")
             for name, entry in manifest["blocks"].items():
+                file = str(entry["file"])
+                if not _FILE.fullmatch(file):
+                    raise ValueError(f"block {name[:80]!r}: {file[:80]!r} is not a cache file")
                 self.holdings[name] = Holding(int(entry["version"]), str(entry["checksum"]))
-                self._files[name] = str(entry["file"])
+                self._files[name] = file
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             log.warning("client cache %s is unusable (%s); starting a fresh one", self.root, err)
             self.clear()
@@ -71,10 +78,19 @@ class BlockStore:
 
     def clear(self) -> None:
         """Forget everything: the client then holds the pretrained model only."""
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self.root.is_symlink():  # rmtree would refuse it anyway; say why
+            raise UnsafeName(f"client cache {self.root} is a symlink; not clearing it")
+        log.info("clearing the client cache %s", self.root)
+        try:
+            shutil.rmtree(self.root)
+        except FileNotFoundError:
+            pass
+        except OSError as err:  # what is left is disowned by the empty manifest below
+            log.warning("could not remove all of %s (%s)", self.root, err)
         self.root.mkdir(parents=True, exist_ok=True)
         self.holdings.clear()
         self._files.clear()
+        self._write_manifest()
 
     def load(self, block: str) -> dict[str, torch.Tensor] | None:
         """Tensors of a stored block, or ``None`` (and the entry dropped) if unreadable."""
@@ -99,7 +115,7 @@ class BlockStore:
             self.drop(block)
             return Holding(0, "")
         holding = Holding(version, content_checksum(tensors))
-        name = f"{_SAFE.sub('_', block)}@v{version}-{holding.checksum[:12]}.safetensors"
+        name = f"{block_name(block)}@v{version}-{holding.checksum[:12]}.safetensors"
         save_tensors(self.root / name, tensors)
         self.holdings[block] = holding
         self._files[block] = name

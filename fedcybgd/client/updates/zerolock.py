@@ -77,6 +77,7 @@ from torch import nn
 
 from fedcybgd.atomic import save_tensors
 from fedcybgd.blocks import EMBED, HEAD
+from fedcybgd.client.paths import block_name
 from fedcybgd.client.updates.base import TrainOutcome, TrainTask, register
 from fedcybgd.client.updates.local_heads import LocalHead, Translator
 from fedcybgd.data import BatchIterator
@@ -311,7 +312,7 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
 
 def heads_path(state_dir: Path, block: str) -> Path:
     """Where the tuned maps of ``block`` are kept between rounds."""
-    return state_dir / _STATE / "heads" / f"{block}.safetensors"
+    return state_dir / _STATE / "heads" / f"{block_name(block)}.safetensors"
 
 
 def checkpoint_path(state_dir: Path) -> Path:
