@@ -117,14 +117,16 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                       first_node_id=first_node, keep_sent=1, hostile=hostile,
                       lose=args.lose, delay=args.delay, corrupt=args.corrupt, seed=args.seed)
     kill_rounds = sorted(rng.sample(range(2, args.rounds), min(args.kills, args.rounds - 2)))
-    plan = {r: KILL_POINTS[i % len(KILL_POINTS)] for i, r in enumerate(kill_rounds)}
+    # (round, point) in order; a kill whose point its round never reaches (no block file
+    # written, say) moves on to the next round
+    plan = [(r, KILL_POINTS[i % len(KILL_POINTS)]) for i, r in enumerate(kill_rounds)]
     kills: list[dict[str, Any]] = []
     rss_by_round: dict[int, int] = {}
     current = {"round": 0}
 
     def kill_if_planned(point: str) -> None:
-        if plan.get(current["round"]) == point:
-            del plan[current["round"]]
+        if plan and current["round"] >= plan[0][0] and plan[0][1] == point:
+            plan.pop(0)
             kills.append({"round": current["round"], "point": point})
             raise ServerKilled(f"killed in round {current['round']} {point}")
 
