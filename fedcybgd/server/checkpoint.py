@@ -93,7 +93,7 @@ class Checkpointer:
             if not path.is_file():
                 save_tensors(path, tensors)
                 self._written(path)
-        body = {"format": FORMAT, "round": server_round, "blocks": entries, **state}
+        body = {**state, "format": FORMAT, "round": server_round, "blocks": entries}
         write_bytes(self.root / STATE, json.dumps(body, indent=1).encode())
         self._written(self.root / STATE)
         self._prune({e["file"] for e in entries.values()})
