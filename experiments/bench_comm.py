@@ -47,8 +47,9 @@ def run_variant(name: str, base: dict[str, Any], out: Path, nodes: int) -> dict[
     from fedcybgd.loopback import LoopbackGrid
     from fedcybgd.server.app import run_server
 
-    config = dict(base, **VARIANTS[name], **{"output-dir": str(out / name)})
-    cache = out / name / "client-cache"
+    # a rerun replaces the variant's outputs; the client cache lives beside them
+    config = dict(base, **VARIANTS[name], **{"output-dir": str(out / name), "overwrite": True})
+    cache = out / f"{name}-client-cache"
     grid = LoopbackGrid(client_app, nodes, config, keep_sent=0,
                         node_config=lambda i: {"cache-dir": str(cache)})
     started = time.perf_counter()

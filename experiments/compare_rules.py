@@ -61,9 +61,11 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {}
     for name in args.variants.split(","):
         print(f"--- {name}", flush=True)
-        config = dict(base, **VARIANTS[name], **{"output-dir": str(work / name)})
+        # a rerun replaces the variant's outputs; the client cache lives beside them
+        config = dict(base, **VARIANTS[name],
+                      **{"output-dir": str(work / name), "overwrite": True})
         grid = LoopbackGrid(client_app, args.nodes, config, keep_sent=0,
-                            node_config=lambda i, n=name: {"cache-dir": str(work / n / "cache")})
+                            node_config=lambda i, n=name: {"cache-dir": str(work / f"{n}-cache")})
         run_server(grid, RunConfig.from_run_config(config))
         runs[name] = [json.loads(x)
                       for x in (work / name / "metrics.jsonl").read_text().splitlines()]

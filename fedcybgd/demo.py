@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, FLWR_HOME=str(flwr_home), HF_HUB_OFFLINE="1",
                FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
                PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    overrides = f"output-dir='{Path(args.output_dir).resolve()}' {args.run_config}".strip()
+    # The demo replaces its previous outputs (a rerun gives the same numbers).
+    overrides = (f"output-dir='{Path(args.output_dir).resolve()}' overwrite=true "
+                 f"{args.run_config}").strip()
     flwr = str(Path(sys.executable).with_name("flwr"))
     command = [
         flwr, "run", str(PROJECT), "local", "--stream",
