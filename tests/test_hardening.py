@@ -103,7 +103,7 @@ EXPECTED = {
     "seed log g = lr = 3e38": "bad-seedlog",
     "seed log 20,000 steps": "bad-seedlog",
 }
-RANDOM = {"fuzzed bytes", "fuzzed fields"}  # reasons vary: the fuzzer below covers them
+RANDOM = {"fuzzed bytes"}  # reasons vary: the fuzzers below cover it
 EXTRA: dict[str, tuple[Tamper, str]] = {
     "num-examples negative": (lambda r, _: _metric(r, protocol.NUM_EXAMPLES, -5.0),
                               "bad-metrics"),
