@@ -11,11 +11,12 @@ every rule here, on the server, before round 1.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcybgd import rule_options
+from fedcybgd import protocol, rule_options
 from fedcybgd.choices import (
     AGGREGATES,
     DATASETS,
@@ -172,6 +173,8 @@ class NodeConfig:
     update_rule: str = setting("", choices=("", *UPDATE_RULES))  # "": follow the run config
     memory_budget_mb: float = setting(0.0, ge=0)  # 0: no budget declared
     cache_dir: str = setting("")  # empty: FEDCYBGD_CACHE or ~/.cache/fedcybgd
+    # The node's stable key (sampling order, seeds); empty: its partition-id. See `key`.
+    node_key: str = setting("")
 
     def __post_init__(self) -> None:
         normalize(self)
@@ -180,6 +183,18 @@ class NodeConfig:
                 f"partition-id must be in [0, num-partitions={self.num_partitions}), "
                 f"got {self.partition_id}"
             )
+        if self.node_key and not re.fullmatch(protocol.NODE_KEY_PATTERN, self.node_key):
+            raise ConfigError(
+                f"node-key must match {protocol.NODE_KEY_PATTERN} (letters, digits and "
+                f"._:@+-, at most 64 characters), got {self.node_key[:80]!r}"
+            )
+
+    @property
+    def key(self) -> str:
+        """The key the server orders nodes by and derives their seeds from, the same in every
+        run: ``node-key`` if set, else the partition id (see
+        :mod:`fedcybgd.strategies.node_keys`)."""
+        return self.node_key or str(self.partition_id)
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeConfig:

@@ -53,6 +53,16 @@ REFUSED = "refused"  # the instruction was unsafe or malformed (e.g. a name that
 
 NUM_EXAMPLES = "num-examples"
 
+# The node-key query (server -> client, message type QUERY_NODE_KEY; its CONFIG record holds
+# only ROUND). The reply holds one ConfigRecord IDENTITY with NODE_KEY: the node's stable key
+# (node config `node-key`, else its `partition-id`), by which the server orders nodes for
+# sampling and derives their seeds, so that runs do not depend on Flower's (random) node ids.
+QUERY_NODE_KEY = "query.node_key"
+IDENTITY = "identity"
+NODE_KEY = "node-key"
+# What a node key may look like (both sides check it): short, no spaces, no path separators.
+NODE_KEY_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,63}"
+
 
 @dataclass(frozen=True)
 class Holding:

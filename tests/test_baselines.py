@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from fedcybgd.client import baselines
 from fedcybgd.client.app import app as client_app
+from fedcybgd.client.app import node_key as client_node_key
 from fedcybgd.client.app import train as client_train
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.loopback import LoopbackGrid
@@ -80,8 +81,9 @@ def test_fedavg_lora_exchanges_only_the_adapters(fedavg_config, tmp_path):
 
 
 def corrupting_app(corrupt: Any) -> ClientApp:
-    """Our ClientApp, with ``corrupt(reply, partition_id)`` applied to every reply."""
+    """Our ClientApp, with ``corrupt(reply, partition_id)`` applied to every train reply."""
     app = ClientApp()
+    app.query("node_key")(client_node_key)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -181,7 +183,7 @@ def test_process_grid_gives_the_same_run_as_loopback(tiny_run_config, tmp_path):
     # Assert: protobuf bytes through a pipe change nothing; each exchange was measured
     assert child["final_eval_loss"] == in_process["final_eval_loss"]
     assert child["block_versions"] == in_process["block_versions"]
-    assert len(exchanges) == 4
+    assert len(exchanges) == 4 + 4  # 2 rounds x 2 nodes, and one node-key query per node
     assert all(e.bytes_down > 0 and e.bytes_up > 0 and e.peak_rss_mb > 100 for e in exchanges)
     assert all(e.max_rss_mb >= e.peak_rss_mb * 0.99 for e in exchanges)
     assert sum(e.bytes_up for e in exchanges) > child["bytes_up"]  # payloads + the envelope

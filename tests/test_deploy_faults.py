@@ -64,13 +64,14 @@ def test_supernode_killed_mid_round_run_completes(deployment: LocalDeployment,
     deployment.wait_nodes(NODES)
     run_id = deployment.submit(merge_config(RUN_CONFIG, f"output-dir='{out}'"))
 
-    # the first node that starts a ClientApp in round 1 crashes before it can reply
+    # the first node that starts a ClientApp for round 1's training crashes before it can
+    # reply (its first ClientApp answered the server's node-key query)
     nodes = {n: p for n, p in deployment.procs.items() if n.startswith("supernode")}
     victim = None
     deadline = time.monotonic() + 180
     while victim is None and time.monotonic() < deadline:
         for name, proc in nodes.items():
-            if "Start `flwr-clientapp` process" in proc.log.read_text():
+            if proc.log.read_text().count("Start `flwr-clientapp` process") >= 2:
                 victim = name
                 break
         time.sleep(0.2)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, MessageType
 
 from fedcybgd.blocks import BlockMap
 from fedcybgd.client.app import app as client_app
@@ -87,19 +87,21 @@ def test_one_client_ascending_cycle_trains_every_block(tiny_run_config, tmp_path
 
 
 def test_failed_client_block_is_retried_next_round(tiny_run_config, tmp_path):
-    # Prepare: every node loses its reply in round 1
+    # Prepare: every node loses its train reply in round 1 (the node-key queries are answered)
     config = dict(tiny_run_config, **{"clients-per-round": 1})
     run = RunConfig.from_run_config(config)
     grid = make_grid(config, tmp_path)
     _, strategy, _ = make_strategy(run)
-    grid.silent = set(grid.get_node_ids())
     # Execute
-    play_round(strategy, grid, 1)
+    messages = strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid)
+    grid.silent = set(grid.get_node_ids())
+    strategy.aggregate_train(1, grid.send_and_receive(messages))
     grid.silent = set()
     play_round(strategy, grid, 2)
     play_round(strategy, grid, 3)
     # Assert: retried with the same seed (so a client could resume its in-round checkpoint)
-    seeds = [m.content["config"]["seed"] for m in grid.sent]
+    seeds = [m.content["config"]["seed"] for m in grid.sent
+             if m.metadata.message_type == MessageType.TRAIN]
     assert seeds[0] == seeds[1] != seeds[2]
     assert strategy.history[0].failed_blocks == ["layer.0"]
     assert strategy.versions["layer.0"] == 2

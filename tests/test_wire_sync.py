@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, MessageType
 
 from fedcybgd import protocol
 from fedcybgd.blocks import BlockMap
@@ -82,6 +82,8 @@ def test_corrupted_upload_is_dropped_and_block_requeued(tiny_run_config, tmp_pat
 
     def corrupting(message, context):
         reply = original(message, context)
+        if message.metadata.message_type != MessageType.TRAIN:
+            return reply  # the node-key query
         upload = reply.content.array_records[protocol.UPLOAD]
         for name in list(upload.keys()):
             data = bytearray(payload_from_array(upload[name]))

@@ -111,6 +111,15 @@ def apply_downloads(
     return received
 
 
+@app.query("node_key")
+def node_key(msg: Message, context: Context) -> Message:
+    """Answer the server's node-key query (:data:`fedcybgd.protocol.QUERY_NODE_KEY`): this
+    node's stable key, by which the server orders nodes for sampling and derives their seeds."""
+    node = NodeConfig.from_node_config(context.node_config)
+    identity = ConfigRecord({protocol.NODE_KEY: node.key})
+    return Message(RecordDict({protocol.IDENTITY: identity}), reply_to=msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Handle one FedCyBGD assignment (see the module docstring), or a FedAvg round."""

@@ -34,6 +34,7 @@ from fedcybgd.objective import EvalResult, evaluate
 from fedcybgd.server.checkpoint import Checkpointer
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
+from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 
@@ -272,6 +273,7 @@ def run_server(
         "run_config": run.to_run_config(),
     }
     write_summary(out, summary)
+    plot_run(out, writer.records, f"FedCyBGD-{run.update_rule}, {run.model}, seed {run.seed}")
     print_summary_table(summary)
     return summary
 

@@ -3,7 +3,9 @@
 A run writes the same ``metrics.jsonl`` and ``summary.json`` as a FedCyBGD run, so experiments
 compare like with like. Flower's FedAvg averages whatever arrives; :class:`CheckedFedAvg` first
 drops (and names) a reply whose arrays do not match the model or hold NaN/Inf, so one bad client
-cannot corrupt the global model.
+cannot corrupt the global model. It samples nodes in node-key order
+(:mod:`fedcybgd.strategies.node_keys`) instead of Flower's ``random.sample`` over node ids, and
+averages replies in that order, so the same ``seed`` gives the same run in every runtime.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
@@ -34,7 +36,9 @@ from fedcybgd.models import load_tokenizer
 from fedcybgd.server.app import Evaluator, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
+from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.strategies.node_keys import NodeKeys
 from fedcybgd.strategies.replies import (
     BAD_PAYLOAD,
     CLIENT_ERROR,
@@ -66,15 +70,19 @@ class CheckedFedAvg(FedAvg):
         The exchanged tensors' names, shapes and dtypes.
     max_examples : float
         The most examples a node can train on in a round (local steps x batch size).
+    seed : int
+        Seeds node sampling (over nodes in node-key order).
     **kwargs
         Passed to :class:`flwr.serverapp.strategy.FedAvg`.
     """
 
     def __init__(self, reference: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 max_examples: float = math.inf, **kwargs: Any) -> None:
+                 max_examples: float = math.inf, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reference = reference
         self.max_examples = max_examples
+        self.seed = seed
+        self.node_keys = NodeKeys()
         self.last_replies: list[Message] = []  # kept replies of the last round
         self.last_dropped: list[Message] = []
         self.last_drops: dict[str, int] = {}  # reason -> count, last round
@@ -83,10 +91,38 @@ class CheckedFedAvg(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """FedAvg's messages; remembers the payload bytes they carry."""
-        messages = list(super().configure_train(server_round, arrays, config, grid))
+        """FedAvg's messages, to nodes sampled by :meth:`sample`; remembers the payload bytes
+        they carry."""
+        if self.fraction_train == 0.0:
+            return []
+        size = max(int(len(list(grid.get_node_ids())) * self.fraction_train),
+                   self.min_train_nodes)
+        nodes = self.sample(grid, server_round, size)
+        config["server-round"] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        messages = list(self._construct_messages(record, nodes, MessageType.TRAIN))
         self.last_sent_bytes = payload_bytes(arrays) * len(messages)
         return messages
+
+    def sample(self, grid: Grid, server_round: int, size: int) -> list[int]:
+        """``size`` nodes, drawn with a generator seeded by ``seed`` and the round from the
+        nodes in node-key order (a node that has not told its key sits the round out).
+
+        Waits, as Flower's FedAvg does, until ``min_available_nodes`` and ``size`` nodes are
+        connected.
+        """
+        wanted = max(self.min_available_nodes, size)
+        while len(connected := list(grid.get_node_ids())) < wanted:
+            log.info("waiting for nodes: %d connected, %d needed", len(connected), wanted)
+            time.sleep(1.0)
+        self.node_keys.learn(grid, connected, server_round)
+        ordered = self.node_keys.order(connected)
+        if len(ordered) < size:
+            log.warning("round %d: only %d of %d connected nodes told their node key; "
+                        "sampling %d instead of %d", server_round, len(ordered),
+                        len(connected), len(ordered), size)
+        rng = random.Random(f"{self.seed}:nodes:{server_round}")
+        return rng.sample(ordered, min(size, len(ordered)))
 
     def _check(self, reply: Message, metric_keys: set[str] | None) -> None:
         """Raise :class:`Dropped` unless the reply is safe to average; caps num-examples."""
@@ -112,6 +148,9 @@ class CheckedFedAvg(FedAvg):
         dropped: list[Message] = []
         drops = DropLog(server_round)
         keys: set[str] | None = None
+        # In node-key order: the average's sums then run in the same order in every run,
+        # whatever order the replies arrived in.
+        replies = sorted(replies, key=lambda r: self.node_keys.sort_key(r.metadata.src_node_id))
         for reply in replies:
             if reply.has_content():
                 try:
@@ -180,8 +219,8 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         min_train_nodes=run.clients_per_round,
         min_available_nodes=run.clients_per_round,
         max_examples=run.local_steps * run.batch_size,
+        seed=run.seed,
     )
-    random.seed(run.seed)  # Flower samples nodes with the `random` module
     marks: dict[str, float] = {"round_start": 0.0}
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
@@ -230,5 +269,6 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         "run_config": run.to_run_config(),
     }
     write_summary(out, summary)
+    plot_run(out, writer.records, f"FedAvg-{run.fedavg_params}, {run.model}, seed {run.seed}")
     print_summary_table(summary)
     return summary

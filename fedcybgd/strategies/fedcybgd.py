@@ -50,6 +50,7 @@ from fedcybgd.compression import (
 from fedcybgd.compression.header import MAX_HEADER_BYTES
 from fedcybgd.protocol import Holding
 from fedcybgd.strategies.aggregate import Aggregator, Upload, build_aggregator
+from fedcybgd.strategies.node_keys import NodeKeys
 from fedcybgd.strategies.replies import (
     BAD_PAYLOAD,
     BAD_SEEDLOG,
@@ -281,34 +282,44 @@ class FedCyBGD(Strategy):
                 tensor.copy_(state[name])
 
     # ----------------------------------------------------------------------- node handling
+    @functools.cached_property
+    def node_keys(self) -> NodeKeys:
+        """Node id -> stable key (see :mod:`fedcybgd.strategies.node_keys`): sampling order and
+        seeds follow the keys, so a seed gives the same run whatever ids Flower assigns."""
+        return NodeKeys()
+
     def _sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
         deadline = time.monotonic() + self.node_wait_s
         while True:
             connected = sorted(grid.get_node_ids())
-            nodes = [n for n in connected if n not in self.excluded]
+            usable = [n for n in connected if n not in self.excluded]
             # An excluded node is present but useless: waiting is only for nodes that have not
             # connected yet.
             if len(connected) >= self.clients_per_round or time.monotonic() >= deadline:
                 break
             time.sleep(1.0)
-        if len(nodes) < self.clients_per_block:
+        if len(usable) < self.clients_per_block:
             raise RuntimeError(
-                f"round {server_round}: {len(nodes)} usable nodes connected, fewer than "
+                f"round {server_round}: {len(usable)} usable nodes connected, fewer than "
                 f"clients-per-block={self.clients_per_block}"
             )
+        # Nodes in key order, not id order; a node that has not told its key sits out.
+        self.node_keys.learn(grid, usable, server_round)
+        nodes = self.node_keys.order(usable)
         count = min(self.clients_per_round, len(nodes) // self.clients_per_block
                     * self.clients_per_block)
         if count < self.clients_per_round:
             log.warning(
-                "round %d: only %d usable nodes for clients-per-round=%d; training %d blocks",
-                server_round, len(nodes), self.clients_per_round,
-                count // self.clients_per_block,
+                "round %d: only %d usable nodes (%d with a node key) for clients-per-round=%d; "
+                "training %d blocks", server_round, len(usable), len(nodes),
+                self.clients_per_round, count // self.clients_per_block,
             )
         rng = random.Random(f"{self.seed}:nodes:{server_round}")
         return rng.sample(nodes, count)
 
     def _node_seed(self, server_round: int, node: int) -> int:
-        return random.Random(f"{self.seed}:client:{server_round}:{node}").randrange(2**31)
+        ident = self.node_keys.ident(node)
+        return random.Random(f"{self.seed}:client:{server_round}:{ident}").randrange(2**31)
 
     # --------------------------------------------------------------------------- training
     def configure_train(
@@ -702,6 +713,7 @@ class FedCyBGD(Strategy):
             "budgets": {str(node): mb for node, mb in self.budgets.items()},
             "retry_seeds": dict(self._retry_seeds),
             "update_sizes": self.screen.state(),
+            "node_keys": self.node_keys.state(),
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -716,3 +728,4 @@ class FedCyBGD(Strategy):
         self.budgets = {int(node): float(mb) for node, mb in state.get("budgets", {}).items()}
         self._retry_seeds = {str(b): int(s) for b, s in state.get("retry_seeds", {}).items()}
         self.screen.load_state(state.get("update_sizes", {}))
+        self.node_keys.load_state(state.get("node_keys", {}))

@@ -1,0 +1,161 @@
+"""Stable node keys: the order nodes are sampled in and their seeds, independent of node ids.
+
+Flower gives each node an id of its own choosing (in simulation a random one per run), so
+sampling over sorted node ids, or seeds derived from them, change from one run to the next
+with the same ``seed``. Instead each node is known by a key that a deployment controls: its
+node config's ``node-key``, else its ``partition-id`` (:attr:`fedcybgd.config.NodeConfig.key`).
+
+The server does not see node configs, so it asks: each node it has not met yet gets one small
+QUERY message (:data:`fedcybgd.protocol.QUERY_NODE_KEY`), and the ClientApp answers with its
+key in a ConfigRecord. The reply is untrusted input: it must hold exactly that record, the key
+a short string matching :data:`fedcybgd.protocol.NODE_KEY_PATTERN`; anything else is logged and
+the node is asked again next round. A node without a key is not sampled. Two nodes with the
+same key (a misconfigured deployment) are ordered by node id, which is deterministic within a
+run, and logged as a warning; their seeds differ by their rank among the duplicates.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedcybgd import protocol
+from fedcybgd.strategies.replies import (
+    CLIENT_ERROR,
+    MALFORMED,
+    Dropped,
+    guarded,
+    only_records,
+    text,
+)
+
+log = logging.getLogger(__name__)
+
+_KEY = re.compile(protocol.NODE_KEY_PATTERN)
+
+
+def key_order(key: str) -> tuple[int, int, str]:
+    """Sort order of keys: decimal numbers (partition ids) by value first, then the rest as
+    text (so partition 10 comes after 9)."""
+    if key.isascii() and key.isdigit():
+        return (0, int(key), key)
+    return (1, 0, key)
+
+
+def read_key(reply: Message) -> str:
+    """The node key in a reply to the node-key query, or :class:`Dropped` saying why not."""
+    if reply.has_error():
+        raise Dropped(CLIENT_ERROR, str(reply.error.reason)[:500])
+    content = reply.content
+    only_records(content, arrays=set(), metrics=set(), configs={protocol.IDENTITY})
+    record = content.config_records[protocol.IDENTITY]
+    if set(record) != {protocol.NODE_KEY}:
+        raise Dropped(MALFORMED, f"identity fields {sorted(record)[:5]}, expected "
+                                 f"['{protocol.NODE_KEY}']")
+    key = text(record, protocol.NODE_KEY, max_len=64)
+    if not _KEY.fullmatch(key):
+        raise Dropped(MALFORMED, f"node key {key!r} does not match {protocol.NODE_KEY_PATTERN}")
+    return key
+
+
+def key_query(node: int, server_round: int) -> Message:
+    """The query that asks ``node`` for its key."""
+    content = RecordDict({protocol.CONFIG: ConfigRecord({protocol.ROUND: server_round})})
+    return Message(content, dst_node_id=node, message_type=protocol.QUERY_NODE_KEY,
+                   group_id=f"node-key-{server_round}")
+
+
+class NodeKeys:
+    """Node id -> stable key, learnt by querying each new node once.
+
+    Parameters
+    ----------
+    timeout_s : float
+        How long one round's queries wait for replies (they come back as soon as all have
+        answered; a node that has not by then is asked again next round).
+    """
+
+    def __init__(self, timeout_s: float = 120.0) -> None:
+        self.timeout_s = timeout_s
+        self.keys: dict[int, str] = {}
+        self._warned: set[str] = set()
+
+    def learn(self, grid: Grid, nodes: Iterable[int], server_round: int) -> None:
+        """Ask every node in ``nodes`` whose key is not known yet for it."""
+        queries = [key_query(node, server_round) for node in sorted(set(nodes))
+                   if node not in self.keys]
+        if not queries:
+            return
+        replies = list(grid.send_and_receive(queries, timeout=self.timeout_s))
+        # Matched by message id, not by the reply's source: a reply answers only its query.
+        asked = {q.metadata.message_id: q.metadata.dst_node_id for q in queries}
+        for reply in replies:
+            node = asked.pop(reply.metadata.reply_to_message_id, None)
+            if node is None:
+                log.warning("round %d: ignored a node-key reply from node %d that answers no "
+                            "open query", server_round, reply.metadata.src_node_id)
+                continue
+            try:
+                self.keys[node] = guarded(functools.partial(read_key, reply))
+            except Dropped as drop:
+                log.warning("round %d: node %d sent no usable node key (%s: %s); it is not "
+                            "sampled until it does", server_round, node, drop.reason,
+                            drop.detail)
+        for node in asked.values():
+            log.warning("round %d: node %d did not answer the node-key query within %.0f s; it "
+                        "is not sampled until it does", server_round, node, self.timeout_s)
+        self._warn_duplicates()
+
+    def _warn_duplicates(self) -> None:
+        for key, nodes in self._groups().items():
+            if len(nodes) > 1 and key not in self._warned:
+                self._warned.add(key)
+                log.warning("nodes %s all have node key %r: they are ordered by node id, which "
+                            "differs between runs, so runs are not reproducible; give each "
+                            "node its own partition-id or node-key", sorted(nodes), key)
+
+    def _groups(self) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = defaultdict(list)
+        for node, key in self.keys.items():
+            groups[key].append(node)
+        return groups
+
+    def sort_key(self, node: int) -> tuple[Any, ...]:
+        """Where ``node`` goes in key order; nodes without a key last, by id."""
+        key = self.keys.get(node)
+        if key is None:
+            return (1, (0, 0, ""), node)
+        return (0, key_order(key), node)
+
+    def order(self, nodes: Iterable[int]) -> list[int]:
+        """The nodes of ``nodes`` that have a key, in key order (duplicates by node id)."""
+        return sorted((n for n in set(nodes) if n in self.keys), key=self.sort_key)
+
+    def ident(self, node: int) -> str:
+        """What ``node``'s seeds derive from: its key, with ``#rank`` appended when other
+        nodes share it (``rank`` by node id, from 1 for the second)."""
+        key = self.keys[node]
+        same = sorted(n for n, k in self.keys.items() if k == key)
+        rank = same.index(node)
+        return key if rank == 0 else f"{key}#{rank}"
+
+    def state(self) -> dict[str, str]:
+        """JSON-able: node id (as text) -> key."""
+        return {str(node): key for node, key in sorted(self.keys.items())}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state`'s output (a key that is no longer valid is asked again)."""
+        self.keys = {}
+        for node, key in state.items():
+            if isinstance(key, str) and _KEY.fullmatch(key):
+                self.keys[int(node)] = key
+            else:
+                log.warning("checkpoint: node %s has an invalid node key %.80r; asking again",
+                            node, key)
