@@ -8,7 +8,7 @@ the code knows. No imports: the server, the clients and the tools can all use th
 from __future__ import annotations
 
 UPDATE_RULES: tuple[str, ...] = ("fo", "zerolock", "lezo", "mezo")  # update-rule
-SCHEDULES: tuple[str, ...] = ("ascending", "descending", "random")  # block-schedule
+SCHEDULES: tuple[str, ...] = ("ascending", "descending", "random", "spread")  # block-schedule
 PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "movie")  # partitioner
 DATASETS: tuple[str, ...] = ("rotten-tomatoes",)  # dataset
 STRATEGIES: tuple[str, ...] = ("fedcybgd", "fedavg")  # strategy (fedavg: Flower's own FedAvg)
@@ -16,3 +16,6 @@ FEDAVG_PARAMS: tuple[str, ...] = ("full", "lora")  # fedavg-params
 AGGREGATES: tuple[str, ...] = ("mean", "median", "trimmed-mean")  # aggregate
 ZEROLOCK_HEADS: tuple[str, ...] = ("frozen-lm", "tuned")  # zerolock-head
 ZEROLOCK_OBJECTIVES: tuple[str, ...] = ("label", "next-token")  # zerolock-objective
+DAMPINGS: tuple[str, ...] = ("none", "inverse", "inverse-sqrt")  # parallel-damping
+LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")  # lr-schedule
+EVAL_SPLITS: tuple[str, ...] = ("test", "validation")  # eval-split

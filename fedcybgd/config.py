@@ -19,8 +19,11 @@ from typing import Any
 from fedcybgd import protocol, rule_options
 from fedcybgd.choices import (
     AGGREGATES,
+    DAMPINGS,
     DATASETS,
+    EVAL_SPLITS,
     FEDAVG_PARAMS,
+    LR_SCHEDULES,
     PARTITIONERS,
     SCHEDULES,
     STRATEGIES,
@@ -92,6 +95,11 @@ class RunConfig:
     outlier_factor: float = setting(10.0, ge=0)  # refuse a delta > factor x median; 0 = off
     aggregate: str = setting("mean", choices=AGGREGATES)  # clients-per-block > 1
     trim_fraction: float = setting(0.2, ge=0, lt=0.5)  # trimmed-mean: share cut at each end
+    server_lr: float = setting(1.0, gt=0, le=10)  # the server's step on each merged block
+    parallel_damping: str = setting("none", choices=DAMPINGS)  # shrink steps of parallel blocks
+    lr_schedule: str = setting("constant", choices=LR_SCHEDULES)  # client lr over the rounds
+    warmup_rounds: int = setting(0, ge=0)  # rounds of linear lr warm-up
+    eval_split: str = setting("test", choices=EVAL_SPLITS)  # validation: for tuning
     # The update rules' options (zerolock-*, zo-*, lezo-*), every key with its value; keys not
     # given take the rule's default. See fedcybgd.rule_options.
     options: dict[str, Any] = field(default_factory=dict)

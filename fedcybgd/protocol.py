@@ -33,6 +33,7 @@ ZO_FINGERPRINT = "zo-fingerprint"  # the server's z/update arithmetic (seed-log 
 ZO_TORCH = "zo-torch"  # the server's torch version (seed-log replay check)
 SEEDLOG_FALLBACK = "seedlog-fallback"  # codec for weights when a seed log cannot be replayed
 LOCAL_STEPS = "local-steps"  # steps the server asks for; a seed log may hold no more
+LR = "lr"  # the round's client learning rate (the server's schedule); absent: the run config's
 
 # Keys of the reply's ConfigRecord.
 STATUS = "status"

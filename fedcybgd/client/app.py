@@ -9,6 +9,7 @@ Messages from Flower's own FedAvg (the baselines) go to :mod:`fedcybgd.client.ba
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,7 @@ def train(msg: Message, context: Context) -> Message:
         block=block,
         batches=iter(batches),
         steps=run.local_steps,
-        lr=run.lr,
+        lr=_round_lr(cfg, run.lr),
         weight_decay=run.weight_decay,
         seed=seed,
         options=dict(run.options),
@@ -255,6 +256,14 @@ def train(msg: Message, context: Context) -> Message:
     )
     reply.content.config_records[protocol.STATE][protocol.UPLOAD_KIND] = kind
     return reply
+
+
+def _round_lr(cfg: ConfigRecord, default: float) -> float:
+    """The round's learning rate from the instruction (the server's schedule), else ours."""
+    value = cfg.get(protocol.LR, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"instruction field {protocol.LR!r} = {value!r} is not a rate > 0")
+    return float(value)
 
 
 def _seedlog_payload(rule: Any, cfg: ConfigRecord) -> tuple[bytes | None, str]:

@@ -37,6 +37,7 @@ from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.strategies.fedcybgd import FedCyBGD
+from fedcybgd.strategies.lr_schedule import build_lr_schedule
 
 log = logging.getLogger(__name__)
 app = ServerApp()
@@ -51,11 +52,11 @@ def resolve_output_dir(path: str) -> Path:
 
 
 class Evaluator:
-    """Evaluate the global model on the first ``eval-examples`` rows of the test split."""
+    """Evaluate the global model on the first ``eval-examples`` rows of ``eval-split``."""
 
     def __init__(self, run: RunConfig, stack: LayerStack) -> None:
         self.stack = stack
-        self.frame = data.load_split(run.dataset, "test").head(run.eval_examples)
+        self.frame = data.load_split(run.dataset, run.eval_split).head(run.eval_examples)
         self.tokenizer = load_tokenizer(run.model)
         self.run = run
 
@@ -111,6 +112,10 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
         trim_fraction=run.trim_fraction,
         max_update_norm=run.max_update_norm,
         outlier_factor=run.outlier_factor,
+        server_lr=run.server_lr,
+        parallel_damping=run.parallel_damping,
+        client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
+                                    run.warmup_rounds),
     )
 
 

@@ -72,6 +72,7 @@ from fedcybgd.strategies.replies import (
 )
 from fedcybgd.strategies.schedule import BlockSchedule
 from fedcybgd.strategies.screen import UpdateScreen, all_finite
+from fedcybgd.strategies.server_step import ServerStep
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,12 @@ class FedCyBGD(Strategy):
         Update admission (see :class:`fedcybgd.strategies.screen.UpdateScreen`): clip each
         node's block delta to this L2 norm (0: off); refuse a delta this many times larger
         than the block's recent accepted ones (0: off).
+    server_lr, parallel_damping : float, str
+        The server's step on each merged block (see
+        :class:`fedcybgd.strategies.server_step.ServerStep`).
+    client_lr : Callable[[int], float], optional
+        ``round -> learning rate`` sent to the clients (see
+        :mod:`fedcybgd.strategies.lr_schedule`); without it clients use their run config's.
     return_arrays : bool
         Return the full global weights from :meth:`aggregate_train`, as ``Strategy.start``
         expects. A ServerApp reading ``weights`` directly turns this off to skip the copy.
@@ -195,6 +202,9 @@ class FedCyBGD(Strategy):
         trim_fraction: float = 0.2,
         max_update_norm: float = 0.0,
         outlier_factor: float = 10.0,
+        server_lr: float = 1.0,
+        parallel_damping: str = "none",
+        client_lr: Callable[[int], float] | None = None,
     ) -> None:
         if clients_per_round < 1 or clients_per_block < 1:
             raise ValueError("clients-per-round and clients-per-block must be >= 1")
@@ -237,6 +247,8 @@ class FedCyBGD(Strategy):
         self.aggregate = (build_aggregator(aggregate, trim_fraction)
                           if isinstance(aggregate, str) else aggregate)
         self.screen = UpdateScreen(outlier_factor=outlier_factor, max_norm=max_update_norm)
+        self.step = ServerStep(server_lr, parallel_damping)
+        self.client_lr = client_lr
 
         self.versions: dict[str, int] = {name: 0 for name in block_map.names}
         self.checksums: dict[str, str] = {}  # block -> checksum of its current (version > 0)
@@ -357,6 +369,8 @@ class FedCyBGD(Strategy):
                     protocol.LOCAL_STEPS: self.local_steps,
                 }
             )
+            if self.client_lr is not None:
+                cfg[protocol.LR] = float(self.client_lr(server_round))
             if self.upload_codec == protocol.SEEDLOG:
                 cfg.update({protocol.ZO_FINGERPRINT: seedlog.z_fingerprint(),
                             protocol.ZO_TORCH: torch.__version__,
@@ -604,7 +618,7 @@ class FedCyBGD(Strategy):
         installed = 0
         for block in self._round.blocks:
             uploads = results.get(block)
-            if uploads and self._install(block, uploads, server_round, drops):
+            if uploads and self._install(block, uploads, server_round, drops, len(results)):
                 installed += 1
                 self._round.accepted[block] = senders[block]
                 continue
@@ -645,13 +659,16 @@ class FedCyBGD(Strategy):
         uploads: list[tuple[float, dict[str, torch.Tensor], float]],
         version: int,
         drops: DropLog,
+        parallel: int,
     ) -> bool:
-        """Merge ``block``'s admitted uploads and install the result; ``False`` if it is not
-        finite in the model's dtypes (nothing is installed then)."""
+        """Merge ``block``'s admitted uploads, take the server's step (``parallel`` blocks move
+        this round) and install the result; ``False`` if it is not finite in the model's
+        dtypes (nothing is installed then)."""
         pairs: list[Upload] = [(w, t) for w, t, _ in uploads]
         merged = guarded(lambda: self.aggregate(pairs))
         target = self.block_tensors(block)
-        merged = {name: merged[name].to(target[name].dtype) for name in target}
+        merged = self.step.apply(target, {name: merged[name].to(target[name].dtype)
+                                          for name in target}, parallel)
         if not all_finite(merged):
             # e.g. finite fp32 values that overflow the model's fp16/bf16
             for _ in uploads:

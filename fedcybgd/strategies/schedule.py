@@ -16,8 +16,10 @@ class BlockSchedule:
     blocks : list[str]
         The blocks of one cycle, in model order (bottom-up).
     order : str
-        ``ascending`` (bottom-up), ``descending`` (top-down) or ``random`` (a fresh
-        permutation every cycle, derived from ``seed`` and the cycle number).
+        ``ascending`` (bottom-up), ``descending`` (top-down), ``random`` (a fresh
+        permutation every cycle, derived from ``seed`` and the cycle number), or ``spread``
+        (ascending, but the blocks of one round are taken evenly spaced through what is left
+        of the cycle, so blocks trained in parallel are far apart in the model).
     seed : int
         Seed of the random order.
     """
@@ -35,7 +37,7 @@ class BlockSchedule:
         self.retry: list[str] = []  # failed blocks, next first
 
     def _cycle_order(self, cycle: int) -> list[str]:
-        if self.order == "ascending":
+        if self.order in ("ascending", "spread"):
             return list(self.blocks)
         if self.order == "descending":
             return list(reversed(self.blocks))
@@ -45,6 +47,8 @@ class BlockSchedule:
 
     def take(self, count: int) -> list[str]:
         """Up to ``count`` distinct blocks for this round (fewer only if the model has fewer)."""
+        if self.order == "spread":
+            return self._take_spread(count)
         chosen: list[str] = []
         count = min(count, len(self.blocks))
         while len(chosen) < count:
@@ -64,6 +68,26 @@ class BlockSchedule:
                 self.cycle += 1
                 continue
             chosen.append(source.pop(index))
+        return chosen
+
+    def _take_spread(self, count: int) -> list[str]:
+        """Retries first, then ``count`` blocks evenly spaced through the pending cycle."""
+        count = min(count, len(self.blocks))
+        chosen: list[str] = []
+        while self.retry and len(chosen) < count:
+            block = self.retry.pop(0)
+            if block not in chosen:
+                chosen.append(block)
+        need = count - len(chosen)
+        self.pending = [b for b in self.pending if b not in chosen]
+        if len(self.pending) < need:  # the cycle ends: the next one fills up
+            self.pending += [b for b in self._cycle_order(self.cycle)
+                             if b not in chosen and b not in self.pending]
+            self.cycle += 1
+        if need:
+            picks = sorted({i * len(self.pending) // need for i in range(need)}, reverse=True)
+            taken = [self.pending.pop(i) for i in picks]
+            chosen += reversed(taken)
         return chosen
 
     def requeue(self, block: str) -> None:
