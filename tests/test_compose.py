@@ -64,6 +64,19 @@ def test_compose_build_args_default_to_the_dockerfiles() -> None:
     assert build["args"]["TORCH_INDEX_URL"].startswith("${FEDCYBGD_TORCH_INDEX_URL-")
 
 
+def test_every_service_that_builds_builds_the_same_image() -> None:
+    """Any service with a build section (the TLS overlay's one-shot `certs` and `register`
+    too) builds fedcybgd:0.1.0 with the same arguments: a section without them would rebuild
+    the shared tag with the defaults (and fail offline)."""
+    base = yaml.safe_load(COMPOSE.read_text())
+    expected = base["x-fedcybgd"]["build"]
+    for files in ((COMPOSE,), (COMPOSE, COMPOSE_TLS)):
+        for name, spec in _services(*files).items():
+            if "build" in spec:
+                assert spec["build"] == expected, name
+                assert spec["image"] == "fedcybgd:0.1.0", name
+
+
 def test_build_context_is_the_package_and_docker_extra() -> None:
     lines = [ln.strip() for ln in (PROJECT / ".dockerignore").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
@@ -112,9 +125,8 @@ def _default_run_config() -> dict[str, Any]:
 def test_example_nodes_fit_the_default_model() -> None:
     """Every SuperNode of the example, as configured, has an update rule that fits its memory
     budget on every block of a default run: none is left out of the run it was written for.
-    The estimate is the client's own (fedcybgd.memory_model), on SmolLM2's real shapes (a model
-    on the meta device: no weights loaded)."""
-    import torch
+    The estimate is the client's own (fedcybgd.memory_model), on SmolLM2's real shapes (a
+    randomly initialised model from its config: the weights do not matter)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fedcybgd.blocks import BlockMap
@@ -123,8 +135,7 @@ def test_example_nodes_fit_the_default_model() -> None:
 
     run = _default_run_config()
     assert run["model"] == "smollm2-135m"
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(smollm2_folder()))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(smollm2_folder()))
     blocks = BlockMap(model, int(run["layers-per-block"]))
     shape = ModelShape.of(model, blocks)
     cycle = blocks.cycle(bool(run["train-embeddings"]), bool(run["train-head"]))

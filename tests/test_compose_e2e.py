@@ -12,10 +12,10 @@ not running; a base image made with debootstrap when none can be pulled):
    outputs are checked, ``down -v``.
 
 Each stack is its own compose project (own network and volumes) with the SuperLink published
-on a free loopback port and /outputs on a temporary folder. Skipped, with the reason in the
-warnings summary, where no engine can run (no docker CLI / docker-compose, or dockerd neither
-running nor startable: not root, not installed). Durations are printed (``-s``) and written to
-``compose-e2e-timings.json`` in the test's temporary folder.
+on a free loopback port and /outputs in a kept temporary folder (with every command's log).
+Skipped, with the reason in the warnings summary, where no engine can run (no docker CLI /
+docker-compose, or dockerd neither running nor startable: not root, not installed). Durations
+are printed (``-s``) and written to ``compose-e2e-timings.json`` in the stack's folder.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -53,7 +54,9 @@ RUN_CONFIG: dict[str, object] = {
 }
 TIMINGS: dict[str, float] = {}
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+# A cold build is ~4 min; each stack 2-5 min on 2 idle cores, far more on a loaded machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+RUN_TIMEOUT_S = 1500
 
 
 def _skip(reason: str) -> None:
@@ -117,63 +120,84 @@ def image() -> Iterator[str]:
 
 
 class Stack:
-    """One compose project: its own network, volumes, loopback port and outputs folder."""
+    """One compose project: its own network, volumes, loopback port and outputs folder.
 
-    def __init__(self, name: str, tls: bool, folder: Path) -> None:
+    Its folder (outputs, one log per compose command, every service's log) is a fresh one in the
+    system's temporary folder, kept after the test (pytest's own temporary folders are pruned
+    by later sessions) and printed at the start."""
+
+    def __init__(self, name: str, tls: bool) -> None:
+        self.name = name
         self.project = f"fedcybgde2e{name}{os.getpid()}"
         self.files = ["-f", "docker-compose.yml"] + (
             ["-f", "docker-compose.tls.yml"] if tls else [])
         self.port = _free_port()
-        self.outputs = folder / "outputs"
-        self.outputs.mkdir(parents=True)
+        self.folder = Path(tempfile.mkdtemp(prefix=f"fedcybgd-compose-e2e-{name}-"))
+        print(f"[compose-e2e] {name}: project {self.project}, logs and outputs in {self.folder}",
+              flush=True)
+        self.outputs = self.folder / "outputs"
+        self.outputs.mkdir()
         os.chown(self.outputs, 1000, 1000)  # the image's user writes the run's outputs
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("FEDCYBGD_")}
         self.env.update(FEDCYBGD_PUBLISH=f"127.0.0.1:{self.port}",
                         FEDCYBGD_OUTPUTS=str(self.outputs),
                         RUN_CONFIG=format_config(RUN_CONFIG))
-        self.logs = folder / "compose.log"
+        self.calls = 0
 
     def compose(self, *args: str, timeout: float = 600,
                 check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run one docker-compose command; its output goes to a log file as it comes (a command
+        that times out leaves what it printed), and is returned as ``stdout``."""
         cmd = ["docker-compose", "-p", self.project, *self.files, "--env-file", str(BUILD_ENV),
                *args]
-        result = subprocess.run(cmd, cwd=PROJECT, env=self.env, capture_output=True, text=True,
-                                timeout=timeout, check=False)
-        with self.logs.open("a") as log:
-            log.write(f"$ {' '.join(cmd)}\n{result.stdout}{result.stderr}\n")
-        if check and result.returncode != 0:
-            raise AssertionError(f"{' '.join(args)} exited {result.returncode}:\n"
-                                 f"{result.stdout[-4000:]}{result.stderr[-4000:]}\n"
-                                 f"{self.service_logs()}")
-        return result
+        self.calls += 1
+        log = self.folder / f"{self.calls:02d}-{args[-1] if args else 'compose'}.log"
+        with log.open("w") as out:
+            out.write(f"$ {' '.join(cmd)}\n")
+            out.flush()
+            try:
+                code = subprocess.run(cmd, cwd=PROJECT, env=self.env, stdout=out,
+                                      stderr=subprocess.STDOUT, timeout=timeout,
+                                      check=False).returncode
+            except subprocess.TimeoutExpired:
+                raise AssertionError(
+                    f"{' '.join(args)} did not finish in {timeout:.0f} s (log: {log}):\n"
+                    f"{log.read_text()[-4000:]}\n{self.service_logs()}") from None
+        text = log.read_text()
+        if check and code != 0:
+            raise AssertionError(f"{' '.join(args)} exited {code} (log: {log}):\n"
+                                 f"{text[-4000:]}\n{self.service_logs()}")
+        return subprocess.CompletedProcess(cmd, code, text, "")
 
-    def service_logs(self) -> str:
+    def service_logs(self, tail: int = 60) -> str:
+        """The last lines of every service's log; all of it is saved in services.log."""
         result = subprocess.run(
             ["docker-compose", "-p", self.project, *self.files, "--env-file", str(BUILD_ENV),
-             "logs", "--no-color", "--tail", "60"], cwd=PROJECT, env=self.env,
+             "logs", "--no-color", "--timestamps"], cwd=PROJECT, env=self.env,
             capture_output=True, text=True, timeout=120, check=False)
-        return result.stdout[-8000:]
+        (self.folder / "services.log").write_text(result.stdout + result.stderr)
+        return "\n".join(result.stdout.splitlines()[-tail:])
 
     def down(self) -> None:
         self.compose("--profile", "run", "down", "-v", "--remove-orphans", timeout=300)
 
 
 @pytest.fixture
-def stack(request: pytest.FixtureRequest, image: str, tmp_path: Path) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest, image: str) -> Iterator[Stack]:
     tls = bool(request.param)
-    s = Stack("tls" if tls else "plain", tls, tmp_path)
+    s = Stack("tls" if tls else "plain", tls)
     try:
         yield s
     finally:
-        (tmp_path / "services.log").write_text(s.service_logs())
+        s.service_logs()
         start = time.monotonic()
         s.down()
-        _timed(f"{'tls' if tls else 'plain'}: down -v", start)
+        _timed(f"{s.name}: down -v", start)
         leftovers = subprocess.run(
             ["docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project="
              f"{s.project}"], capture_output=True, text=True, timeout=60, check=True).stdout
+        (s.folder / "compose-e2e-timings.json").write_text(json.dumps(TIMINGS, indent=1))
         assert not leftovers.strip(), f"containers left behind: {leftovers}"
-        (tmp_path / "compose-e2e-timings.json").write_text(json.dumps(TIMINGS, indent=1))
 
 
 def _up_and_train(s: Stack, label: str) -> Path:
@@ -185,11 +209,10 @@ def _up_and_train(s: Stack, label: str) -> Path:
     assert healthy(published, timeout=10)
 
     start = time.monotonic()
-    runner = s.compose("--profile", "run", "run", "--rm", "-T", "runner", timeout=900,
-                       check=False)
+    runner = s.compose("--profile", "run", "run", "--rm", "-T", "runner",
+                       timeout=RUN_TIMEOUT_S, check=False)
     _timed(f"{label}: runner (2 rounds, tiny-llama)", start)
-    assert runner.returncode == 0, (runner.stdout[-5000:] + runner.stderr[-3000:]
-                                    + s.service_logs())
+    assert runner.returncode == 0, runner.stdout[-5000:] + s.service_logs()
     assert "status: finished:completed" in runner.stdout
     return s.outputs / "compose"
 
@@ -214,8 +237,7 @@ def test_compose_stack_trains(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize("stack", [True], indirect=True, ids=["tls"])
-def test_compose_tls_stack_trains_and_refuses_an_unregistered_node(stack: Stack,
-                                                                    tmp_path: Path) -> None:
+def test_compose_tls_stack_trains_and_refuses_an_unregistered_node(stack: Stack) -> None:
     start = time.monotonic()
     stack.compose("up", "-d", timeout=900)
     _timed("tls: up -d (certs, register, 3 nodes)", start)
@@ -230,14 +252,14 @@ def test_compose_tls_stack_trains_and_refuses_an_unregistered_node(stack: Stack,
     assert [m.split()[0] for m in modes] == ["600", "600", "600", "644", "644"], modes
 
     # the published port answers HTTPS (the CA's certificate, SAN IP:127.0.0.1), not HTTP
-    ca = tmp_path / "ca.crt"
+    ca = stack.folder / "ca.crt"
     ca.write_text(stack.compose("exec", "-T", "superlink", "cat", "/certs/ca.crt").stdout)
     address = f"127.0.0.1:{stack.port}"
     assert healthy(address, root_certificates=str(ca), timeout=10)
     assert not healthy(address, timeout=10)
 
     # a SuperNode whose key was never registered is refused (flower-supernode exits, 305)
-    rogue = tmp_path / "rogue"
+    rogue = stack.folder / "rogue"
     key = certs.make_node_key(rogue, "rogue")
     for path in (rogue, key.private, key.public):
         os.chown(path, 1000, 1000)
@@ -249,15 +271,14 @@ def test_compose_tls_stack_trains_and_refuses_an_unregistered_node(stack: Stack,
         "--port", "9094", "--node-config", "partition-id=0 num-partitions=3 cache-dir='/tmp'",
         timeout=300, check=False)
     _timed("tls: unregistered node refused", start)
-    text = refused.stdout + refused.stderr
+    text = refused.stdout
     assert refused.returncode != 0, text[-3000:]
     assert "305" in text or "Failed to activate" in text, text[-3000:]
 
     start = time.monotonic()
-    runner = stack.compose("--profile", "run", "run", "--rm", "-T", "runner", timeout=900,
-                           check=False)
+    runner = stack.compose("--profile", "run", "run", "--rm", "-T", "runner",
+                           timeout=RUN_TIMEOUT_S, check=False)
     _timed("tls: runner (2 rounds, tiny-llama)", start)
-    assert runner.returncode == 0, (runner.stdout[-5000:] + runner.stderr[-3000:]
-                                    + stack.service_logs())
+    assert runner.returncode == 0, runner.stdout[-5000:] + stack.service_logs()
     assert "status: finished:completed" in runner.stdout
     _check_outputs(stack.outputs / "compose")
