@@ -1,11 +1,13 @@
 """Typed run configuration, built once at the edge from Flower's flat ``run_config`` dict.
 
 Every key of ``[tool.flwr.app.config]`` is either a field of :class:`RunConfig` (dashes become
-underscores) or an update rule's option (:mod:`fedcybgd.rule_options`). Nothing else is
+underscores) or a registered update rule's option (:mod:`fedcybgd.rules`). Nothing else is
 accepted: an unknown key stops the run at start with the closest known key suggested, and a bad
 value (wrong type, NaN, infinite, out of range, not an allowed choice) with a
-:class:`ConfigError` naming the key and what is allowed. The rules' options are checked for
-every rule here, on the server, before round 1.
+:class:`ConfigError` naming the key and what is allowed. The modules named in ``rule-modules``
+are imported first (their rules register themselves), then ``update-rule`` must name a
+registered rule and every registered rule's options are checked, here, on the server, before
+round 1; each client builds the same :class:`RunConfig`, so it loads the same plug-ins.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcybgd import protocol, rule_options
+from fedcybgd import protocol, rules
 from fedcybgd.choices import (
     AGGREGATES,
     DAMPINGS,
@@ -30,8 +32,8 @@ from fedcybgd.choices import (
     UPDATE_RULES,
 )
 from fedcybgd.compression import CodecError, parse_spec
-from fedcybgd.config_fields import ConfigError, build, closest, normalize, setting, settings
-from fedcybgd.rule_options import RuleOptions
+from fedcybgd.config_fields import ConfigError, build, closest, coerce, normalize, setting, settings
+from fedcybgd.rules import RuleOptions
 
 __all__ = [
     "AGGREGATES",
@@ -71,7 +73,8 @@ class RunConfig:
     layers_per_block: int = setting(8, ge=1)
     train_embeddings: bool = setting(False)
     train_head: bool = setting(False)
-    update_rule: str = setting("fo", choices=UPDATE_RULES)
+    update_rule: str = setting("fo")  # a registered rule (fedcybgd.rules), checked at start
+    rule_modules: str = setting("")  # comma-separated modules registering plug-in update rules
     local_steps: int = setting(6, ge=1)
     batch_size: int = setting(8, ge=1)
     max_seq_len: int = setting(64, ge=8)
@@ -100,13 +103,14 @@ class RunConfig:
     lr_schedule: str = setting("constant", choices=LR_SCHEDULES)  # client lr over the rounds
     warmup_rounds: int = setting(0, ge=0)  # rounds of linear lr warm-up
     eval_split: str = setting("test", choices=EVAL_SPLITS)  # validation: for tuning
-    # The update rules' options (zerolock-*, zo-*, lezo-*), every key with its value; keys not
-    # given take the rule's default. See fedcybgd.rule_options.
+    # Every registered update rule's options (zerolock-*, zo-*, lezo-*, plug-ins'), every key
+    # with its value; keys not given take the rule's default. See fedcybgd.rules.options.
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         normalize(self)
-        object.__setattr__(self, "options", rule_options.check_all(self.options))
+        self._check_rules()
+        object.__setattr__(self, "options", rules.check_all(self.options))
         if not self.model:
             raise ConfigError("model must name a model (alias, tiny-<family>, path or hub id)")
         if not self.output_dir:
@@ -131,6 +135,21 @@ class RunConfig:
             # below 1 it would refuse about half of the honest updates
             raise ConfigError(f"outlier-factor must be 0 (off) or >= 1, got {self.outlier_factor}")
 
+    def _check_rules(self) -> None:
+        """Load ``rule-modules``; ``update-rule`` must be registered, and no rule's option key
+        may be one of the run's own keys (it would be read as both)."""
+        rules.load_modules(self.rule_modules)
+        try:
+            rules.rule_spec(self.update_rule)
+        except ConfigError as err:
+            raise ConfigError(f"update-rule = {self.update_rule!r}: {err}") from None
+        clash = sorted(set(rules.option_settings()) & set(settings(type(self))))
+        if clash:
+            owners = [s.name for s in rules.rule_specs()
+                      if set(settings(s.options)) & set(clash)]
+            raise ConfigError(f"update rule(s) {owners} declare option(s) {clash}, which are "
+                              "run-config keys of their own; rename the option(s)")
+
     @property
     def lora_modules(self) -> list[str]:
         """``lora-target-modules`` as a list."""
@@ -142,8 +161,8 @@ class RunConfig:
         return self.clients_per_round // self.clients_per_block
 
     def rule_options(self, rule: str) -> RuleOptions:
-        """The typed options of update rule ``rule`` (one of ``UPDATE_RULES``)."""
-        return rule_options.parse_options(rule, self.options)
+        """The typed options of the registered update rule ``rule``."""
+        return rules.parse_options(rule, self.options)
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> RunConfig:
@@ -155,9 +174,12 @@ class RunConfig:
             A key is unknown (the message suggests the closest known key), or a value is of
             the wrong type, not finite, out of range or not an allowed choice.
         """
-        options = {k: v for k, v in run_config.items() if k in rule_options.OPTIONS}
-        core = {k: v for k, v in run_config.items() if k not in rule_options.OPTIONS}
-        run: RunConfig = build(cls, core, also_known=rule_options.OPTIONS, options=options)
+        # The plug-in modules first: their rules' option keys are keys of this run config.
+        rules.load_modules(coerce("rule-modules", run_config.get("rule-modules", ""), str))
+        known = rules.option_settings()
+        options = {k: v for k, v in run_config.items() if k in known}
+        core = {k: v for k, v in run_config.items() if k not in known}
+        run: RunConfig = build(cls, core, also_known=known, options=options)
         return run
 
     def to_run_config(self) -> dict[str, Any]:
@@ -178,7 +200,9 @@ class NodeConfig:
 
     partition_id: int = setting(0, ge=0)
     num_partitions: int = setting(1, ge=1)
-    update_rule: str = setting("", choices=("", *UPDATE_RULES))  # "": follow the run config
+    # "": follow the run config. Any other name must be a rule registered once the run's
+    # rule-modules are loaded, so the client checks it when it trains, not here.
+    update_rule: str = setting("")
     memory_budget_mb: float = setting(0.0, ge=0)  # 0: no budget declared
     cache_dir: str = setting("")  # empty: FEDCYBGD_CACHE or ~/.cache/fedcybgd
     # The node's stable key (sampling order, seeds); empty: its partition-id. See `key`.
@@ -190,6 +214,11 @@ class NodeConfig:
             raise ConfigError(
                 f"partition-id must be in [0, num-partitions={self.num_partitions}), "
                 f"got {self.partition_id}"
+            )
+        if self.update_rule and not re.fullmatch(rules.registry.NAME_PATTERN, self.update_rule):
+            raise ConfigError(
+                f"update-rule must be empty or a rule name matching "
+                f"{rules.registry.NAME_PATTERN}, got {self.update_rule[:80]!r}"
             )
         if self.node_key and not re.fullmatch(protocol.NODE_KEY_PATTERN, self.node_key):
             raise ConfigError(

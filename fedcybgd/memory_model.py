@@ -1,26 +1,31 @@
 """Estimate a client's peak memory for an update rule on a block, to fit nodes' budgets.
 
-peak = runtime + weights + what the rule adds on top of holding the model:
-
-* ``fo``: the block's gradients and AdamW moments (3 x its bytes; +1 for an fp32 master copy of
-  low-precision weights) and the activations autograd keeps for every layer from the block up;
-* ``zerolock``: the same optimizer state, the activations of the block's own layers only and the
-  local head's logits at the label positions;
-* ``lezo`` / ``mezo``: a small fixed workspace and the few elements whose exact restore must be
-  saved (no activations are kept: forward passes only);
-* ``inference``: one layer's transient activations.
+peak = runtime + weights + what the rule adds on top of holding the model. This module computes
+the shared part and what a client-round on the block costs (:class:`MemoryNeeds`); each rule
+declares its own addition as a function of it (:class:`fedcybgd.rules.RuleSpec` ``memory``; the
+built-in rules' in :mod:`fedcybgd.rules.builtin`), so a plug-in rule takes part in budgets like
+the built-in ones. ``inference`` (one layer's transient activations and the logits) is the
+forward-only floor the benchmarks compare against.
 
 The per-token activation cost of a layer and the runtime's own footprint are calibrated on the
 measured figures of ``experiments/bench_updates.py`` (SmolLM2-135M, fp32, on CPU); the
 calibration constants below say what they were fitted on. A test checks the estimate against a
 fresh measurement.
+
+Used by the client (budget check) and the server (memory-aware assignment): no client imports.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fedcybgd.blocks import EMBED, HEAD, BlockMap
+from fedcybgd.blocks import EMBED, HEAD
+from fedcybgd.rules import MemoryNeeds, rule_spec
+
+if TYPE_CHECKING:
+    from fedcybgd.blocks import BlockMap
 
 MB = 2**20
 # Fitted on bench_updates.py (SmolLM2-135M fp32, batch 16 x 32 tokens, 1 thread, 2026-11-30):
@@ -28,8 +33,7 @@ MB = 2**20
 # 652 / 353 / 72 MB above that = 40 MB of AdamW state + 30 / 15 / 1 layers of activations.
 RUNTIME_MB = 595.0  # python + torch + transformers + tokenizer + data, before weights
 ACT_FLOATS_PER_TOKEN_PER_LAYER = 18.0  # x hidden_size: activations autograd keeps per layer
-ZO_WORKSPACE_MB = 20.0  # LeZO's fixed perturbation workspace
-ZO_PATCH_FRACTION = 0.05  # share of a unit's elements saved for an exact restore
+INFERENCE = "inference"  # not a rule: the forward-only floor
 
 RULE_ORDER = ("fo", "zerolock", "lezo")  # most to least memory; the fallback order
 
@@ -60,6 +64,33 @@ class ModelShape:
         )
 
 
+def memory_needs(
+    shape: ModelShape, blocks: BlockMap, block: str, batch_size: int, seq_len: int
+) -> MemoryNeeds:
+    """What one client-round on ``block`` costs, before a rule's own additions."""
+    info = blocks.info(block)
+    block_bytes = info.numel * 4
+    tokens = batch_size * seq_len
+    if info.name == EMBED:
+        lowest, own_layers = 0, 0
+    elif info.name == HEAD:
+        lowest, own_layers = shape.num_layers, 0
+    else:
+        assert info.layers is not None
+        lowest, own_layers = info.layers[0], info.layers[1] - info.layers[0] + 1
+    return MemoryNeeds(
+        weights_mb=shape.param_bytes / MB,
+        block_mb=block_bytes / MB,
+        optimizer_mb=3 * block_bytes / MB + (
+            block_bytes / MB if shape.bytes_per_param != 4 else 0),
+        layer_activations_mb=tokens * shape.hidden_size * ACT_FLOATS_PER_TOKEN_PER_LAYER * 4 / MB,
+        logits_mb=batch_size * shape.vocab_size * 4 / MB,
+        layers_from_block=shape.num_layers - lowest,
+        own_layers=own_layers,
+        num_layers=shape.num_layers,
+    )
+
+
 def estimate_peak_mb(
     shape: ModelShape,
     blocks: BlockMap,
@@ -68,32 +99,27 @@ def estimate_peak_mb(
     batch_size: int,
     seq_len: int,
 ) -> float:
-    """Estimated peak resident memory, in MiB, of one client-round (see the module docstring)."""
-    weights = shape.param_bytes / MB
-    info = blocks.info(block)
-    block_bytes = info.numel * 4
-    tokens = batch_size * seq_len
-    layer_acts = tokens * shape.hidden_size * ACT_FLOATS_PER_TOKEN_PER_LAYER * 4 / MB
-    logits = batch_size * shape.vocab_size * 4 / MB
-    optimizer = 3 * block_bytes / MB + (block_bytes / MB if shape.bytes_per_param != 4 else 0)
-    if info.name == EMBED:
-        lowest, own_layers = 0, 0
-    elif info.name == HEAD:
-        lowest, own_layers = shape.num_layers, 0
+    """Estimated peak resident memory, in MiB, of one client-round (see the module docstring).
+
+    ``rule`` is a registered update rule, or ``"inference"``.
+
+    Raises
+    ------
+    ConfigError
+        ``rule`` is not registered.
+    ValueError
+        The rule's estimate is not a finite number >= 0.
+    """
+    needs = memory_needs(shape, blocks, block, batch_size, seq_len)
+    if rule == INFERENCE:
+        extra = needs.layer_activations_mb + needs.logits_mb
     else:
-        assert info.layers is not None
-        lowest, own_layers = info.layers[0], info.layers[1] - info.layers[0] + 1
-    if rule == "fo":
-        extra = optimizer + (shape.num_layers - lowest) * layer_acts + logits
-    elif rule == "zerolock":
-        extra = optimizer + max(own_layers, 1) * layer_acts + logits
-    elif rule in ("lezo", "mezo"):
-        extra = ZO_WORKSPACE_MB + ZO_PATCH_FRACTION * block_bytes / MB + layer_acts
-    elif rule == "inference":
-        extra = layer_acts + logits
-    else:
-        raise ValueError(f"no memory estimate for update rule {rule!r}")
-    return RUNTIME_MB + weights + extra
+        extra = rule_spec(rule).memory(needs)
+        if isinstance(extra, bool) or not isinstance(extra, int | float) or not (
+                math.isfinite(extra) and extra >= 0):
+            raise ValueError(f"update rule {rule!r}: memory estimate {extra!r} for block "
+                             f"{block} is not a finite number >= 0")
+    return RUNTIME_MB + needs.weights_mb + extra
 
 
 def fitting_rule(
@@ -106,7 +132,8 @@ def fitting_rule(
     preferred: str,
 ) -> str | None:
     """``preferred`` if it fits ``budget_mb``, else the first rule in :data:`RULE_ORDER` after it
-    that fits; ``None`` when nothing fits. A budget of 0 means "no budget declared"."""
+    (after ``preferred`` not in that order, such as a plug-in rule: all of it) that fits;
+    ``None`` when nothing fits. A budget of 0 means "no budget declared"."""
     if budget_mb <= 0:
         return preferred
     order = [preferred] + [r for r in RULE_ORDER if r != preferred]

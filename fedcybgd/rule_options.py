@@ -1,32 +1,35 @@
-"""The update rules' own run-config keys (``zerolock-*``, ``zo-*``, ``lezo-*``) and their parser.
+"""The built-in update rules' options (``zerolock-*``, ``zo-*``, ``lezo-*``): a dataclass each.
 
-One frozen dataclass per rule declares the rule's keys, defaults and ranges; :func:`parse_options`
-is the one parser: the server runs it for every rule at start (:func:`check_all`, from
-:class:`fedcybgd.config.RunConfig`), so a misspelt or out-of-range option stops the run before
-round 1 (a node may override ``update-rule``, so every rule's options must be valid), and each
-client rule runs it again on the options it receives (:class:`~fedcybgd.client.updates.TrainTask`
-``options``). A key shared by two rules (``zo-eps``) has one default and one range.
+Each dataclass declares its rule's run-config keys, defaults and ranges with
+:func:`fedcybgd.config_fields.setting`; the rules are declared with them in
+:mod:`fedcybgd.rules.builtin`. They are parsed by the one parser of every rule's options,
+:mod:`fedcybgd.rules.options` (re-exported here: :func:`parse_options`, :func:`check_all`),
+which the server runs for every registered rule at start and each rule runs again on the
+options it receives. A key shared by two rules (``zo-eps``) has one default and one range.
 
 This module never imports the client package (the server imports it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
-from fedcybgd.choices import UPDATE_RULES, ZEROLOCK_HEADS, ZEROLOCK_OBJECTIVES
-from fedcybgd.config_fields import Setting, coerce, normalize, setting, settings, unknown_key
+from fedcybgd.choices import ZEROLOCK_HEADS, ZEROLOCK_OBJECTIVES
+from fedcybgd.config_fields import normalize, setting, settings
+from fedcybgd.rules.options import RuleOptions, check_all, parse_options
 
-
-class RuleOptions:
-    """Base of the per-rule option dataclasses."""
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        """This rule's keys read from ``options`` (see :func:`parse_options`)."""
-        return _parse(cls, options)
+__all__ = [
+    "OPTION_DEFAULTS",
+    "RULES",
+    "FoOptions",
+    "LezoOptions",
+    "MezoOptions",
+    "RuleOptions",
+    "ZeroLockOptions",
+    "check_all",
+    "parse_options",
+]
 
 
 @dataclass(frozen=True)
@@ -75,73 +78,14 @@ class MezoOptions(RuleOptions):
         normalize(self)
 
 
+# The built-in rules' options by rule name; the registry (fedcybgd.rules) holds every rule.
 RULES: dict[str, type[RuleOptions]] = {
     "fo": FoOptions,
     "zerolock": ZeroLockOptions,
     "lezo": LezoOptions,
     "mezo": MezoOptions,
 }
-
-
-def _declared() -> dict[str, Setting]:
-    """Every rule-option key once; a key two rules share must be declared alike."""
-    if tuple(RULES) != UPDATE_RULES:
-        raise RuntimeError(f"rule options cover {tuple(RULES)}, the rules are {UPDATE_RULES}")
-    out: dict[str, Setting] = {}
-    for cls in RULES.values():
-        for key, s in settings(cls).items():
-            seen = out.setdefault(key, s)
-            if (seen.kind, seen.default, seen.bounds) != (s.kind, s.default, s.bounds):
-                raise RuntimeError(f"rule option {key} is declared differently by two rules")
-    return out
-
-
-OPTIONS: dict[str, Setting] = _declared()
-OPTION_DEFAULTS: dict[str, Any] = {key: s.default for key, s in OPTIONS.items()}
-
-
-def parse_options(rule: str, options: Mapping[str, Any]) -> RuleOptions:
-    """The options of ``rule`` from ``options`` (run-config keys), validated.
-
-    Keys of the other rules are skipped (a rule ignores them); any key that is no rule option
-    at all is refused with the closest known key suggested.
-
-    Raises
-    ------
-    ConfigError
-        ``rule`` is unknown, a key is unknown, or a value of the wrong type or out of range.
-    """
-    cls = RULES.get(rule)
-    if cls is None:
-        raise unknown_key(rule, RULES, what="update rule")
-    return _parse(cls, options)
-
-
-def _parse(cls: type[RuleOptions], options: Mapping[str, Any]) -> Any:
-    own = settings(cls)
-    kwargs: dict[str, Any] = {}
-    for key, value in options.items():
-        if key not in OPTIONS:
-            raise unknown_key(key, OPTIONS, what="option")
-        s = own.get(key)
-        if s is not None:
-            kwargs[s.name] = coerce(key, value, s.kind)
-    return cls(**kwargs)
-
-
-def check_all(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate ``options`` for every rule; returns every rule-option key with its value.
-
-    Keys not given take their defaults; values come back in their declared types.
-
-    Raises
-    ------
-    ConfigError
-        A key is unknown, or a value of the wrong type or out of range.
-    """
-    values = dict(OPTION_DEFAULTS)
-    for rule in RULES:
-        parsed = parse_options(rule, options)
-        for key, s in settings(type(parsed)).items():
-            values[key] = getattr(parsed, s.name)
-    return values
+# The built-in rules' option keys with their defaults ([tool.flwr.app.config] lists them).
+OPTION_DEFAULTS: dict[str, Any] = {
+    key: s.default for cls in RULES.values() for key, s in settings(cls).items()
+}

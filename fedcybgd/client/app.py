@@ -24,7 +24,7 @@ from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
 from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
 from fedcybgd.client.runtime import ClientModel, client_model, client_tokenizer
 from fedcybgd.client.store import BlockStore
-from fedcybgd.client.updates import TrainTask, get_rule
+from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_of
 from fedcybgd.compression import (
     CodecError,
     decode,
@@ -36,11 +36,12 @@ from fedcybgd.compression import (
     seedlog,
     uses_base,
 )
-from fedcybgd.config import NodeConfig, RunConfig
+from fedcybgd.config import ConfigError, NodeConfig, RunConfig
 from fedcybgd.memory import PeakMemory
 from fedcybgd.memory_model import ModelShape, estimate_peak_mb, fitting_rule
 from fedcybgd.models import cache_root
 from fedcybgd.protocol import Holding
+from fedcybgd.rules import rule_spec
 
 log = logging.getLogger(__name__)
 app = ClientApp()
@@ -133,6 +134,13 @@ def train(msg: Message, context: Context) -> Message:
     server_round = protocol.get_int(cfg, protocol.ROUND)
     seed = protocol.get_int(cfg, protocol.SEED)
     rule_name = node.update_rule or protocol.get_str(cfg, protocol.RULE)
+    # Registered once the run's rule-modules are loaded (RunConfig above); the node's own
+    # choice is checked only here, so a misspelt one names the key.
+    try:
+        rule_spec(rule_name)
+    except ConfigError as err:
+        raise ConfigError(f"update-rule = {rule_name!r} (node config or instruction): {err}"
+                          ) from None
     upload_codec = protocol.get_str(cfg, protocol.UPLOAD_CODEC)
     lineage = protocol.get_str(cfg, protocol.LINEAGE)
     server_base = protocol.get_str(cfg, protocol.BASE_HASH)
@@ -220,7 +228,7 @@ def train(msg: Message, context: Context) -> Message:
 
     kind, note = protocol.WEIGHTS, ""
     if upload_codec == protocol.SEEDLOG:
-        payload, note = _seedlog_payload(rule, cfg)
+        payload, note = _seedlog_payload(rule_name, outcome, cfg)
         kind = protocol.SEEDLOG if payload is not None else protocol.WEIGHTS
         upload_codec = protocol.get_str(cfg, protocol.SEEDLOG_FALLBACK)
     if kind == protocol.WEIGHTS:
@@ -266,11 +274,13 @@ def _round_lr(cfg: ConfigRecord, default: float) -> float:
     return float(value)
 
 
-def _seedlog_payload(rule: Any, cfg: ConfigRecord) -> tuple[bytes | None, str]:
-    """The rule's step log, or ``None`` and why the server could not replay it exactly."""
-    step_log = getattr(rule, "last_log", None)
+def _seedlog_payload(
+    rule_name: str, outcome: TrainOutcome, cfg: ConfigRecord
+) -> tuple[bytes | None, str]:
+    """The round's step log, or ``None`` and why the server could not replay it exactly."""
+    step_log = step_log_of(rule_name, outcome)  # the rule declares whether it keeps one
     if step_log is None:
-        return None, f"seedlog fallback: rule {rule.name!r} keeps no step log"
+        return None, f"seedlog fallback: rule {rule_name!r} keeps no step log"
     server_z = str(cfg.get(protocol.ZO_FINGERPRINT, ""))
     server_torch = str(cfg.get(protocol.ZO_TORCH, ""))
     if step_log.torch != server_torch or step_log.z != server_z:

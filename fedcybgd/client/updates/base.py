@@ -1,98 +1,81 @@
-"""The local update rule interface: how a client trains its assigned block."""
+"""The client's half of the update-rule contract: make the registered rule that trains a block.
+
+The contract itself, what a rule declares (options, memory estimate, step log) and what it is
+given and returns (:class:`TrainTask`, :class:`TrainOutcome`), is neutral: it lives in
+:mod:`fedcybgd.rules`, because the server reads the declarations at start (validation,
+memory-aware assignment) and must not import this package. Here the client turns a rule's name
+into an object with ``train``: a registered class, or the ``"module:attr"`` a built-in rule is
+declared with (imported on first use).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+import importlib
+from collections.abc import Callable
+from typing import Any
 
-from torch import nn
+from fedcybgd.rules import (
+    RuleSpec,
+    TrainOutcome,
+    TrainTask,
+    UpdateRule,
+    rule_names,
+    rule_spec,
+)
 
-from fedcybgd.blocks import BlockMap
-from fedcybgd.data.prompts import Batch
-from fedcybgd.layerwise import LayerStack
-
-
-@dataclass
-class TrainTask:
-    """One client-round of training: the model, the block to train and the data.
-
-    Parameters
-    ----------
-    model : nn.Module
-        The client's model, holding the round's starting weights.
-    stack : LayerStack
-        Piecewise access to ``model``.
-    blocks : BlockMap
-        The block partition; ``block`` names one of its blocks.
-    block : str
-        The block to train. Nothing outside it may change.
-    batches : Iterator[Batch]
-        The client's training batches (endless); a rule takes ``steps`` of them.
-    steps, lr, weight_decay, seed :
-        Local steps, learning rate, weight decay and the seed of the round's randomness.
-    options : dict
-        The rules' run-config options (e.g. ``zo-eps``), keyed as in the run config; a rule
-        reads its own with :mod:`fedcybgd.rule_options` (the parser the server checks them with).
-    state_dir : Path
-        A folder the rule may keep state in across rounds (e.g. a local head).
-    """
-
-    model: nn.Module
-    stack: LayerStack
-    blocks: BlockMap
-    block: str
-    batches: Iterator[Batch]
-    steps: int
-    lr: float
-    weight_decay: float
-    seed: int
-    options: dict[str, Any] = field(default_factory=dict)
-    state_dir: Path | None = None
+__all__ = ["TrainOutcome", "TrainTask", "UpdateRule", "available_rules", "get_rule",
+           "step_log_of"]
 
 
-@dataclass
-class TrainOutcome:
-    """What a rule reports after training (the new weights are in the model)."""
-
-    loss: float  # mean training loss over applied steps
-    steps: int  # steps applied
-    examples: int  # examples seen
-    skipped_steps: int = 0  # steps dropped for a non-finite loss
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-class UpdateRule(Protocol):
-    """A local update rule. Implementations change only ``task.block``'s parameters."""
-
-    name: str
-
-    def train(self, task: TrainTask) -> TrainOutcome:
-        """Train ``task.block`` in place and report."""
-        ...
-
-
-_RULES: dict[str, Callable[[], UpdateRule]] = {}
-
-
-def register(name: str) -> Callable[[Callable[[], UpdateRule]], Callable[[], UpdateRule]]:
-    """Class decorator adding an update rule to the registry under ``name``."""
-
-    def add(factory: Callable[[], UpdateRule]) -> Callable[[], UpdateRule]:
-        _RULES[name] = factory
-        return factory
-
-    return add
+def _implementation(spec: RuleSpec) -> Callable[[], Any]:
+    """The class or factory of ``spec`` (a ``"module:attr"`` text imported here)."""
+    impl = spec.implementation
+    if not isinstance(impl, str):
+        return impl
+    module, _, attr = impl.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError(f"update rule {spec.name!r}: {impl} is not a class or factory")
+    return target
 
 
 def get_rule(name: str) -> UpdateRule:
-    """Instantiate the update rule ``name``."""
-    if name not in _RULES:
-        raise ValueError(f"update-rule {name!r} is not available; choose one of {sorted(_RULES)}")
-    return _RULES[name]()
+    """A fresh instance of the registered update rule ``name``.
+
+    Raises
+    ------
+    ConfigError
+        ``name`` is not registered (the closest name is suggested).
+    TypeError
+        The registered implementation makes no object with a ``train`` method.
+    """
+    spec = rule_spec(name)
+    rule = _implementation(spec)()
+    if not callable(getattr(rule, "train", None)):
+        raise TypeError(f"update rule {name!r} ({spec.source}) made {type(rule).__name__}, "
+                        "which has no train(task) method")
+    return rule
+
+
+def step_log_of(name: str, outcome: TrainOutcome) -> Any:
+    """The step log of a round trained by rule ``name``, or ``None`` when the rule keeps none.
+
+    Raises
+    ------
+    RuntimeError
+        The rule declares ``step_log=True`` but returned no step log: a broken contract,
+        reported rather than silently uploading weights instead.
+    """
+    if not rule_spec(name).step_log:
+        return None
+    if outcome.step_log is None:
+        raise RuntimeError(f"update rule {name!r} declares a step log but its train() "
+                           "returned TrainOutcome.step_log = None")
+    return outcome.step_log
 
 
 def available_rules() -> list[str]:
     """Names of the registered update rules."""
-    return sorted(_RULES)
+    return rule_names()

@@ -11,10 +11,10 @@ import math
 
 import torch
 
-from fedcybgd.client.updates.base import TrainOutcome, TrainTask, register
 from fedcybgd.data.prompts import Batch
 from fedcybgd.layerwise import LayerStack
 from fedcybgd.objective import label_loss
+from fedcybgd.rules import TrainOutcome, TrainTask
 
 
 def block_loss(stack: LayerStack, batch: Batch, lowest: int) -> torch.Tensor:
@@ -29,7 +29,6 @@ def block_loss(stack: LayerStack, batch: Batch, lowest: int) -> torch.Tensor:
     return label_loss(logits, batch)
 
 
-@register("fo")
 class FirstOrder:
     """AdamW on one block; see the module docstring."""
 

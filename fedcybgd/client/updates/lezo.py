@@ -39,9 +39,10 @@ it are not perturbed this step either).
 (~17 MB); z is never held whole. SmolLM2-135M, all 30 layers as one block: peak RSS 1.01-1.02x
 an inference forward for MeZO and LeZO alike.
 
-**Seed log.** Every applied step is recorded (seed, units, fp32 ``g`` and ``lr``);
-``rule.last_log`` holds the :class:`~fedcybgd.compression.seedlog.SeedLog` after
-:meth:`ZerothOrder.train`, and ``seedlog.replay`` rebuilds the trained block from it.
+**Seed log.** Every applied step is recorded (seed, units, fp32 ``g`` and ``lr``); the
+:class:`~fedcybgd.compression.seedlog.SeedLog` is returned as ``TrainOutcome.step_log`` (both
+rules are declared with ``step_log=True``) and kept in ``rule.last_log``, and
+``seedlog.replay`` rebuilds the trained block from it.
 
 Options (``task.options``, run-config keys, parsed by :mod:`fedcybgd.rule_options`): ``zo-eps``
 (1e-3), ``lezo-density`` (0.25; ``mezo`` ignores it). Weight decay is the run's ``weight-decay``.
@@ -58,12 +59,12 @@ import torch
 from torch import nn
 
 from fedcybgd.checksum import content_checksum
-from fedcybgd.client.updates.base import TrainOutcome, TrainTask, register
 from fedcybgd.compression import seedlog
 from fedcybgd.data.prompts import Batch
 from fedcybgd.layerwise import Hidden, LayerStack
 from fedcybgd.objective import label_loss
 from fedcybgd.rule_options import LezoOptions, MezoOptions
+from fedcybgd.rules import TrainOutcome, TrainTask
 
 
 @dataclass(frozen=True)
@@ -295,7 +296,8 @@ class ZerothOrder:
         self.last_log: seedlog.SeedLog | None = None
 
     def train(self, task: TrainTask) -> TrainOutcome:
-        """Run ``task.steps`` zeroth-order steps on ``task.block``; the log goes to ``last_log``."""
+        """Run ``task.steps`` zeroth-order steps on ``task.block``; returns the step log in the
+        outcome (and keeps it in ``last_log``)."""
         opts = ZoOptions.from_task(task, self.fixed_density)
         model = task.model
         block = _Block(task)
@@ -348,7 +350,8 @@ class ZerothOrder:
             restore_patch_frac=block.patched / max(block.perturbed, 1),
             seedlog_bytes=float(len(encoded)),
         )
-        return TrainOutcome(mean, len(steps), examples, skipped, metrics)
+        return TrainOutcome(mean, len(steps), examples, skipped, metrics,
+                            step_log=self.last_log)
 
     def _step(
         self,
@@ -401,14 +404,12 @@ class ZerothOrder:
         return seedlog.SeedStep(seed, chosen, update[0], opts.lr), (loss_plus + loss_minus) / 2
 
 
-@register("lezo")
 class LeZO(ZerothOrder):
     """LeZO: ``lezo-density`` of the block's units perturbed and updated per step."""
 
     name = "lezo"
 
 
-@register("mezo")
 class MeZO(ZerothOrder):
     """MeZO: every unit of the block perturbed and updated every step."""
 

@@ -78,12 +78,12 @@ from torch import nn
 from fedcybgd.atomic import save_tensors
 from fedcybgd.blocks import EMBED, HEAD
 from fedcybgd.client.paths import block_name
-from fedcybgd.client.updates.base import TrainOutcome, TrainTask, register
 from fedcybgd.client.updates.local_heads import LocalHead, Translator
 from fedcybgd.data import BatchIterator
 from fedcybgd.data.prompts import Batch
 from fedcybgd.layerwise import Hidden, LayerStack
 from fedcybgd.rule_options import ZeroLockOptions  # the options' one parser (server too)
+from fedcybgd.rules import TrainOutcome, TrainTask
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +419,6 @@ def _skip(batches: Iterator[Batch], count: int) -> None:
 # -------------------------------------------------------------------------------------- rule
 
 
-@register("zerolock")
 class ZeroLock:
     """Block training on a local objective; see the module docstring."""
 

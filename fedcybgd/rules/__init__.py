@@ -1,0 +1,74 @@
+"""Update rules as both sides see them: the contract a rule meets and the registry finding it.
+
+A rule declares (:class:`RuleSpec`):
+
+* **options**: one frozen dataclass (:class:`RuleOptions`, fields from
+  :func:`fedcybgd.config_fields.setting`); its keys become run-config keys, checked on the
+  server at start by the one parser (:mod:`fedcybgd.rules.options`) that the rule itself uses;
+* **memory**: a function of :class:`MemoryNeeds` giving the MiB it adds on top of runtime and
+  weights; the server assigns rules by it to nodes that declare ``memory-budget-mb``, the
+  client checks its assignment with it;
+* **step_log**: whether ``train`` returns a replayable step log in
+  :attr:`TrainOutcome.step_log` (used when ``upload-codec = "seedlog"``);
+* **implementation**: a class with ``name`` and ``train(task) -> TrainOutcome``
+  (:class:`UpdateRule`), made fresh by the client for every round.
+
+A plug-in rule is one file: decorate its class with ``@register_rule("name", options=...,
+memory=...)`` and name the module in the run-config key ``rule-modules``; then
+``update-rule = "name"`` selects it (see :mod:`fedcybgd.rules.registry` for why a decorator and
+a config key rather than entry points). Import only neutral modules in it (this package,
+:mod:`fedcybgd.config_fields`, :mod:`fedcybgd.layerwise`, :mod:`fedcybgd.objective`, torch):
+the server imports it too, and the server never imports the client package.
+
+Nothing in this package imports torch or the client package.
+"""
+
+from fedcybgd.config_fields import setting
+from fedcybgd.rules.contract import (
+    MemoryEstimate,
+    MemoryNeeds,
+    TrainOutcome,
+    TrainTask,
+    UpdateRule,
+)
+from fedcybgd.rules.options import (
+    NoOptions,
+    RuleOptions,
+    check_all,
+    option_defaults,
+    option_settings,
+    parse_options,
+)
+from fedcybgd.rules.registry import (
+    RuleSpec,
+    declare_rule,
+    load_modules,
+    register_rule,
+    rule_names,
+    rule_spec,
+    rule_specs,
+    unregister_rule,
+)
+
+__all__ = [
+    "MemoryEstimate",
+    "MemoryNeeds",
+    "NoOptions",
+    "RuleOptions",
+    "RuleSpec",
+    "TrainOutcome",
+    "TrainTask",
+    "UpdateRule",
+    "check_all",
+    "declare_rule",
+    "load_modules",
+    "option_defaults",
+    "option_settings",
+    "parse_options",
+    "register_rule",
+    "rule_names",
+    "rule_spec",
+    "rule_specs",
+    "setting",
+    "unregister_rule",
+]

@@ -1,0 +1,56 @@
+"""The built-in update rules, declared for both sides: options, memory estimate, step log.
+
+The implementations live in the client package (:mod:`fedcybgd.client.updates`) and are named
+here as text, so the server knows every built-in rule without importing client code. The
+registry imports this module on its first lookup.
+
+Memory, on top of runtime + weights (see :mod:`fedcybgd.memory_model` for the shared part and
+its calibration):
+
+* ``fo``: the block's gradients and AdamW moments (+ an fp32 master copy of low-precision
+  weights) and the activations autograd keeps for every layer from the block up, and the logits;
+* ``zerolock``: the same optimizer state, the activations of the block's own layers only and the
+  local head's logits at the label positions;
+* ``lezo`` / ``mezo``: a small fixed workspace, the few elements whose exact restore must be
+  saved, and one layer's transient activations (forward passes only, nothing kept).
+"""
+
+from __future__ import annotations
+
+from fedcybgd.rule_options import FoOptions, LezoOptions, MezoOptions, ZeroLockOptions
+from fedcybgd.rules.contract import MemoryNeeds
+from fedcybgd.rules.registry import declare_rule
+
+# Fitted on bench_updates.py (SmolLM2-135M fp32, batch 16 x 32 tokens, 1 thread, 2026-11-30).
+ZO_WORKSPACE_MB = 20.0  # LeZO's fixed perturbation workspace
+ZO_PATCH_FRACTION = 0.05  # share of a unit's elements saved for an exact restore
+
+
+def first_order_memory(needs: MemoryNeeds) -> float:
+    """``fo``: optimizer state, activations from the block up, logits."""
+    return (needs.optimizer_mb + needs.layers_from_block * needs.layer_activations_mb
+            + needs.logits_mb)
+
+
+def zerolock_memory(needs: MemoryNeeds) -> float:
+    """``zerolock``: optimizer state, the block's own activations (at least one layer's, for
+    the embeddings and the head), the local head's logits."""
+    return (needs.optimizer_mb + max(needs.own_layers, 1) * needs.layer_activations_mb
+            + needs.logits_mb)
+
+
+def zeroth_order_memory(needs: MemoryNeeds) -> float:
+    """``lezo`` / ``mezo``: workspace, saved restore elements, one layer's activations."""
+    return (ZO_WORKSPACE_MB + ZO_PATCH_FRACTION * needs.block_mb
+            + needs.layer_activations_mb)
+
+
+UPDATES = "fedcybgd.client.updates"
+declare_rule("fo", options=FoOptions, memory=first_order_memory,
+             implementation=f"{UPDATES}.fo:FirstOrder")
+declare_rule("zerolock", options=ZeroLockOptions, memory=zerolock_memory,
+             implementation=f"{UPDATES}.zerolock:ZeroLock")
+declare_rule("lezo", options=LezoOptions, memory=zeroth_order_memory, step_log=True,
+             implementation=f"{UPDATES}.lezo:LeZO")
+declare_rule("mezo", options=MezoOptions, memory=zeroth_order_memory, step_log=True,
+             implementation=f"{UPDATES}.lezo:MeZO")

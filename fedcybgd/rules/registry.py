@@ -1,0 +1,293 @@
+"""The update-rule registry: every rule, built-in or plug-in, is a :class:`RuleSpec` found by name.
+
+A spec is what a rule declares: its typed options, its memory estimate, whether it keeps a step
+log, and its implementation. The server reads the first three (validation at start,
+memory-aware assignment); only a client ever touches the implementation.
+
+**Getting a rule in.**
+
+* ``@register_rule("name", options=..., memory=..., step_log=...)`` on the rule's class (or
+  any zero-argument factory): the class is the implementation. This is how a plug-in rule is
+  written: one file of the user's own, importing only neutral modules (:mod:`fedcybgd.rules`,
+  :mod:`fedcybgd.config_fields`, torch), so the server can import it without the client package.
+* :func:`declare_rule` with the implementation as ``"module:attr"`` text, imported only when a
+  client makes the rule. The built-in rules are declared so (:mod:`fedcybgd.rules.builtin`):
+  their code lives in the client package, which the server must not import.
+
+**Getting a plug-in module loaded.** The run-config key ``rule-modules`` names importable
+modules (comma-separated). :class:`fedcybgd.config.RunConfig` imports them (:func:`load_modules`)
+before it checks ``update-rule`` and the rules' options: on the server at start and on every
+client, from the same run config, so both sides see the same registry.
+
+**Why a decorator and a run-config key, not an entry-point group** (``fedcybgd.update_rules``):
+
+* ``flwr run`` ships the app as a FAB that is not pip-installed (and this project turns off
+  Flower's runtime dependency installation), so an entry point declared by the user's app would
+  never be seen; a one-file plug-in next to the app can only be found by importing it.
+* A config key is explicit and travels with the run: the server, every SuperNode, the
+  checkpoint and ``summary.json`` all record which plug-ins a run used. An installed package's
+  entry point would silently add rules, and option keys every run then validates, to every run
+  on that machine.
+* It works alike in simulation, deployment, the loopback grid and tests. A pip-installed
+  plug-in package is used the same way: name its module in ``rule-modules``.
+
+Import-light: nothing here imports torch or the client package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, is_dataclass
+from typing import Any, TypeVar
+
+from fedcybgd.config_fields import ConfigError, Setting, settings, unknown_key
+from fedcybgd.rules.contract import MemoryEstimate, UpdateRule
+
+__all__ = [
+    "RuleSpec",
+    "declare_rule",
+    "load_modules",
+    "register_rule",
+    "rule_names",
+    "rule_spec",
+    "rule_specs",
+    "unregister_rule",
+]
+
+# Names travel in instructions, replies and metrics: short, lower case, no spaces.
+NAME_PATTERN = r"[a-z][a-z0-9_-]{0,31}"
+RESERVED = frozenset({"inference"})  # the memory model's forward-only baseline
+MODULE_PATTERN = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
+BUILTIN_MODULE = "fedcybgd.rules.builtin"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """What an update rule declares.
+
+    Attributes
+    ----------
+    name : str
+        The ``update-rule`` value that selects it.
+    options : type
+        Its options: a frozen dataclass subclassing :class:`fedcybgd.rules.RuleOptions`, every
+        field declared with :func:`fedcybgd.config_fields.setting` (key, default, range).
+    memory : MemoryEstimate
+        MiB the rule adds on top of runtime + weights for one client-round, from
+        :class:`~fedcybgd.rules.contract.MemoryNeeds`.
+    step_log : bool
+        Whether ``train`` returns a step log (``TrainOutcome.step_log``) the server can replay.
+    implementation : callable or str
+        A zero-argument class or factory making an :class:`~fedcybgd.rules.contract.UpdateRule`,
+        or ``"module:attr"`` naming one (imported by the client only).
+    """
+
+    name: str
+    options: type[Any]
+    memory: MemoryEstimate
+    step_log: bool
+    implementation: Callable[[], UpdateRule] | str
+
+    @property
+    def source(self) -> str:
+        """Where the implementation lives, for messages."""
+        impl = self.implementation
+        if isinstance(impl, str):
+            return impl
+        return f"{getattr(impl, '__module__', '?')}:{getattr(impl, '__qualname__', impl)}"
+
+
+_SPECS: dict[str, RuleSpec] = {}
+_builtins_loaded = False
+_version = 0  # bumped on every change, so derived tables can be cached
+
+
+def _ensure_builtins() -> None:
+    """Declare the built-in rules once, before any lookup or registration."""
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True  # first: the builtin module's own declarations land here
+        try:
+            importlib.import_module(BUILTIN_MODULE)
+        except BaseException:
+            _builtins_loaded = False  # the next lookup tries again and raises again
+            raise
+
+
+def version() -> int:
+    """A number that changes whenever a rule is registered or removed."""
+    _ensure_builtins()
+    return _version
+
+
+def declare_rule(
+    name: str,
+    *,
+    options: type[Any],
+    memory: MemoryEstimate,
+    implementation: Callable[[], UpdateRule] | str,
+    step_log: bool = False,
+) -> RuleSpec:
+    """Add a rule to the registry; returns its spec.
+
+    Raises
+    ------
+    ValueError
+        ``name`` is malformed, reserved or taken; ``options`` is not a dataclass of config
+        settings; an option key is declared differently by an already registered rule;
+        ``memory`` is not callable; ``implementation`` is not a callable or ``"module:attr"``.
+    """
+    _ensure_builtins()
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name) or name in RESERVED:
+        raise ValueError(f"update rule name {name!r} must match {NAME_PATTERN} and not be one of "
+                         f"{sorted(RESERVED)}")
+    if name in _SPECS:
+        raise ValueError(f"update rule {name!r} is already registered ({_SPECS[name].source}); "
+                         "unregister_rule() it first to replace it")
+    if not (isinstance(options, type) and is_dataclass(options)):
+        raise ValueError(f"update rule {name!r}: options must be a dataclass, got {options!r}")
+    if not callable(memory):
+        raise ValueError(f"update rule {name!r}: memory must be a function of MemoryNeeds")
+    if isinstance(implementation, str):
+        if not re.fullmatch(rf"{MODULE_PATTERN}:[A-Za-z_][\w.]*", implementation):
+            raise ValueError(f"update rule {name!r}: implementation {implementation!r} is not "
+                             "'module:attr'")
+    elif not callable(implementation):
+        raise ValueError(f"update rule {name!r}: implementation must be callable")
+    own = settings(options)
+    for key, setting_ in own.items():
+        _check_same(name, key, setting_)
+    spec = RuleSpec(name, options, memory, bool(step_log), implementation)
+    _changed()
+    _SPECS[name] = spec
+    return spec
+
+
+def _check_same(name: str, key: str, new: Setting) -> None:
+    """An option key two rules share (``zo-eps``) must have one type, default and range."""
+    for other in _SPECS.values():
+        old = settings(other.options).get(key)
+        if old is not None and (old.kind, old.default, old.bounds) != (
+                new.kind, new.default, new.bounds):
+            raise ValueError(f"update rule {name!r}: option {key!r} is declared differently by "
+                             f"rule {other.name!r}; a shared key needs one type, default and range")
+
+
+def register_rule(
+    name: str,
+    *,
+    options: type[Any] | None = None,
+    memory: MemoryEstimate,
+    step_log: bool = False,
+) -> Callable[[T], T]:
+    """Class decorator: register the decorated class (or factory) as update rule ``name``.
+
+    Parameters
+    ----------
+    name : str
+        The ``update-rule`` value selecting the rule.
+    options : type, optional
+        Its options dataclass (see :class:`RuleSpec`); default: none.
+    memory : MemoryEstimate
+        Its memory estimate (see :class:`RuleSpec`); required, so budgets hold for every rule.
+    step_log : bool
+        Whether ``train`` returns a replayable step log.
+
+    Raises
+    ------
+    ValueError
+        See :func:`declare_rule`.
+    """
+
+    def add(implementation: T) -> T:
+        from fedcybgd.rules.options import NoOptions  # options imports this module
+
+        declare_rule(name, options=options or NoOptions, memory=memory,
+                     implementation=implementation, step_log=step_log)  # type: ignore[arg-type]
+        return implementation
+
+    return add
+
+
+def unregister_rule(name: str) -> RuleSpec:
+    """Remove rule ``name`` (tests, interactive sessions); returns its spec.
+
+    Raises
+    ------
+    KeyError
+        No rule of that name is registered.
+    """
+    _ensure_builtins()
+    spec = _SPECS.pop(name)
+    _changed()
+    return spec
+
+
+def _changed() -> None:
+    global _version
+    _version += 1
+
+
+def rule_spec(name: str) -> RuleSpec:
+    """The spec of rule ``name``.
+
+    Raises
+    ------
+    ConfigError
+        No such rule; the message suggests the closest registered name and says how a
+        plug-in rule is loaded.
+    """
+    _ensure_builtins()
+    spec = _SPECS.get(name)
+    if spec is None:
+        err = unknown_key(name, _SPECS, what="update rule")
+        raise ConfigError(f"{err} (a rule of your own: name its module in rule-modules)")
+    return spec
+
+
+def rule_names() -> list[str]:
+    """Names of the registered rules, in registration order (the built-ins first)."""
+    _ensure_builtins()
+    return list(_SPECS)
+
+
+def rule_specs() -> list[RuleSpec]:
+    """Every registered rule's spec, in registration order."""
+    _ensure_builtins()
+    return list(_SPECS.values())
+
+
+def load_modules(modules: str | Iterable[str], key: str = "rule-modules") -> list[str]:
+    """Import the plug-in modules named in ``modules`` (comma-separated text or names).
+
+    Importing a module runs its ``@register_rule`` decorators; a module already imported is
+    not imported again. Returns the names imported.
+
+    Raises
+    ------
+    ConfigError
+        A name is not a dotted module name, or importing it fails (the cause is chained and
+        named in the message, with ``key``).
+    """
+    _ensure_builtins()
+    names = modules.split(",") if isinstance(modules, str) else list(modules)
+    loaded: list[str] = []
+    for raw in names:
+        module = raw.strip()
+        if not module:
+            continue
+        if not re.fullmatch(MODULE_PATTERN, module):
+            raise ConfigError(f"{key}: {module[:80]!r} is not a module name (dotted identifiers, "
+                              "comma-separated)")
+        try:
+            importlib.import_module(module)
+        except Exception as err:
+            # Anything a plug-in raises while importing stops the run at start, named.
+            raise ConfigError(f"{key}: importing {module!r} failed: "
+                              f"{type(err).__name__}: {err}") from err
+        loaded.append(module)
+    return loaded
