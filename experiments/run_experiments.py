@@ -92,8 +92,7 @@ def run_one(plan: dict[str, Any], work: Path, nodes: int, threads: int) -> dict[
 
     from fedcybgd.config import RunConfig
     from fedcybgd.procgrid import ProcessGrid
-    from fedcybgd.server.app import run_server
-    from fedcybgd.server.baselines import run_fedavg
+    from fedcybgd.server.app import RUNNERS  # the ServerApp's own table: strategy -> runner
 
     torch.set_num_threads(threads)
     out = work / plan["id"]
@@ -103,7 +102,7 @@ def run_one(plan: dict[str, Any], work: Path, nodes: int, threads: int) -> dict[
     started = time.perf_counter()
     with ProcessGrid(CLIENT_APP, nodes, config, threads=threads,
                      node_config=lambda i: {"cache-dir": str(out / "client-cache")}) as grid:
-        summary = (run_fedavg if run.strategy == "fedavg" else run_server)(grid, run)
+        summary = RUNNERS[run.strategy](grid, run)
         exchanges = grid.exchanges
     wall = time.perf_counter() - started
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -5,13 +5,13 @@ merged into the global model (the server's own model object, updated in place); 
 evaluated on the held-out test split every ``eval-every`` rounds; a checkpoint and a
 ``metrics.jsonl`` line are written. At the end the model is saved with ``save_pretrained`` and
 ``summary.json`` is written. ``strategy = "fedavg"`` runs the baselines instead
-(:mod:`fedcybgd.server.baselines`).
+(:mod:`fedcybgd.server.baselines`): :data:`RUNNERS` maps each ``strategy`` to its runner, for
+the ServerApp and the experiments harness alike.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -23,15 +23,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedcybgd import data
 from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
-from fedcybgd.config import ConfigError, RunConfig
+from fedcybgd.config import RunConfig
 from fedcybgd.layerwise import LayerStack
 from fedcybgd.memory_model import ModelShape, fitting_rule
 from fedcybgd.models import load_model, load_tokenizer, read_tensors, safetensors_index
-from fedcybgd.objective import EvalResult, evaluate
+from fedcybgd.objective import EvalResult
+from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.server.checkpoint import Checkpointer
+from fedcybgd.server.common import Evaluator, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.plots import plot_run
@@ -41,30 +42,6 @@ from fedcybgd.strategies.lr_schedule import build_lr_schedule
 
 log = logging.getLogger(__name__)
 app = ServerApp()
-
-
-def resolve_output_dir(path: str) -> Path:
-    """Relative output dirs are taken from ``FEDCYBGD_OUTPUT_ROOT`` (default: the cwd)."""
-    out = Path(path).expanduser()
-    if not out.is_absolute():
-        out = Path(os.environ.get("FEDCYBGD_OUTPUT_ROOT", os.getcwd())) / out
-    return out
-
-
-class Evaluator:
-    """Evaluate the global model on the first ``eval-examples`` rows of ``eval-split``."""
-
-    def __init__(self, run: RunConfig, stack: LayerStack) -> None:
-        self.stack = stack
-        self.frame = data.load_split(run.dataset, run.eval_split).head(run.eval_examples)
-        self.tokenizer = load_tokenizer(run.model)
-        self.run = run
-
-    def __call__(self) -> EvalResult:
-        batches = data.eval_batches(
-            self.frame, self.tokenizer, self.run.eval_batch_size, self.run.max_seq_len
-        )
-        return evaluate(self.stack, batches)
 
 
 def pretrained_reader(
@@ -117,22 +94,6 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
         client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
                                     run.warmup_rounds),
     )
-
-
-def require_nodes(grid: Grid, wanted: int, wait_s: float) -> int:
-    """Wait until ``wanted`` nodes are connected; a clear error if they never are."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        count = len(list(grid.get_node_ids()))
-        if count >= wanted:
-            return count
-        if time.monotonic() >= deadline:
-            raise ConfigError(
-                f"clients-per-round = {wanted}, but only {count} nodes are connected after "
-                f"{wait_s:.0f} s; lower clients-per-round or start more SuperNodes "
-                "(simulation: --federation-config 'num-supernodes=N')"
-            )
-        time.sleep(1.0)
 
 
 def run_server(
@@ -294,14 +255,16 @@ def configure_logging() -> None:
     logger.propagate = False
 
 
+# A whole run of each ``strategy`` (fedcybgd.choices.STRATEGIES): it writes the run's outputs
+# and returns its summary. The ServerApp and experiments/run_experiments.py both pick from here.
+Runner = Callable[[Grid, RunConfig], dict[str, Any]]
+RUNNERS: dict[str, Runner] = {"fedcybgd": run_server, "fedavg": run_fedavg}
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Flower entry point."""
+    """Flower entry point: validate the run config (update rules and their plug-in modules
+    included) before anything else, then run the ``strategy``'s runner."""
     configure_logging()
     run = RunConfig.from_run_config(context.run_config)
-    if run.strategy == "fedavg":
-        from fedcybgd.server.baselines import run_fedavg
-
-        run_fedavg(grid, run)
-    else:
-        run_server(grid, run)
+    RUNNERS[run.strategy](grid, run)

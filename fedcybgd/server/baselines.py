@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedcybgd.client.baselines import (
+from fedcybgd.baselines import (
     ARRAYS,
     METRICS,
     build_baseline,
@@ -33,7 +33,7 @@ from fedcybgd.client.baselines import (
 )
 from fedcybgd.config import RunConfig
 from fedcybgd.models import load_tokenizer
-from fedcybgd.server.app import Evaluator, require_nodes, resolve_output_dir
+from fedcybgd.server.common import Evaluator, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.plots import plot_run
