@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         stop_local_superlink(flwr_home)
     summary = Path(args.output_dir).resolve() / "summary.json"
     if summary.exists():
-        print(f"outputs: {summary.parent} (metrics.jsonl, summary.json, final/, checkpoint/)")
+        print(f"outputs: {summary.parent} (metrics.jsonl, summary.json, plots.png, final/, "
+              "checkpoint/)")
     else:
         print(f"no summary at {summary}: the run did not finish", file=sys.stderr)
         code = code or 1
