@@ -396,7 +396,7 @@ def test_fuzzed_replies_never_stop_or_poison_the_server(fuzz_rig, data):
     replies = []
     for reply in honest:
         clone = Message(RecordDict({k: copy.deepcopy(v) for k, v in reply.content.items()}),
-                        reply_to=next(m for m in strategy._sent
+                        reply_to=next(m for m in strategy.round.sent
                                       if m.metadata.message_id
                                       == reply.metadata.reply_to_message_id))
         clone.metadata.__dict__["_src_node_id"] = reply.metadata.src_node_id

@@ -39,6 +39,7 @@ from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.lr_schedule import build_lr_schedule
+from fedcybgd.strategies.record import RoundRecord
 
 log = logging.getLogger(__name__)
 app = ServerApp()
@@ -164,8 +165,8 @@ def run_server(
         initial = EvalResult(**saved["initial_eval"])
     else:
         initial = evaluator()
-        writer.write({"round": 0, "eval_loss": initial.loss, "eval_accuracy": initial.accuracy,
-                      "eval_examples": initial.examples})
+        writer.write(RoundRecord(0, eval_loss=initial.loss, eval_accuracy=initial.accuracy,
+                                 eval_examples=initial.examples).to_json())
     log.info("round 0: eval loss %.4f, accuracy %.3f", initial.loss, initial.accuracy)
     last_eval = initial
 
@@ -174,31 +175,15 @@ def run_server(
         messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid)
         replies = grid.send_and_receive(messages, timeout=run.round_timeout)
         strategy.aggregate_train(server_round, replies)
-        entry = strategy.history[-1]
-        record: dict[str, Any] = {
-            "round": server_round,
-            "blocks": entry.blocks,
-            "clients": [str(c) for c in entry.clients],
-            "update_rule": sorted(set(entry.update_rules)) or [run.update_rule],
-            "failed_blocks": entry.failed_blocks,
-            "bytes_down": entry.bytes_down,
-            "bytes_up": entry.bytes_up,
-            "bytes_down_raw": entry.bytes_down_raw,
-            "bytes_up_raw": entry.bytes_up_raw,
-            "train_loss": entry.train_loss,
-            "client_peak_mem_mb": entry.client_peak_mem_mb,
-            "client_train_s": entry.client_train_s,
-            "examples": entry.examples,
-            "dropped": entry.dropped,
-            "accepted": {b: [str(n) for n in nodes] for b, nodes in entry.accepted.items()},
-        }
+        record = strategy.history[-1]
         is_last = server_round == run.num_server_rounds
         if is_last or (run.eval_every and server_round % run.eval_every == 0):
             eval_start = time.perf_counter()
             last_eval = evaluator()
-            record.update(eval_loss=last_eval.loss, eval_accuracy=last_eval.accuracy,
-                          eval_s=time.perf_counter() - eval_start)
-        record["round_s"] = time.perf_counter() - round_start
+            record.eval_loss, record.eval_accuracy = last_eval.loss, last_eval.accuracy
+            record.eval_s = time.perf_counter() - eval_start
+        record.round_s = time.perf_counter() - round_start
+        row = record.to_json()
         # The checkpoint first, then the row: a round has a row only once it is durable, so a
         # resumed run never lists a round twice (the checkpoint keeps the row, see above).
         checkpointer.save(
@@ -210,11 +195,11 @@ def run_server(
                 "strategy": strategy.state(),
                 "initial_eval": asdict(initial),
                 "run_config": run.to_run_config(),
-                "record": record,
+                "record": row,
             },
         )
-        writer.write(record)
-        print_progress(record, run.num_server_rounds)
+        writer.write(row)
+        print_progress(row, run.num_server_rounds)
 
     final_dir = out / "final"
     if final_dir.exists():
@@ -233,7 +218,7 @@ def run_server(
         "final_eval_accuracy": last_eval.accuracy,
         "wall_s": time.perf_counter() - started,
         "blocks": blocks.names,
-        "cycle": strategy.schedule.blocks,
+        "cycle": strategy.cycle,
         "block_versions": strategy.versions,
         "output_dir": str(out),
         "run_config": run.to_run_config(),

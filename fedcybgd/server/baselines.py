@@ -39,6 +39,7 @@ from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.strategies.node_keys import NodeKeys
+from fedcybgd.strategies.record import RoundRecord
 from fedcybgd.strategies.replies import (
     BAD_PAYLOAD,
     CLIENT_ERROR,
@@ -175,8 +176,8 @@ def payload_bytes(record: ArrayRecord) -> int:
     return sum(len(array.data) for array in record.values())
 
 
-def _train_record(strategy: CheckedFedAvg, run: RunConfig) -> dict[str, Any]:
-    """A round's traffic and client metrics, in the keys a FedCyBGD round record uses."""
+def _train_record(strategy: CheckedFedAvg, run: RunConfig, server_round: int) -> RoundRecord:
+    """A round's traffic and client metrics, as the record a FedCyBGD round fills."""
     kept = [r for r in strategy.last_replies if r.has_content()]
     metrics = [{k: float(v)  # type: ignore[arg-type]
                 for k, v in r.content.metric_records[METRICS].items()} for r in kept]
@@ -184,18 +185,19 @@ def _train_record(strategy: CheckedFedAvg, run: RunConfig) -> dict[str, Any]:
     down = strategy.last_sent_bytes
     up = sum(payload_bytes(r.content.array_records.get(ARRAYS, ArrayRecord()))
              for r in kept + strategy.last_dropped)  # dropped uploads crossed the wire too
-    return {
-        "clients": [str(r.metadata.src_node_id) for r in kept],
-        "update_rule": [f"fedavg-{run.fedavg_params}"],
-        "dropped_uploads": len(strategy.last_dropped),
-        "dropped": strategy.last_drops,
-        "bytes_down": down, "bytes_up": up, "bytes_down_raw": down, "bytes_up_raw": up,
-        "client_peak_mem_mb": max([m.get("peak_mem_mb", 0.0) for m in metrics] or [0.0]),
-        "client_train_s": max([m.get("train_s", 0.0) for m in metrics] or [0.0]),
-        "examples": int(examples),
-        "train_loss": (sum(m.get("train_loss", math.nan) * m["num-examples"] for m in metrics)
-                       / examples if examples else math.nan),
-    }
+    return RoundRecord(
+        server_round,
+        rule=f"fedavg-{run.fedavg_params}",
+        clients=[r.metadata.src_node_id for r in kept],
+        dropped_uploads=len(strategy.last_dropped),
+        dropped=strategy.last_drops,
+        bytes_down=down, bytes_up=up, bytes_down_raw=down, bytes_up_raw=up,
+        client_peak_mem_mb=max([m.get("peak_mem_mb", 0.0) for m in metrics] or [0.0]),
+        client_train_s=max([m.get("train_s", 0.0) for m in metrics] or [0.0]),
+        examples=int(examples),
+        train_loss=(sum(m.get("train_loss", math.nan) * m["num-examples"] for m in metrics)
+                    / examples if examples else math.nan),
+    )
 
 
 def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
@@ -226,28 +228,28 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         # Flower calls this after every round: it closes the round's record.
         began = time.perf_counter()
-        record: dict[str, Any] = {"round": server_round}
-        if server_round > 0:
-            record.update(_train_record(strategy, run))
+        record = (_train_record(strategy, run, server_round) if server_round > 0
+                  else RoundRecord(0))
         is_last = server_round == run.num_server_rounds
         if server_round == 0 or is_last or (
             run.eval_every and server_round % run.eval_every == 0
         ):
             server.set(from_record(arrays))
             result = evaluator()
-            record.update(eval_loss=result.loss, eval_accuracy=result.accuracy)
+            record.eval_loss, record.eval_accuracy = result.loss, result.accuracy
         now = time.perf_counter()
-        record["eval_s"] = now - began
+        record.eval_s = now - began
         if server_round > 0:
-            record["round_s"] = now - marks["round_start"]
-        writer.write(record)
+            record.round_s = now - marks["round_start"]
+        row = record.to_json()
+        writer.write(row)
         if server_round > 0:
-            print_progress(record, run.num_server_rounds)
+            print_progress(row, run.num_server_rounds)
         marks["round_start"] = now
-        if "eval_loss" not in record:
+        if record.eval_loss is None:
             return None
-        return MetricRecord({"eval_loss": record["eval_loss"],
-                             "eval_accuracy": record["eval_accuracy"]})
+        return MetricRecord({"eval_loss": record.eval_loss,
+                             "eval_accuracy": record.eval_accuracy})  # type: ignore[dict-item]
 
     strategy.start(grid, to_record(initial),
                    num_rounds=run.num_server_rounds, timeout=run.round_timeout,

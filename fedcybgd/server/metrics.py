@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from fedcybgd.atomic import append_line, make_dirs, write_bytes
+from fedcybgd.strategies.record import run_totals
+
+__all__ = ["MetricsWriter", "run_totals", "write_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -98,23 +100,3 @@ def write_summary(output_dir: Path, summary: dict[str, Any]) -> Path:
     path = output_dir / "summary.json"
     write_bytes(path, json.dumps({k: _clean(v) for k, v in summary.items()}, indent=1).encode())
     return path
-
-
-def run_totals(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """A run's summary figures from its round records (round 0 = the evaluation before
-    training): first/last/best evaluation, bytes, client peak memory, mean round time."""
-    evals = [r for r in records if r.get("eval_accuracy") is not None] or [{}]
-    trained = [r for r in records if r.get("round", 0) > 0]
-    return {
-        "initial_eval_loss": evals[0].get("eval_loss"),
-        "initial_eval_accuracy": evals[0].get("eval_accuracy"),
-        "final_eval_loss": evals[-1].get("eval_loss"),
-        "final_eval_accuracy": evals[-1].get("eval_accuracy"),
-        "best_eval_accuracy": max((r.get("eval_accuracy") or 0.0) for r in evals),
-        **{key: sum(r.get(key) or 0 for r in trained)
-           for key in ("bytes_down", "bytes_up", "bytes_down_raw", "bytes_up_raw")},
-        "client_peak_mem_mb": max([r.get("client_peak_mem_mb") or 0.0 for r in trained] or [0]),
-        "mean_round_s": (sum(r["round_s"] for r in trained) / len(trained)) if trained else None,
-        "dropped": dict(sorted(sum((Counter(r.get("dropped") or {}) for r in trained),
-                                   Counter()).items())),
-    }

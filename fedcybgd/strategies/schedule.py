@@ -1,11 +1,80 @@
-"""Which blocks train next: a cycle over the blocks, with failed blocks retried first."""
+"""Which blocks train next: the :class:`Schedule` protocol, the built-in cycles, a registry.
+
+A schedule hands out distinct blocks for each round (``take``), takes back a block whose
+training failed (``requeue``: it comes again before the cycle moves on, so no block is skipped
+silently) and checkpoints itself as JSON (``state`` / ``load_state``). The built-in orders
+(:data:`fedcybgd.choices.SCHEDULES`) are registered by name; a plug-in registers its own with
+:func:`register_schedule`, or passes any object with these four methods to ``FedCyBGD``.
+"""
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from fedcybgd.choices import SCHEDULES
+
+
+@runtime_checkable
+class Schedule(Protocol):
+    """What ``FedCyBGD`` needs of a block schedule."""
+
+    def take(self, count: int) -> list[str]:
+        """Up to ``count`` distinct blocks to train this round."""
+        ...
+
+    def requeue(self, block: str) -> None:
+        """Take back ``block``, whose training failed this round; hand it out again soon."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able state for checkpoints."""
+        ...
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state`'s output."""
+        ...
+
+
+# name -> factory called as factory(blocks=[...], seed=int)
+ScheduleFactory = Callable[..., Schedule]
+_F = TypeVar("_F", bound=ScheduleFactory)
+_REGISTRY: dict[str, ScheduleFactory] = {}
+
+
+def register_schedule(name: str, *, replace: bool = False) -> Callable[[_F], _F]:
+    """Decorator: make ``factory(blocks=..., seed=...)`` the schedule called ``name``.
+
+    Registering a taken name raises unless ``replace`` (a plug-in must not shadow a built-in
+    order by accident).
+    """
+
+    def add(factory: _F) -> _F:
+        if name in _REGISTRY and _REGISTRY[name] is not factory and not replace:
+            raise ValueError(f"a block schedule named {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return add
+
+
+def schedule_names() -> tuple[str, ...]:
+    """The registered schedule names, built-in first."""
+    return tuple(_REGISTRY)
+
+
+def build_schedule(name: str, blocks: Sequence[str], seed: int = 0) -> Schedule:
+    """The schedule registered as ``name`` over ``blocks`` (in model order)."""
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise ValueError(f"block-schedule {name!r} is not registered; choose one of "
+                         f"{list(_REGISTRY)}")
+    schedule = factory(blocks=list(blocks), seed=seed)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"block-schedule {name!r} made a {type(schedule).__name__}, which lacks "
+                        "take/requeue/state/load_state")
+    return schedule
 
 
 class BlockSchedule:
@@ -104,3 +173,15 @@ class BlockSchedule:
         self.cycle = int(state["cycle"])
         self.pending = [str(b) for b in state["pending"]]
         self.retry = [str(b) for b in state["retry"]]
+
+
+def _builtin(order: str) -> ScheduleFactory:
+    def make(*, blocks: list[str], seed: int) -> Schedule:
+        return BlockSchedule(blocks, order, seed)
+
+    make.__name__ = f"{order}_schedule"
+    return make
+
+
+for _order in SCHEDULES:
+    register_schedule(_order)(_builtin(_order))

@@ -11,11 +11,15 @@ merged block is installed as it is, bit for bit.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from fedcybgd.choices import DAMPINGS
+from fedcybgd.strategies.replies import guarded
+from fedcybgd.strategies.screen import all_finite
+
+Tensors = dict[str, torch.Tensor]
 
 
 def damping_factor(kind: str, parallel: int) -> float:
@@ -61,3 +65,15 @@ class ServerStep:
             return merged
         return {name: (start[name].float() + step * (t.float() - start[name].float())).to(t.dtype)
                 for name, t in merged.items()}
+
+
+def merge_block(aggregate: Callable[[Sequence[tuple[float, Tensors]]], Tensors], step: ServerStep,
+                start: Mapping[str, torch.Tensor], uploads: Sequence[tuple[float, Tensors]],
+                parallel: int) -> Tensors | None:
+    """What a block becomes: its uploads merged by ``aggregate``, cast to the block's dtypes,
+    moved by ``step`` (``parallel`` blocks move this round); ``None`` if that is not finite in
+    the block's dtypes (e.g. finite fp32 values that overflow fp16/bf16)."""
+    merged = guarded(lambda: aggregate(uploads))
+    merged = step.apply(start, {name: merged[name].to(start[name].dtype) for name in start},
+                        parallel)
+    return merged if all_finite(merged) else None

@@ -1,0 +1,122 @@
+"""Download planning: which blocks a node is sent, through which codec, against which base.
+
+Delta sync: a node is sent only blocks whose current version it lacks. The block it will train
+must arrive exact (``exact_codec``, lossless). A frozen block it lacks comes through
+``download_codec``, possibly lossy, which leaves the node an approximate copy (its checksum says
+so); a frozen block already held at the current version, even approximately, is not sent again.
+With ``fraction < 1`` (the paper's random dropping) a node gets only that share of its stale
+frozen blocks each round. A delta is taken against the best exact base the node holds
+(:meth:`fedcybgd.strategies.versions.BlockVersions.base_for`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from flwr.app import ArrayRecord
+
+from fedcybgd.compression import encode, payload_to_array, raw_fp32_bytes, read_header, uses_base
+from fedcybgd.protocol import Holding
+from fedcybgd.strategies.versions import BlockVersions
+
+# One round's encoded payloads, shared between the nodes that need the same one.
+PayloadCache = dict[tuple[Any, ...], bytes]
+
+
+@dataclass
+class Download:
+    """What one node is sent, what it will hold after applying it, and what that costs."""
+
+    arrays: ArrayRecord = field(default_factory=ArrayRecord)  # block -> payload
+    expect: dict[str, Holding] = field(default_factory=dict)  # block -> holding after
+    bytes: int = 0  # encoded payload bytes
+    raw_bytes: int = 0  # the same blocks as plain fp32
+
+
+def stale_blocks(versions: BlockVersions, held: Mapping[str, Holding], assigned: str
+                 ) -> tuple[list[str], list[str]]:
+    """``(exact, frozen)``: the blocks to send exactly (the assigned one, if the node lacks
+    its current version exactly) and those to send through the download codec, in model
+    order."""
+    exact: list[str] = []
+    frozen: list[str] = []
+    for block in versions.block_map.names:
+        have, want = held.get(block), versions.current(block)
+        if have == want:
+            continue
+        if block == assigned:
+            exact.append(block)
+        elif want is not None and have is not None and have.version == want.version:
+            continue  # an approximate copy of the current version is good enough frozen
+        else:
+            frozen.append(block)
+    return exact, frozen
+
+
+class DownloadPlanner:
+    """Plan each node's download (see the module docstring).
+
+    Parameters
+    ----------
+    versions : BlockVersions
+        The global blocks, their versions and delta bases.
+    exact_codec, download_codec : str
+        Codec specs for the block a node trains (lossless) and for frozen blocks.
+    fraction : float
+        Share of a node's stale frozen blocks sent each round, in (0, 1].
+    seed : int
+        Seeds the random dropping.
+    """
+
+    def __init__(self, versions: BlockVersions, *, exact_codec: str, download_codec: str,
+                 fraction: float = 1.0, seed: int = 0) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"download-fraction must be in (0, 1], got {fraction}")
+        self.versions = versions
+        self.exact_codec = exact_codec
+        self.download_codec = download_codec
+        self.fraction = fraction
+        self.seed = seed
+
+    def dropped(self, frozen: list[str], server_round: int, node: int) -> list[str]:
+        """The frozen blocks kept after random dropping (all of them at ``fraction = 1``)."""
+        if self.fraction >= 1 or not frozen:
+            return frozen
+        rng = random.Random(f"{self.seed}:drop:{server_round}:{node}")
+        return rng.sample(frozen, math.ceil(self.fraction * len(frozen)))
+
+    def plan(self, server_round: int, node: int, assigned: str, held: Mapping[str, Holding],
+             payloads: PayloadCache | None = None) -> Download:
+        """``node``'s download for training ``assigned`` while holding ``held``.
+
+        ``payloads`` caches encodings within a round: nodes needing the same block at the
+        same version from the same base share one payload.
+        """
+        payloads = {} if payloads is None else payloads
+        exact, frozen = stale_blocks(self.versions, held, assigned)
+        frozen = self.dropped(frozen, server_round, node)
+        out = Download()
+        # what the node keeps: its holdings, then the blocks sent below
+        out.expect = {b: held[b] for b in self.versions.block_map.names if b in held}
+        for block, spec in [(b, self.exact_codec) for b in exact] + [
+            (b, self.download_codec) for b in frozen
+        ]:
+            tensors = self.versions.tensors(block)
+            version = self.versions.versions[block]
+            base_version, base = self.versions.base_for(block, held.get(block))
+            key = (block, version, spec, base_version, held.get(block))
+            if key not in payloads:
+                payloads[key] = encode(tensors, spec, block=block, target_version=version,
+                                       base_version=base_version,
+                                       base=base if uses_base(spec) else None)
+            payload = payloads[key]
+            out.arrays[block] = payload_to_array(payload)
+            out.expect[block] = Holding(version, read_header(payload, max_bytes=len(payload))
+                                        .checksum)
+            out.bytes += len(payload)
+            out.raw_bytes += raw_fp32_bytes(tensors)
+        return out

@@ -1,0 +1,204 @@
+"""Reading a FedCyBGD train reply: what the node says of itself, and its block's upload.
+
+Built on the reply gate (:mod:`fedcybgd.strategies.replies`): every field is checked and
+anything wrong raises :class:`~fedcybgd.strategies.replies.Dropped` with a reason. A reply
+carries the node's state (the block versions it holds, its memory budget, its status) and, when
+it trained, one upload of its assigned block: weights through a codec, or a zeroth-order step
+log that the server replays on the block the node started from.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import Message
+
+from fedcybgd import protocol
+from fedcybgd.blocks import BlockMap
+from fedcybgd.compression import (
+    decode,
+    payload_from_array,
+    raw_fp32_bytes,
+    read_header,
+    seedlog,
+    uses_base,
+)
+from fedcybgd.compression.header import MAX_HEADER_BYTES
+from fedcybgd.protocol import Holding
+from fedcybgd.strategies.record import RoundRecord
+from fedcybgd.strategies.replies import (
+    BAD_PAYLOAD,
+    BAD_SEEDLOG,
+    CLIENT_ERROR,
+    MALFORMED,
+    NOT_TRAINED,
+    REPLAY_FAILED,
+    Dropped,
+    bounded,
+    examples_weight,
+    guarded,
+    number,
+    only_records,
+    scalar_metrics,
+    text,
+)
+from fedcybgd.strategies.versions import BlockVersions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeBook:
+    """What the server knows of each node, from its own replies."""
+
+    holdings: dict[int, dict[str, Holding]] = field(default_factory=dict)  # node -> held
+    budgets: dict[int, float] = field(default_factory=dict)  # node -> memory budget (MB)
+    excluded: dict[int, str] = field(default_factory=dict)  # node -> why it takes no part
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able state (node ids as strings)."""
+        return {
+            "holdings": {str(n): protocol.dump_holdings(h) for n, h in self.holdings.items()},
+            "excluded": {str(n): why for n, why in self.excluded.items()},
+            "budgets": {str(n): mb for n, mb in self.budgets.items()},
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state`'s output."""
+        self.holdings = {int(n): protocol.load_holdings(t) for n, t in state["holdings"].items()}
+        self.excluded = {int(n): str(why) for n, why in state["excluded"].items()}
+        self.budgets = {int(n): float(mb) for n, mb in state.get("budgets", {}).items()}
+
+
+@dataclass
+class BlockUpload:
+    """An upload that passed the gate: the trained block and what the node reported."""
+
+    weight: float  # examples, capped at what a node can see in a round
+    tensors: dict[str, torch.Tensor]
+    metrics: dict[str, float]  # train_loss (may be NaN), peak_mem_mb, train_s, ...
+    rule: str  # the update rule the node used
+
+
+class ReplyReader:
+    """Read train replies into :class:`BlockUpload`, keeping the :class:`NodeBook` current.
+
+    Parameters
+    ----------
+    versions : BlockVersions
+        The global blocks: an upload is decoded against (or replayed on) the block the node
+        started from, which is still the global one while replies are read.
+    nodes : NodeBook
+        Updated from every reply that carries a state record.
+    upload_codec : str
+        What the nodes were asked for; a step log is accepted only when it is ``"seedlog"``.
+    max_steps, max_examples : int
+        A step log's most steps; a reply's most ``num-examples``.
+    max_payload_bytes : int
+        The most bytes of any upload (each block has its own bound too, see
+        :meth:`payload_limit`).
+    """
+
+    def __init__(self, versions: BlockVersions, nodes: NodeBook, *, upload_codec: str,
+                 max_steps: int, max_examples: int, max_payload_bytes: int) -> None:
+        self.versions = versions
+        self.nodes = nodes
+        self.upload_codec = upload_codec
+        self.max_steps = max_steps
+        self.max_examples = max_examples
+        self.max_payload_bytes = max_payload_bytes
+
+    @property
+    def block_map(self) -> BlockMap:
+        """The model's blocks."""
+        return self.versions.block_map
+
+    def payload_limit(self, block: str) -> int:
+        """The most bytes an upload of ``block`` may have: ``max_payload_bytes``, and at most
+        what any codec of ours makes of the block (3x its fp32 size, for top-k's indices) plus
+        a full header."""
+        own = 3 * raw_fp32_bytes(self.versions.tensors(block)) + MAX_HEADER_BYTES + 64
+        return min(self.max_payload_bytes, own)
+
+    def note_state(self, node: int, state: Mapping[str, Any]) -> str:
+        """Take what the node says it holds and its budget; return its status."""
+        try:
+            self.nodes.holdings[node] = protocol.load_holdings(
+                text(state, protocol.HOLDINGS, max_len=1 << 20))
+        except (Dropped, ValueError, TypeError, RecursionError) as err:
+            log.warning("node %d sent unreadable holdings (%s); will resync it", node, err)
+            self.nodes.holdings.pop(node, None)
+        budget = number(state, protocol.MEMORY_BUDGET, low=0.0, high=1e9, default=0.0)
+        if budget > 0:
+            self.nodes.budgets[node] = budget
+        return text(state, protocol.STATUS, default="", max_len=64)
+
+    def read(self, reply: Message, node: int, block: str, record: RoundRecord) -> BlockUpload:
+        """``node``'s upload of ``block``, or :class:`Dropped`. The upload's bytes count in
+        ``record.bytes_up`` once its payload is read, even if it is dropped later: they
+        crossed the wire."""
+        if reply.has_error():
+            raise Dropped(CLIENT_ERROR, str(reply.error.reason)[:500])
+        content = reply.content
+        state = content.config_records.get(protocol.STATE)
+        if state is None:
+            raise Dropped(MALFORMED, "no state record")
+        status = self.note_state(node, state)
+        reason = text(state, protocol.REASON, default="")
+        if status == protocol.REJECTED:
+            self.nodes.excluded[node] = reason[:500]
+            log.warning("node %d takes no part: %s", node, self.nodes.excluded[node])
+            raise Dropped(NOT_TRAINED, f"rejected: {reason[:200]}")
+        if status != protocol.OK:
+            raise Dropped(NOT_TRAINED, f"{status}: {reason[:200]}")
+        only_records(content, arrays={protocol.UPLOAD}, metrics={protocol.METRICS},
+                     configs={protocol.STATE})
+        metrics = scalar_metrics(content.metric_records[protocol.METRICS])
+        weight = examples_weight(metrics, protocol.NUM_EXAMPLES, self.max_examples)
+        for key in ("train_loss", "peak_mem_mb", "train_s"):
+            metrics[key] = bounded(metrics, key, default=math.nan if key == "train_loss" else 0.0)
+        upload = content.array_records[protocol.UPLOAD]
+        if list(upload.keys()) != [block]:
+            raise Dropped(MALFORMED, f"expected an upload of block '{block}', got "
+                                     f"{list(upload)[:5]}")
+        payload = guarded(lambda: payload_from_array(upload[block]), BAD_PAYLOAD)
+        record.bytes_up += len(payload)
+        limit = self.payload_limit(block)
+        if len(payload) > limit:
+            raise Dropped(BAD_PAYLOAD, f"upload of {len(payload)} bytes exceeds the block's "
+                                       f"limit of {limit}")
+        kind = text(state, protocol.UPLOAD_KIND, default=protocol.WEIGHTS, max_len=16)
+        tensors = self._decode(payload, kind, block, limit)
+        if reason:
+            log.info("node %d: %s", node, reason[:500])
+        return BlockUpload(weight, tensors, metrics,
+                      text(state, protocol.RULE, default="", max_len=64))
+
+    def _decode(self, payload: bytes, kind: str, block: str, limit: int
+                ) -> dict[str, torch.Tensor]:
+        """The uploaded block from a weights payload or a replayed step log."""
+        # the start of the client's training: blocks are installed after all replies
+        start = self.versions.tensors(block)
+        if kind == protocol.SEEDLOG:
+            if self.upload_codec != protocol.SEEDLOG:
+                raise Dropped(BAD_SEEDLOG, "a seed log was sent, but weights were asked for")
+            step_log = guarded(
+                lambda: seedlog.decode_seedlog(payload, max_steps=self.max_steps), BAD_SEEDLOG)
+            if step_log.block != block:
+                raise Dropped(BAD_SEEDLOG, f"seed log is for block '{step_log.block[:64]}'")
+            layout = seedlog.unit_layout(self.block_map, block)
+            return guarded(lambda: seedlog.replay(start, step_log, layout), REPLAY_FAILED)
+        if kind == protocol.WEIGHTS:
+            return guarded(lambda: decode(
+                payload,
+                base=start if uses_base(read_header(payload, max_bytes=limit).spec) else None,
+                expect_block=block,
+                expect_shapes={k: tuple(v.shape) for k, v in start.items()},
+                max_bytes=limit,
+            ).tensors, BAD_PAYLOAD)
+        raise Dropped(MALFORMED, f"upload-kind {kind!r} is neither weights nor seedlog")

@@ -1,0 +1,134 @@
+"""Block versions and delta bases: what each block of the global model is, and was.
+
+A block's version is the round it last changed (0: pretrained), identified on the wire by a
+:class:`fedcybgd.protocol.Holding` (version and content checksum). Downloads are deltas against
+a base the node already holds exactly, so the server keeps, per block, the pretrained tensors
+(read back from the model's files, or copied before the block is first overwritten) and the
+last ``history`` exact versions it replaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from fedcybgd.blocks import BlockMap
+from fedcybgd.checksum import content_checksum
+from fedcybgd.protocol import Holding
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _copy(tensors: Mapping[str, torch.Tensor]) -> Tensors:
+    return {k: v.detach().clone() for k, v in tensors.items()}
+
+
+class BlockVersions:
+    """The global weights by block, with each block's version, checksum and past versions.
+
+    Parameters
+    ----------
+    block_map : BlockMap
+        The model's blocks.
+    weights : dict[str, torch.Tensor]
+        The global weights by parameter name, updated in place by :meth:`install`.
+    pretrained : Callable[[str], dict[str, torch.Tensor]], optional
+        Reads a block's pretrained tensors; without it a copy is kept before the block is
+        first overwritten.
+    history : int
+        Past exact versions kept per block as delta bases (0: only the pretrained one).
+    """
+
+    def __init__(self, block_map: BlockMap, weights: dict[str, torch.Tensor],
+                 pretrained: Callable[[str], Tensors] | None = None, history: int = 2) -> None:
+        if history < 0:
+            raise ValueError(f"version-history must be >= 0, got {history}")
+        self.block_map = block_map
+        self.weights = weights
+        self.history = history
+        self.versions: dict[str, int] = {name: 0 for name in block_map.names}
+        self.checksums: dict[str, str] = {}  # block -> checksum of its current (version > 0)
+        self._read_pretrained = pretrained
+        self._pristine: dict[str, Tensors] = {}
+        self._kept: dict[str, dict[Holding, Tensors]] = {}
+
+    def tensors(self, block: str) -> Tensors:
+        """The global tensors of ``block`` (views, not copies)."""
+        return {name: self.weights[name] for name in self.block_map.info(block).param_names}
+
+    def current(self, block: str) -> Holding | None:
+        """The global version of ``block`` as a holding (``None`` while pretrained)."""
+        version = self.versions[block]
+        return Holding(version, self.checksums[block]) if version else None
+
+    def pretrained(self, block: str) -> Tensors:
+        """Version 0 of ``block``: what every node has without downloading anything."""
+        if block in self._pristine:
+            return self._pristine[block]
+        if self._read_pretrained is not None:
+            return self._read_pretrained(block)
+        return self.tensors(block)  # never overwritten yet: still pretrained
+
+    def base_for(self, block: str, held: Holding | None) -> tuple[int, Tensors]:
+        """The best delta base a node has: its exact held version if we kept it, else v0."""
+        if held is not None:
+            if held == self.current(block):
+                return held.version, self.tensors(block)
+            kept = self._kept.get(block, {}).get(held)
+            if kept is not None:
+                return held.version, kept
+        return 0, self.pretrained(block)
+
+    def _keep_current(self, block: str) -> None:
+        """Copy what ``block`` is now before it is overwritten, if it may serve as a base."""
+        previous = self.current(block)
+        if previous is None:
+            if self._read_pretrained is None and block not in self._pristine:
+                self._pristine[block] = _copy(self.tensors(block))
+        elif self.history:
+            kept = self._kept.setdefault(block, {})
+            kept[previous] = _copy(self.tensors(block))
+            while len(kept) > self.history:
+                del kept[min(kept, key=lambda h: h.version)]
+
+    def install(self, block: str, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Make ``tensors`` the global ``block`` at ``version`` (the round); the replaced
+        version is kept as a delta base."""
+        self._keep_current(block)
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                self.weights[name].copy_(tensor)
+        self.versions[block] = version
+        self.checksums[block] = content_checksum(self.tensors(block))
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite every global weight from ``state`` (versions stay as they are)."""
+        if missing := set(self.weights) - set(state):
+            raise ValueError(f"initial arrays lack parameters {sorted(missing)[:5]} ...")
+        with torch.no_grad():
+            for name, tensor in self.weights.items():
+                tensor.copy_(state[name])
+
+    def install_checkpoint(self, block: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Put a checkpointed block into the weights (before :meth:`load_state`, which sets
+        its version). Its pretrained tensors are kept first when no reader can bring them
+        back, since deltas to nodes are taken against them."""
+        if self._read_pretrained is None and block not in self._pristine:
+            self._pristine[block] = _copy(self.tensors(block))
+        target = self.tensors(block)
+        if set(tensors) != set(target):
+            raise ValueError(f"checkpoint of block '{block}' has tensors {sorted(tensors)}")
+        with torch.no_grad():
+            for name, tensor in target.items():
+                tensor.copy_(tensors[name])
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able versions and checksums (the tensors are checkpointed by the server)."""
+        return {"versions": dict(self.versions), "checksums": dict(self.checksums)}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state`'s output."""
+        self.versions.update({k: int(v) for k, v in state["versions"].items()})
+        self.checksums = {k: str(v) for k, v in state["checksums"].items()}
