@@ -21,9 +21,9 @@ client, from the same run config, so both sides see the same registry.
 
 **Why a decorator and a run-config key, not an entry-point group** (``fedcybgd.update_rules``):
 
-* ``flwr run`` ships the app as a FAB that is not pip-installed (and this project turns off
-  Flower's runtime dependency installation), so an entry point declared by the user's app would
-  never be seen; a one-file plug-in next to the app can only be found by importing it.
+* ``flwr run`` ships the app as a FAB, unpacked but not pip-installed when Flower's runtime
+  dependency installation is off (as this project runs it), so an entry point declared by the
+  user's app would never be seen; a one-file plug-in next to the app is found by importing it.
 * A config key is explicit and travels with the run: the server, every SuperNode, the
   checkpoint and ``summary.json`` all record which plug-ins a run used. An installed package's
   entry point would silently add rules, and option keys every run then validates, to every run
