@@ -151,8 +151,10 @@ def params_before_layers(model: nn.Module) -> set[str]:
     try:
         for p in outside.values():
             p.requires_grad_(True)
-        ids = torch.ones(1, 2, dtype=torch.long, device=device)
-        with torch.enable_grad():
+        # The graph is what tells the parameters apart, so grad must be on even if the caller
+        # turned it off.
+        with torch.inference_mode(False), torch.enable_grad():
+            ids = torch.ones(1, 2, dtype=torch.long, device=device)
             base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     except _StopAtFirstLayer:
         pass
@@ -177,6 +179,11 @@ def params_before_layers(model: nn.Module) -> set[str]:
         if variable is not None and id(variable) in by_id:
             found.add(by_id[id(variable)])
         stack.extend(next_node for next_node, _ in node.next_functions)
+    if not found:
+        raise UnsupportedModelError(
+            f"{family_name(model)}: the first decoder layer's input depends on no parameter "
+            "outside the layers; cannot tell which parameters are the embeddings"
+        )
     return found
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from fedcybgd.blocks import UnsupportedModelError, base_model, family_name, find_layers
@@ -138,7 +139,10 @@ class _LogitHead(nn.Module):
         return getattr(self.head, "bias", None)
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:
-        logits = self.head(states)
+        return self.transform(self.head(states))
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """The scaling and softcapping alone, on the head's raw output."""
         if self.scale != 1.0:
             logits = logits * self.scale
         if self.softcap is not None:
@@ -315,6 +319,22 @@ class LayerStack:
             states = module(states)
         return states
 
+    def head_logits(
+        self, rows: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The LM head, with the family's logit scaling/softcapping, on final hidden rows.
+
+        ``weight`` replaces the head's weight (a frozen copy of a tied head while its tensor
+        is being trained); that needs a linear head.
+        """
+        if weight is None:
+            return self.head(rows)
+        raw = self.head.head if isinstance(self.head, _LogitHead) else self.head
+        if not isinstance(raw, nn.Linear):
+            raise ValueError(f"a replacement head weight needs an nn.Linear head, got {type(raw)}")
+        logits = F.linear(rows, weight, raw.bias)
+        return self.head.transform(logits) if isinstance(self.head, _LogitHead) else logits
+
     def logits_at(self, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """LM-head logits at one position per row: ``[B, T, H]`` and ``[B]`` -> ``[B, V]``.
 
@@ -360,7 +380,7 @@ class LayerStack:
                 continue  # the layers, what they contain, and the modules that contain them
             handles.append(module.register_forward_pre_hook(
                 lambda _m, _a, name=name: events.append(("module", name))))
-        was_training = self.model.training
+        modes = [(module, module.training) for module in self.model.modules()]
         try:
             self.model.eval()
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -384,7 +404,8 @@ class LayerStack:
                         f"{err})"
                     ) from err
         finally:
-            self.model.train(was_training)
+            for module, training in modes:
+                module.training = training
         self._compare(got, expected, mask)
         return probed
 

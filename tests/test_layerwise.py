@@ -193,13 +193,15 @@ def test_embed_runs_no_decoder_layer_and_puts_the_layers_back():
 
 def test_probe_leaves_mode_and_rng_alone():
     # Prepare
-    model = build_tiny("gemma3", _tokenizer())
+    model = build_tiny("gemma3", _tokenizer(), vocab_size=VOCAB)
     model.train()
+    model.model.layers[1].eval()  # a mixed state is put back as it was, module by module
+    modes = [m.training for m in model.modules()]
     state = torch.random.get_rng_state()
     # Execute
     stack = LayerStack(model)
     # Assert
-    assert model.training and all(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == modes
     assert torch.equal(torch.random.get_rng_state(), state)
     assert stack.num_layers == 4
 
@@ -221,6 +223,21 @@ def test_probe_catches_a_missing_logit_transform():
     # Execute / Assert
     with pytest.raises(UnsupportedModelError, match=r"Gemma2ForCausalLM.*differ"):
         stack.verify()
+
+
+def test_head_with_a_frozen_weight_copy_keeps_the_logit_transform():
+    # Prepare: a softcapped tied head and a copy of its weight
+    stack = _stack("gemma2-softcap")
+    rows = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    copy_ = stack.model.get_output_embeddings().weight.detach().clone()
+    # Execute
+    with torch.no_grad():
+        live = stack.head_logits(rows)
+        frozen = stack.head_logits(rows, copy_)
+        raw = rows @ copy_.T
+    # Assert: same logits both ways, and the softcap (0.5) really bent them
+    torch.testing.assert_close(frozen, live, rtol=0, atol=ATOL)
+    assert float(frozen.abs().max()) <= 0.5 < float(raw.abs().max())
 
 
 # ------------------------------------------------------------------------- refusals
@@ -289,6 +306,13 @@ def test_blocks_cover_every_parameter_once(name):
     assert blocks.tied == tied
     head_name = next(n for n, p in model.named_parameters() if p is head_weight)
     assert blocks.block_of(head_name) == (EMBED if tied else HEAD)
+
+
+def test_block_map_built_without_grad_still_finds_the_embeddings():
+    model = _model("gpt2")
+    with torch.inference_mode():
+        blocks = BlockMap(model)
+    assert blocks.info(EMBED).param_names == ("transformer.wte.weight", "transformer.wpe.weight")
 
 
 def test_opt_projections_go_to_embed_and_head():
