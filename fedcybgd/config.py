@@ -146,7 +146,7 @@ class RunConfig:
         clash = sorted(set(rules.option_settings()) & set(settings(type(self))))
         if clash:
             owners = [s.name for s in rules.rule_specs()
-                      if set(settings(s.options)) & set(clash)]
+                      if set(rules.registry.option_keys(s.options)) & set(clash)]
             raise ConfigError(f"update rule(s) {owners} declare option(s) {clash}, which are "
                               "run-config keys of their own; rename the option(s)")
 

@@ -386,6 +386,7 @@ def test_a_plugin_rules_memory_estimate_is_used_for_budgets(plugin, greedy):
 def test_a_broken_memory_estimate_is_named(greedy):
     rules.register_rule("nanmem", memory=lambda needs: math.nan)(Greedy)
     try:
+        assert rules.parse_options("nanmem", {"zo-eps": 0.1}) == rules.NoOptions()  # none
         model = load_model("tiny-llama")
         blocks = BlockMap(model, layers_per_block=1)
         with pytest.raises(ValueError, match="'nanmem': memory estimate nan"):

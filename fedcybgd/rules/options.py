@@ -53,7 +53,7 @@ def option_settings() -> dict[str, Setting]:
     if _cache[0] != version:
         out: dict[str, Setting] = {}
         for spec in registry.rule_specs():
-            for key, s in settings(spec.options).items():
+            for key, s in registry.option_keys(spec.options).items():
                 out.setdefault(key, s)
         _cache = (version, out)
     return dict(_cache[1])
@@ -76,7 +76,7 @@ def parse_options(rule: str, options: Mapping[str, Any]) -> RuleOptions:
         ``rule`` is not registered, a key is unknown, or a value is of the wrong type or out
         of range.
     """
-    parsed: RuleOptions = _parse(registry.rule_spec(rule).options, options)
+    parsed: RuleOptions = _parse(registry.rule_spec(rule).options or NoOptions, options)
     return parsed
 
 
@@ -105,6 +105,9 @@ def check_all(options: Mapping[str, Any]) -> dict[str, Any]:
     """
     values = option_defaults()
     for spec in registry.rule_specs():
+        if spec.options is None:
+            _parse(NoOptions, options)  # still refuses keys no rule declares
+            continue
         parsed = _parse(spec.options, options)
         for key, s in settings(spec.options).items():
             values[key] = getattr(parsed, s.name)

@@ -73,9 +73,10 @@ class RuleSpec:
     ----------
     name : str
         The ``update-rule`` value that selects it.
-    options : type
+    options : type or None
         Its options: a frozen dataclass subclassing :class:`fedcybgd.rules.RuleOptions`, every
-        field declared with :func:`fedcybgd.config_fields.setting` (key, default, range).
+        field declared with :func:`fedcybgd.config_fields.setting` (key, default, range);
+        ``None``: the rule has none (its options parse to ``fedcybgd.rules.NoOptions()``).
     memory : MemoryEstimate
         MiB the rule adds on top of runtime + weights for one client-round, from
         :class:`~fedcybgd.rules.contract.MemoryNeeds`.
@@ -87,7 +88,7 @@ class RuleSpec:
     """
 
     name: str
-    options: type[Any]
+    options: type[Any] | None
     memory: MemoryEstimate
     step_log: bool
     implementation: Callable[[], UpdateRule] | str
@@ -127,7 +128,7 @@ def version() -> int:
 def declare_rule(
     name: str,
     *,
-    options: type[Any],
+    options: type[Any] | None,
     memory: MemoryEstimate,
     implementation: Callable[[], UpdateRule] | str,
     step_log: bool = False,
@@ -148,8 +149,9 @@ def declare_rule(
     if name in _SPECS:
         raise ValueError(f"update rule {name!r} is already registered ({_SPECS[name].source}); "
                          "unregister_rule() it first to replace it")
-    if not (isinstance(options, type) and is_dataclass(options)):
-        raise ValueError(f"update rule {name!r}: options must be a dataclass, got {options!r}")
+    if options is not None and not (isinstance(options, type) and is_dataclass(options)):
+        raise ValueError(f"update rule {name!r}: options must be a dataclass or None, "
+                         f"got {options!r}")
     if not callable(memory):
         raise ValueError(f"update rule {name!r}: memory must be a function of MemoryNeeds")
     if isinstance(implementation, str):
@@ -158,8 +160,7 @@ def declare_rule(
                              "'module:attr'")
     elif not callable(implementation):
         raise ValueError(f"update rule {name!r}: implementation must be callable")
-    own = settings(options)
-    for key, setting_ in own.items():
+    for key, setting_ in option_keys(options).items():
         _check_same(name, key, setting_)
     spec = RuleSpec(name, options, memory, bool(step_log), implementation)
     _changed()
@@ -170,11 +171,16 @@ def declare_rule(
 def _check_same(name: str, key: str, new: Setting) -> None:
     """An option key two rules share (``zo-eps``) must have one type, default and range."""
     for other in _SPECS.values():
-        old = settings(other.options).get(key)
+        old = option_keys(other.options).get(key)
         if old is not None and (old.kind, old.default, old.bounds) != (
                 new.kind, new.default, new.bounds):
             raise ValueError(f"update rule {name!r}: option {key!r} is declared differently by "
                              f"rule {other.name!r}; a shared key needs one type, default and range")
+
+
+def option_keys(options: type[Any] | None) -> dict[str, Setting]:
+    """The run-config keys of a rule's options class (none for ``None``)."""
+    return {} if options is None else settings(options)
 
 
 def register_rule(
@@ -191,7 +197,7 @@ def register_rule(
     name : str
         The ``update-rule`` value selecting the rule.
     options : type, optional
-        Its options dataclass (see :class:`RuleSpec`); default: none.
+        Its options dataclass (see :class:`RuleSpec`); default: the rule has none.
     memory : MemoryEstimate
         Its memory estimate (see :class:`RuleSpec`); required, so budgets hold for every rule.
     step_log : bool
@@ -204,9 +210,7 @@ def register_rule(
     """
 
     def add(implementation: T) -> T:
-        from fedcybgd.rules.options import NoOptions  # options imports this module
-
-        declare_rule(name, options=options or NoOptions, memory=memory,
+        declare_rule(name, options=options, memory=memory,
                      implementation=implementation, step_log=step_log)  # type: ignore[arg-type]
         return implementation
 
