@@ -142,21 +142,8 @@ def test_the_graph_sees_known_edges():
     assert any(_on(m, CLIENT) for m in GRAPH) and len(GRAPH) > 40
 
 
-# Cycles known when this test was written, each with who can remove it. Any other cycle fails.
-KNOWN_CYCLES = {
-    ("fedcybgd.rules.options", "fedcybgd.rules.registry"):
-        "registry imports options lazily (NoOptions) while options imports registry; "
-        "the update-rule registry's owners are to break it (issue 13, part 1)",
-}
-
-
 def test_no_import_cycle():
-    found = cycles(GRAPH)
-    unknown = [c for c in found if tuple(c) not in KNOWN_CYCLES]
-    assert unknown == []
-    if found:
-        pytest.xfail("known import cycles: " + "; ".join(
-            f"{' <-> '.join(c)} ({KNOWN_CYCLES[tuple(c)]})" for c in found))
+    assert cycles(GRAPH) == []
 
 
 def test_server_side_imports_nothing_of_the_client():

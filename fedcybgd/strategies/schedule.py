@@ -175,6 +175,7 @@ class BlockSchedule:
         self.retry = [str(b) for b in state["retry"]]
 
 
+# The built-in orders: one class, registered under each order's name (block-schedule's values).
 def _builtin(order: str) -> ScheduleFactory:
     def make(*, blocks: list[str], seed: int) -> Schedule:
         return BlockSchedule(blocks, order, seed)
