@@ -150,7 +150,8 @@ def params_before_layers(model: nn.Module) -> set[str]:
     handle = layers[0].register_forward_pre_hook(stop, with_kwargs=True)
     try:
         for p in outside.values():
-            p.requires_grad_(True)
+            if p.is_floating_point() or p.is_complex():  # integer tensors cannot carry grad
+                p.requires_grad_(True)
         # The graph is what tells the parameters apart, so grad must be on even if the caller
         # turned it off.
         with torch.inference_mode(False), torch.enable_grad():
