@@ -113,7 +113,8 @@ def run_one(plan: dict[str, Any], work: Path, nodes: int, threads: int) -> dict[
         "records": records,
         "wire_bytes_down": sum(e.bytes_down for e in exchanges),
         "wire_bytes_up": sum(e.bytes_up for e in exchanges),
-        "client_rounds": len(exchanges),
+        # every exchange crossed the wire; a client-round is a train message (not a key query)
+        "client_rounds": sum(e.message_type == "train" for e in exchanges),
         "client_process_peak_mb": max(e.peak_rss_mb for e in exchanges),
         # ru_maxrss: inherits the server's RSS at spawn on Linux, an upper bound only
         "client_process_max_rss_mb": max(e.max_rss_mb for e in exchanges),

@@ -45,6 +45,7 @@ class Exchange:
     # The kernel's lifetime peak (ru_maxrss). Linux carries it over fork and exec, so it starts
     # at the parent's RSS when the child was spawned: an upper bound, not the client's peak.
     max_rss_mb: float
+    message_type: str = "train"  # Flower's message type (train, or a query such as node keys)
 
 
 def _frame(header: dict[str, Any], body: bytes) -> bytes:
@@ -214,7 +215,8 @@ class ProcessGrid(LocalGrid):
             self.exchanges.append(Exchange(node, len(body), len(reply_body),
                                            float(header["peak_rss_mb"]),
                                            float(header["seconds"]),
-                                           float(header["max_rss_mb"])))
+                                           float(header["max_rss_mb"]),
+                                           message.metadata.message_type))
             self._replies[message.metadata.message_id] = reply
             ids.append(message.metadata.message_id)
         return ids
