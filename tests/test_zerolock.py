@@ -415,3 +415,19 @@ def test_clientapp_runs_zerolock_with_a_tuned_head(tiny_run_config, tmp_path):
     heads = sorted(p.name for p in cache.rglob("zerolock/heads/*.safetensors"))
     assert heads == ["layer.0.safetensors", "layer.1.safetensors"]
     assert not list(cache.rglob("zerolock/checkpoint.safetensors"))
+
+
+def test_local_head_with_a_frozen_tied_weight_keeps_the_familys_softcap():
+    # Prepare: Gemma2 ties its head to the embedding and softcaps the logits
+    from fedcybgd.client.updates.local_heads import LocalHead
+    from fedcybgd.layerwise import LayerStack
+
+    model = load_model("tiny-gemma2")
+    stack = LayerStack(model)
+    weight = model.get_output_embeddings().weight.detach().clone()
+    rows = torch.randn(3, model.config.hidden_size)
+    # Execute
+    local = LocalHead(stack, head_weight=weight).logits(rows)
+    # Assert: the same logits as the model's own head (softcap included)
+    with torch.no_grad():
+        assert torch.equal(local.detach(), stack.head(stack.final_hidden(rows)))

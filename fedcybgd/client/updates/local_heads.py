@@ -115,10 +115,6 @@ class LocalHead:
             raise ValueError(f"zerolock-objective must be one of {OBJECTIVES}, got {objective!r}")
         if slice_rows < 1:
             raise ValueError(f"zerolock-slice must be >= 1, got {slice_rows}")
-        if head_weight is not None and not isinstance(stack.head, nn.Linear):
-            raise ValueError(
-                f"a frozen copy of the LM head needs an nn.Linear head, got {type(stack.head)}"
-            )
         self.stack = stack
         self.translator = translator
         self.head_weight = head_weight
@@ -135,11 +131,8 @@ class LocalHead:
         """``[N, H]`` hidden rows to ``[N, V]`` logits."""
         if self.translator is not None:
             rows = self.translator(rows)
-        rows = self.stack.final_hidden(rows)
-        if self.head_weight is None:
-            return self.stack.head(rows)
-        bias = self.stack.head.bias if isinstance(self.stack.head, nn.Linear) else None
-        return F.linear(rows, self.head_weight, bias)
+        # head_logits keeps the family's logit scaling/softcap, also with a frozen weight copy
+        return self.stack.head_logits(self.stack.final_hidden(rows), self.head_weight)
 
     def loss(self, hidden: Hidden, batch: Batch) -> torch.Tensor:
         """The local loss as one graph (no slicing): for checks and small batches."""
