@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Message
+from flwr.app import Array, ArrayRecord, Message, MessageType
 
 from fedcybgd import protocol
 from fedcybgd.compression import encode, payload_from_array, payload_to_array, read_header, seedlog
@@ -211,8 +211,11 @@ class FaultyGrid(LoopbackGrid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Deliver, let the nodes answer, then apply the faults to the answers."""
+        """Deliver, let the nodes answer, then apply the faults to the answers to train
+        instructions (other messages, such as the node-key query, pass unharmed)."""
         messages = list(messages)
+        if not all(m.metadata.message_type == MessageType.TRAIN for m in messages):
+            return super().send_and_receive(messages, timeout=timeout)
         replies = list(super().send_and_receive(messages, timeout=timeout))
         delivered = list(self._late)
         self._late = []
