@@ -144,6 +144,7 @@ def test_the_experiments_harness_picks_the_runner_from_the_same_table(monkeypatc
 
     class Exchange:
         bytes_down, bytes_up, peak_rss_mb, max_rss_mb = 10, 5, 100.0, 120.0
+        message_type = "train"
 
     def fake_runner(grid: _FakeGrid, run: RunConfig) -> dict[str, Any]:
         grid.exchanges.append(Exchange())
