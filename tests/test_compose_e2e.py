@@ -36,22 +36,15 @@ import pytest
 from fedcybgd.deploy import certs
 from fedcybgd.deploy.commands import format_config
 from fedcybgd.deploy.control import healthy
+from fedcybgd.deploy.local import QUICK_RUN_CONFIG
 
 PROJECT = Path(__file__).resolve().parents[1]
 PREPARE = PROJECT / "scripts" / "prepare-docker-offline.sh"
 BUILD_ENV = PROJECT / "docker-extra" / "build.env"
 IMAGE = "fedcybgd:0.1.0"
 NODES = 3
-RUN_CONFIG: dict[str, object] = {
-    "model": "tiny-llama",
-    "partitioner": "iid",
-    "layers-per-block": 1,
-    "num-server-rounds": 2,
-    "eval-examples": 16,
-    "local-steps": 2,
-    "batch-size": 4,
-    "max-seq-len": 48,
-}
+# The launcher's quick run (a 4-layer random Llama, 2 rounds), on IID partitions.
+RUN_CONFIG: dict[str, object] = {**QUICK_RUN_CONFIG, "partitioner": "iid"}
 TIMINGS: dict[str, float] = {}
 
 # A cold build is ~4 min; each stack 2-5 min on 2 idle cores, far more on a loaded machine.
