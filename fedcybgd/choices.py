@@ -17,5 +17,6 @@ AGGREGATES: tuple[str, ...] = ("mean", "median", "trimmed-mean")  # aggregate
 ZEROLOCK_HEADS: tuple[str, ...] = ("frozen-lm", "tuned")  # zerolock-head
 ZEROLOCK_OBJECTIVES: tuple[str, ...] = ("label", "next-token")  # zerolock-objective
 DAMPINGS: tuple[str, ...] = ("none", "inverse", "inverse-sqrt")  # parallel-damping
+SERVER_OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")  # server-optimizer
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")  # lr-schedule
 EVAL_SPLITS: tuple[str, ...] = ("test", "validation")  # eval-split

@@ -28,6 +28,7 @@ from fedcybgd.choices import (
     LR_SCHEDULES,
     PARTITIONERS,
     SCHEDULES,
+    SERVER_OPTIMIZERS,
     STRATEGIES,
     UPDATE_RULES,
 )
@@ -100,6 +101,10 @@ class RunConfig:
     trim_fraction: float = setting(0.2, ge=0, lt=0.5)  # trimmed-mean: share cut at each end
     server_lr: float = setting(1.0, gt=0, le=10)  # the server's step on each merged block
     parallel_damping: str = setting("none", choices=DAMPINGS)  # shrink steps of parallel blocks
+    server_optimizer: str = setting("sgd", choices=SERVER_OPTIMIZERS)  # FedOpt, per block
+    server_beta1: float = setting(0.9, ge=0, lt=1)  # momentum / Adam's first moment
+    server_beta2: float = setting(0.99, ge=0, lt=1)  # Adam's second moment
+    server_eps: float = setting(1e-8, gt=0, le=1)  # Adam's epsilon
     lr_schedule: str = setting("constant", choices=LR_SCHEDULES)  # client lr over the rounds
     warmup_rounds: int = setting(0, ge=0)  # rounds of linear lr warm-up
     eval_split: str = setting("test", choices=EVAL_SPLITS)  # validation: for tuning

@@ -124,3 +124,80 @@ def test_eval_split_validation_reads_the_validation_rows(tiny_run_config):
     from fedcybgd.layerwise import LayerStack
     stack = LayerStack(model)
     assert not set(Evaluator(run, stack).frame["text"]) & set(Evaluator(test, stack).frame["text"])
+
+
+# ------------------------------------------------------------------------- server optimizer
+
+def test_server_momentum_carries_a_blocks_past_updates_into_its_next_visit():
+    # Prepare: heavy-ball momentum 0.5 at server-lr 1
+    step = ServerStep(optimizer="momentum", beta1=0.5)
+    start = {"w": torch.zeros(2)}
+    # Execute: two visits of block "b" with updates d1 and d2; another block in between
+    first = step.apply(start, {"w": torch.tensor([2.0, -2.0])}, parallel=1, block="b")
+    step.apply({"w": torch.zeros(2)}, {"w": torch.ones(2)}, parallel=1, block="other")
+    second = step.apply(first, {"w": first["w"] + torch.tensor([1.0, 1.0])}, parallel=1,
+                        block="b")
+    # Assert: the second step is d2 + 0.5 d1, each block with its own momentum
+    assert torch.equal(first["w"], torch.tensor([2.0, -2.0]))
+    assert torch.equal(second["w"] - first["w"], torch.tensor([2.0, 0.0]))
+
+
+def test_server_adam_steps_each_coordinate_by_the_server_lr_at_first():
+    # Prepare: Adam, step 1e-3 per coordinate; updates of very different sizes
+    step = ServerStep(server_lr=1e-3, optimizer="adam", beta1=0.9, beta2=0.99, eps=1e-12)
+    start = {"w": torch.zeros(3)}
+    # Execute
+    out = step.apply(start, {"w": torch.tensor([1e-6, -5.0, 0.0])}, parallel=1, block="b")
+    # Assert: bias-corrected first step is lr * sign(update); a zero update does not move
+    assert torch.allclose(out["w"], torch.tensor([1e-3, -1e-3, 0.0]), atol=1e-9)
+    assert step.steps == {"b": 1} and set(step.moments["b"]) == {"m", "v"}
+
+
+def test_a_step_that_is_not_installed_leaves_the_optimizer_state_alone():
+    # Prepare: momentum with state on block "b"
+    step = ServerStep(optimizer="momentum")
+    step.apply({"w": torch.zeros(2)}, {"w": torch.ones(2)}, parallel=1, block="b")
+    before = step.moments["b"]["m"]["w"].clone()
+    # Execute: a proposal whose result overflows fp16, through merge_block
+    from fedcybgd.strategies.server_step import merge_block
+    start = {"w": torch.zeros(2, dtype=torch.float16)}
+    out = merge_block(lambda ups: ups[0][1], step, "b", start,
+                      [(1.0, {"w": torch.full((2,), 1e6)})], parallel=1)
+    # Assert: nothing to install and the state is what it was
+    assert out is None
+    assert torch.equal(step.moments["b"]["m"]["w"], before)
+
+
+def test_server_adam_state_is_checkpointed_and_resumed(tiny_run_config, tmp_path):
+    # Prepare: a 3-round Adam run straight, and the same run stopped after round 2; every
+    # block is trained twice, so round 3 reads the moments of round 1
+    from fedcybgd.server.app import run_server
+    adam = {"server-optimizer": "adam", "server-lr": 1e-3, "num-server-rounds": 3,
+            "upload-codec": "fp32"}
+    straight = dict(tiny_run_config, **adam, **{"output-dir": str(tmp_path / "straight")})
+    stopped = dict(straight, **{"output-dir": str(tmp_path / "stopped"),
+                                "num-server-rounds": 2})
+
+    def run(config, cache):
+        grid = LoopbackGrid(client_app, 4, config,
+                            node_config=lambda i: {"cache-dir": str(tmp_path / cache)})
+        return run_server(grid, RunConfig.from_run_config(config))
+
+    run(straight, "a")
+    run(stopped, "b")
+    saved = {p.name.split("@")[0] for p in (tmp_path / "stopped" / "checkpoint").iterdir()}
+    # Execute
+    run(dict(stopped, **{"num-server-rounds": 3, "resume": True}), "b")
+    # Assert: the moments were saved, and the resumed model is the uninterrupted one
+    assert any(name.startswith("server-opt.") for name in saved), saved
+    a = load_model(str(tmp_path / "straight" / "final"))
+    b = load_model(str(tmp_path / "stopped" / "final"))
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa, pb, atol=1e-7), name
+
+
+def test_bad_server_optimizer_keys_are_refused():
+    for key, value in (("server-optimizer", "lamb"), ("server-beta1", 1.0),
+                       ("server-beta2", -0.1), ("server-eps", 0.0)):
+        with pytest.raises(ConfigError, match=key):
+            RunConfig.from_run_config({key: value})

@@ -92,6 +92,10 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
         outlier_factor=run.outlier_factor,
         server_lr=run.server_lr,
         parallel_damping=run.parallel_damping,
+        server_optimizer=run.server_optimizer,
+        server_beta1=run.server_beta1,
+        server_beta2=run.server_beta2,
+        server_eps=run.server_eps,
         client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
                                     run.warmup_rounds),
     )
@@ -188,7 +192,7 @@ def run_server(
         # resumed run never lists a round twice (the checkpoint keeps the row, see above).
         checkpointer.save(
             server_round,
-            {b: (v, strategy.block_tensors(b)) for b, v in strategy.versions.items() if v > 0},
+            strategy.checkpoint_tensors(),
             {
                 "lineage": lineage,
                 "base_hash": base_hash,

@@ -41,6 +41,7 @@ from fedcybgd.strategies.versions import BlockVersions, Tensors
 
 log = logging.getLogger(__name__)
 Admitted = tuple[int, BlockUpload, float]  # (node, its upload, the update's RMS)
+SERVER_STATE = "server-opt."  # checkpoint entries of the server optimizer's per-block state
 
 
 class FedCyBGD(Strategy):
@@ -72,9 +73,11 @@ class FedCyBGD(Strategy):
     aggregate, trim_fraction
         Merges one block's uploads: a name (``mean`` weighted by examples, ``median``,
         ``trimmed-mean``) or any callable ``[(examples, tensors), ...] -> tensors``.
-    max_update_norm, outlier_factor, server_lr, parallel_damping, client_lr
-        :class:`~fedcybgd.strategies.screen.UpdateScreen`,
-        :class:`~fedcybgd.strategies.server_step.ServerStep`, ``round -> client lr``.
+    max_update_norm, outlier_factor, client_lr
+        :class:`~fedcybgd.strategies.screen.UpdateScreen`; ``round -> client lr``.
+    server_lr, parallel_damping, server_optimizer, server_beta1, server_beta2, server_eps
+        :class:`~fedcybgd.strategies.server_step.ServerStep` (its state per block is
+        checkpointed through :meth:`checkpoint_tensors`).
     return_arrays : bool
         Return the global weights from :meth:`aggregate_train` (``Strategy.start`` needs it).
     """
@@ -112,6 +115,10 @@ class FedCyBGD(Strategy):
         outlier_factor: float = 10.0,
         server_lr: float = 1.0,
         parallel_damping: str = "none",
+        server_optimizer: str = "sgd",
+        server_beta1: float = 0.9,
+        server_beta2: float = 0.99,
+        server_eps: float = 1e-8,
         client_lr: Callable[[int], float] | None = None,
     ) -> None:
         if clients_per_round < 1 or clients_per_block < 1 or clients_per_round % clients_per_block:
@@ -134,7 +141,8 @@ class FedCyBGD(Strategy):
         self.aggregate = (build_aggregator(aggregate, trim_fraction)
                           if isinstance(aggregate, str) else aggregate)
         self.screen = UpdateScreen(outlier_factor=outlier_factor, max_norm=max_update_norm)
-        self.step = ServerStep(server_lr, parallel_damping)
+        self.step = ServerStep(server_lr, parallel_damping, server_optimizer, server_beta1,
+                               server_beta2, server_eps)
         self.blocks = BlockVersions(block_map, self.weights, pretrained, version_history)
         self.downloads = DownloadPlanner(self.blocks, exact_codec=exact_codec,
                                          download_codec=download_codec,
@@ -160,8 +168,24 @@ class FedCyBGD(Strategy):
         """The global tensors of ``block`` (views, not copies)."""
         return self.blocks.tensors(block)
 
+    def checkpoint_tensors(self) -> dict[str, tuple[int, Tensors]]:
+        """What a checkpoint saves as tensors: ``name -> (version, tensors)`` for every block
+        above version 0, and the server optimizer's state of each such block (under
+        :data:`SERVER_STATE` + its name, at the block's version: it changes only with it)."""
+        out = {b: (v, self.blocks.tensors(b)) for b, v in self.versions.items() if v > 0}
+        for block, tensors in self.step.state_tensors().items():
+            out[SERVER_STATE + block] = (self.versions[block], tensors)
+        return out
+
     def install_checkpoint(self, block: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Put a checkpointed block into the global weights (before :meth:`load_state`)."""
+        """Put a checkpointed entry of :meth:`checkpoint_tensors` back: a block into the global
+        weights, or a block's server optimizer state (before :meth:`load_state`)."""
+        if block.startswith(SERVER_STATE):
+            name = block.removeprefix(SERVER_STATE)
+            if name not in self.versions:
+                raise ValueError(f"checkpointed server optimizer state of unknown block {name}")
+            self.step.load_tensors(name, tensors)
+            return
         self.blocks.install_checkpoint(block, tensors)
 
     def configure_train(
@@ -259,11 +283,12 @@ class FedCyBGD(Strategy):
         for block in record.blocks or []:
             uploads = admitted.get(block, [])
             merged = merge_block(
-                self.aggregate, self.step, self.blocks.tensors(block),
+                self.aggregate, self.step, block, self.blocks.tensors(block),
                 [(got.weight, got.tensors) for _, got, _ in uploads], len(admitted)
             ) if uploads else None
             if merged is not None:
-                self.blocks.install(block, merged, record.round)
+                self.blocks.install(block, merged.tensors, record.round)
+                self.step.commit(block, merged)
                 for _, _, rms in uploads:
                     self.screen.accepted(block, rms)
                 record.accepted[block] = [node for node, _, _ in uploads]  # type: ignore[index]
@@ -308,7 +333,8 @@ class FedCyBGD(Strategy):
         return {**self.blocks.state(), "schedule": self.schedule.state(),
                 "holdings": nodes["holdings"], "excluded": nodes["excluded"],
                 "budgets": nodes["budgets"], "retry_seeds": dict(self._retry_seeds),
-                "update_sizes": self.screen.state(), "node_keys": self.sampler.state()}
+                "update_sizes": self.screen.state(), "node_keys": self.sampler.state(),
+                "server_steps": self.step.state()}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state`'s output (weights must be restored by the caller)."""
@@ -318,3 +344,4 @@ class FedCyBGD(Strategy):
         self._retry_seeds = {str(b): int(s) for b, s in state.get("retry_seeds", {}).items()}
         self.screen.load_state(state.get("update_sizes", {}))
         self.sampler.load_state(state.get("node_keys", {}))
+        self.step.load_state(state.get("server_steps", {}))
