@@ -4,10 +4,13 @@ Every key of ``[tool.flwr.app.config]`` is either a field of :class:`RunConfig` 
 underscores) or a registered update rule's option (:mod:`fedcybgd.rules`). Nothing else is
 accepted: an unknown key stops the run at start with the closest known key suggested, and a bad
 value (wrong type, NaN, infinite, out of range, not an allowed choice) with a
-:class:`ConfigError` naming the key and what is allowed. The modules named in ``rule-modules``
-are imported first (their rules register themselves), then ``update-rule`` must name a
+:class:`ConfigError` naming the key and what is allowed. The modules named in ``plugin-modules``
+(and ``rule-modules``, its older name) are imported first (their rules, schedules and
+aggregators register themselves, see :mod:`fedcybgd.plugins`), then ``update-rule`` must name a
 registered rule and every registered rule's options are checked, here, on the server, before
 round 1; each client builds the same :class:`RunConfig`, so it loads the same plug-ins.
+``block-schedule`` and ``aggregate`` are only the server's business: their registries live with
+the strategy, so the ServerApp checks them at start (:func:`fedcybgd.strategies.check_names`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcybgd import protocol, rules
+from fedcybgd import plugins, protocol, rules
 from fedcybgd.choices import (
     AGGREGATES,
     DAMPINGS,
@@ -70,12 +73,15 @@ class RunConfig:
     num_server_rounds: int = setting(6, ge=1)
     clients_per_round: int = setting(4, ge=1)
     clients_per_block: int = setting(1, ge=1)  # >1: that many clients train the same block
-    block_schedule: str = setting("ascending", choices=SCHEDULES)
+    # A registered schedule (built-ins: SCHEDULES; plug-ins' too), checked at server start
+    block_schedule: str = setting("ascending")
     layers_per_block: int = setting(8, ge=1)
     train_embeddings: bool = setting(False)
     train_head: bool = setting(False)
     update_rule: str = setting("fo")  # a registered rule (fedcybgd.rules), checked at start
-    rule_modules: str = setting("")  # comma-separated modules registering plug-in update rules
+    # Comma-separated modules imported first, registering plug-in rules, schedules, aggregators
+    plugin_modules: str = setting("")
+    rule_modules: str = setting("")  # the older name of plugin-modules; both are imported
     local_steps: int = setting(6, ge=1)
     batch_size: int = setting(8, ge=1)
     max_seq_len: int = setting(64, ge=8)
@@ -97,7 +103,8 @@ class RunConfig:
     max_payload_mb: float = setting(2048.0, gt=0)
     max_update_norm: float = setting(0.0, ge=0)  # clip a node's block delta (L2); 0 = off
     outlier_factor: float = setting(10.0, ge=0)  # refuse a delta > factor x median; 0 = off
-    aggregate: str = setting("mean", choices=AGGREGATES)  # clients-per-block > 1
+    # clients-per-block > 1: a registered aggregator (built-ins: AGGREGATES), checked at start
+    aggregate: str = setting("mean")
     trim_fraction: float = setting(0.2, ge=0, lt=0.5)  # trimmed-mean: share cut at each end
     server_lr: float = setting(1.0, gt=0, le=10)  # the server's step on each merged block
     parallel_damping: str = setting("none", choices=DAMPINGS)  # shrink steps of parallel blocks
@@ -141,9 +148,14 @@ class RunConfig:
             raise ConfigError(f"outlier-factor must be 0 (off) or >= 1, got {self.outlier_factor}")
 
     def _check_rules(self) -> None:
-        """Load ``rule-modules``; ``update-rule`` must be registered, and no rule's option key
-        may be one of the run's own keys (it would be read as both)."""
-        rules.load_modules(self.rule_modules)
+        """Load the plug-in modules; ``update-rule`` must be registered, and no rule's option
+        key may be one of the run's own keys (it would be read as both). ``block-schedule`` and
+        ``aggregate`` must be well-formed names (whether registered, the server checks)."""
+        load_plugins(self.rule_modules, self.plugin_modules)
+        for key, name in (("block-schedule", self.block_schedule), ("aggregate", self.aggregate)):
+            if not re.fullmatch(plugins.NAME_PATTERN, name):
+                raise ConfigError(f"{key} must name a registered one ({plugins.NAME_PATTERN}), "
+                                  f"got {name[:80]!r}")
         try:
             rules.rule_spec(self.update_rule)
         except ConfigError as err:
@@ -180,7 +192,8 @@ class RunConfig:
             the wrong type, not finite, out of range or not an allowed choice.
         """
         # The plug-in modules first: their rules' option keys are keys of this run config.
-        rules.load_modules(coerce("rule-modules", run_config.get("rule-modules", ""), str))
+        load_plugins(coerce("rule-modules", run_config.get("rule-modules", ""), str),
+                     coerce("plugin-modules", run_config.get("plugin-modules", ""), str))
         known = rules.option_settings()
         options = {k: v for k, v in run_config.items() if k in known}
         core = {k: v for k, v in run_config.items() if k not in known}
@@ -192,6 +205,12 @@ class RunConfig:
         out = {key: getattr(self, s.name) for key, s in settings(type(self)).items()}
         out.update(self.options)
         return out
+
+
+def load_plugins(rule_modules: str, plugin_modules: str) -> None:
+    """Import the modules of ``rule-modules``, then ``plugin-modules`` (errors name the key)."""
+    plugins.load_modules(rule_modules, key="rule-modules")
+    plugins.load_modules(plugin_modules, key="plugin-modules")
 
 
 def run_config_keys() -> dict[str, Any]:
@@ -206,7 +225,7 @@ class NodeConfig:
     partition_id: int = setting(0, ge=0)
     num_partitions: int = setting(1, ge=1)
     # "": follow the run config. Any other name must be a rule registered once the run's
-    # rule-modules are loaded, so the client checks it when it trains, not here.
+    # plug-in modules are loaded, so the client checks it when it trains, not here.
     update_rule: str = setting("")
     memory_budget_mb: float = setting(0.0, ge=0)  # 0: no budget declared
     cache_dir: str = setting("")  # empty: FEDCYBGD_CACHE or ~/.cache/fedcybgd
@@ -220,10 +239,10 @@ class NodeConfig:
                 f"partition-id must be in [0, num-partitions={self.num_partitions}), "
                 f"got {self.partition_id}"
             )
-        if self.update_rule and not re.fullmatch(rules.registry.NAME_PATTERN, self.update_rule):
+        if self.update_rule and not re.fullmatch(plugins.NAME_PATTERN, self.update_rule):
             raise ConfigError(
                 f"update-rule must be empty or a rule name matching "
-                f"{rules.registry.NAME_PATTERN}, got {self.update_rule[:80]!r}"
+                f"{plugins.NAME_PATTERN}, got {self.update_rule[:80]!r}"
             )
         if self.node_key and not re.fullmatch(protocol.NODE_KEY_PATTERN, self.node_key):
             raise ConfigError(

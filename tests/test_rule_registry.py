@@ -279,7 +279,7 @@ def test_the_serverapp_refuses_an_unregistered_rule_at_start_with_a_suggestion(p
     # ... a plug-in rule whose module is not named says where modules go
     rules.unregister_rule("signsgd")
     sys.modules.pop(plugin)
-    with pytest.raises(ConfigError, match=r"update-rule = 'signsgd'.*rule-modules"):
+    with pytest.raises(ConfigError, match=r"update-rule = 'signsgd'.*plugin-modules"):
         _main(None, dict(config, **{"update-rule": "signsgd", "rule-modules": ""}))
 
 

@@ -37,6 +37,7 @@ from fedcybgd.strategies.schedule import (
     build_schedule,
     register_schedule,
     schedule_names,
+    unregister_schedule,
 )
 from fedcybgd.strategies.versions import BlockVersions
 
@@ -161,23 +162,27 @@ class LargestFirst:
 def test_custom_schedule_registers_by_name_and_plugs_in(tiny):
     # Prepare
     model, blocks = tiny
-    register_schedule("test-largest-first", replace=True)(LargestFirst)
+    register_schedule("test-largest-first")(LargestFirst)
     # Execute
-    by_name = FedCyBGD(block_map=blocks, weights=dict(model.named_parameters()),
-                       cycle=LAYERS, block_schedule="test-largest-first")
+    try:
+        by_name = FedCyBGD(block_map=blocks, weights=dict(model.named_parameters()),
+                           cycle=LAYERS, block_schedule="test-largest-first")
+        names = schedule_names()
+    finally:
+        unregister_schedule("test-largest-first")
     by_object = FedCyBGD(block_map=blocks, weights=dict(model.named_parameters()),
                          schedule=LargestFirst(LAYERS))
     # Assert
     assert isinstance(by_name.schedule, LargestFirst)
     assert by_name.schedule.take(2) == ["layer.3", "layer.2"]
     assert by_object.schedule.take(1) == ["layer.3"]
-    assert "test-largest-first" in schedule_names()
+    assert "test-largest-first" in names and "test-largest-first" not in schedule_names()
 
 
 def test_schedule_registry_refuses_a_taken_name_and_unknown_names():
     with pytest.raises(ValueError, match="already registered"):
         register_schedule("ascending")(LargestFirst)
-    with pytest.raises(ValueError, match="not registered"):
+    with pytest.raises(ValueError, match="unknown block schedule 'sideways'"):
         build_schedule("sideways", LAYERS)
 
 

@@ -14,9 +14,9 @@ A rule declares (:class:`RuleSpec`):
   (:class:`UpdateRule`), made fresh by the client for every round.
 
 A plug-in rule is one file: decorate its class with ``@register_rule("name", options=...,
-memory=...)`` and name the module in the run-config key ``rule-modules``; then
-``update-rule = "name"`` selects it (see :mod:`fedcybgd.rules.registry` for why a decorator and
-a config key rather than entry points). Import only neutral modules in it (this package,
+memory=...)`` and name the module in the run-config key ``plugin-modules``; then
+``update-rule = "name"`` selects it (see :mod:`fedcybgd.plugins` for why a decorator and a
+config key rather than entry points). Import only neutral modules in it (this package,
 :mod:`fedcybgd.config_fields`, :mod:`fedcybgd.layerwise`, :mod:`fedcybgd.objective`, torch):
 the server imports it too, and the server never imports the client package.
 
@@ -42,7 +42,6 @@ from fedcybgd.rules.options import (
 from fedcybgd.rules.registry import (
     RuleSpec,
     declare_rule,
-    load_modules,
     register_rule,
     rule_names,
     rule_spec,
@@ -61,7 +60,6 @@ __all__ = [
     "UpdateRule",
     "check_all",
     "declare_rule",
-    "load_modules",
     "option_defaults",
     "option_settings",
     "parse_options",

@@ -14,22 +14,11 @@ memory-aware assignment); only a client ever touches the implementation.
   client makes the rule. The built-in rules are declared so (:mod:`fedcybgd.rules.builtin`):
   their code lives in the client package, which the server must not import.
 
-**Getting a plug-in module loaded.** The run-config key ``rule-modules`` names importable
-modules (comma-separated). :class:`fedcybgd.config.RunConfig` imports them (:func:`load_modules`)
-before it checks ``update-rule`` and the rules' options: on the server at start and on every
-client, from the same run config, so both sides see the same registry.
-
-**Why a decorator and a run-config key, not an entry-point group** (``fedcybgd.update_rules``):
-
-* ``flwr run`` ships the app as a FAB, unpacked but not pip-installed when Flower's runtime
-  dependency installation is off (as this project runs it), so an entry point declared by the
-  user's app would never be seen; a one-file plug-in next to the app is found by importing it.
-* A config key is explicit and travels with the run: the server, every SuperNode, the
-  checkpoint and ``summary.json`` all record which plug-ins a run used. An installed package's
-  entry point would silently add rules, and option keys every run then validates, to every run
-  on that machine.
-* It works alike in simulation, deployment, the loopback grid and tests. A pip-installed
-  plug-in package is used the same way: name its module in ``rule-modules``.
+**Getting a plug-in module loaded.** The run-config key ``plugin-modules`` (or its older name
+``rule-modules``) names importable modules; :class:`fedcybgd.config.RunConfig` imports them
+(:func:`fedcybgd.plugins.load_modules`) before it checks ``update-rule`` and the rules' options,
+on the server at start and on every client, so both sides see the same registry. Why a
+decorator and a config key rather than an entry-point group: see :mod:`fedcybgd.plugins`.
 
 Import-light: nothing here imports torch or the client package.
 """
@@ -38,17 +27,17 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, is_dataclass
 from typing import Any, TypeVar
 
 from fedcybgd.config_fields import ConfigError, Setting, settings, unknown_key
+from fedcybgd.plugins import MODULE_PATTERN, NAME_PATTERN
 from fedcybgd.rules.contract import MemoryEstimate, UpdateRule
 
 __all__ = [
     "RuleSpec",
     "declare_rule",
-    "load_modules",
     "register_rule",
     "rule_names",
     "rule_spec",
@@ -56,10 +45,7 @@ __all__ = [
     "unregister_rule",
 ]
 
-# Names travel in instructions, replies and metrics: short, lower case, no spaces.
-NAME_PATTERN = r"[a-z][a-z0-9_-]{0,31}"
 RESERVED = frozenset({"inference"})  # the memory model's forward-only baseline
-MODULE_PATTERN = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
 BUILTIN_MODULE = "fedcybgd.rules.builtin"
 
 T = TypeVar("T")
@@ -249,7 +235,7 @@ def rule_spec(name: str) -> RuleSpec:
     spec = _SPECS.get(name)
     if spec is None:
         err = unknown_key(name, _SPECS, what="update rule")
-        raise ConfigError(f"{err} (a rule of your own: name its module in rule-modules)")
+        raise ConfigError(f"{err} (a rule of your own: name its module in plugin-modules)")
     return spec
 
 
@@ -263,35 +249,3 @@ def rule_specs() -> list[RuleSpec]:
     """Every registered rule's spec, in registration order."""
     _ensure_builtins()
     return list(_SPECS.values())
-
-
-def load_modules(modules: str | Iterable[str], key: str = "rule-modules") -> list[str]:
-    """Import the plug-in modules named in ``modules`` (comma-separated text or names).
-
-    Importing a module runs its ``@register_rule`` decorators; a module already imported is
-    not imported again. Returns the names imported.
-
-    Raises
-    ------
-    ConfigError
-        A name is not a dotted module name, or importing it fails (the cause is chained and
-        named in the message, with ``key``).
-    """
-    _ensure_builtins()
-    names = modules.split(",") if isinstance(modules, str) else list(modules)
-    loaded: list[str] = []
-    for raw in names:
-        module = raw.strip()
-        if not module:
-            continue
-        if not re.fullmatch(MODULE_PATTERN, module):
-            raise ConfigError(f"{key}: {module[:80]!r} is not a module name (dotted identifiers, "
-                              "comma-separated)")
-        try:
-            importlib.import_module(module)
-        except Exception as err:
-            # Anything a plug-in raises while importing stops the run at start, named.
-            raise ConfigError(f"{key}: importing {module!r} failed: "
-                              f"{type(err).__name__}: {err}") from err
-        loaded.append(module)
-    return loaded

@@ -39,6 +39,7 @@ from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.lr_schedule import build_lr_schedule
+from fedcybgd.strategies.plugins import check_names
 from fedcybgd.strategies.record import RoundRecord
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ def run_server(
     tests, see :class:`fedcybgd.server.checkpoint.Checkpointer`).
     """
     started = time.perf_counter()
+    # Plug-in names are known once the run's plugin-modules are imported (RunConfig did).
+    check_names(run.block_schedule, run.aggregate)
     out = resolve_output_dir(run.output_dir)
     prepare_output_dir(out, run.resume, run.overwrite, can_resume=True)
     require_nodes(grid, run.clients_per_round, node_wait_s)

@@ -34,8 +34,8 @@ from fedcybgd.strategies.reader import BlockUpload, NodeBook, ReplyReader
 from fedcybgd.strategies.record import RoundInFlight, RoundRecord
 from fedcybgd.strategies.replies import NO_REPLY, NON_FINITE, DropLog, Dropped, guarded
 from fedcybgd.strategies.sampling import NodeSampler
-from fedcybgd.strategies.schedule import Schedule, build_schedule
-from fedcybgd.strategies.screen import UpdateScreen
+from fedcybgd.strategies.schedule import ObservingSchedule, Schedule, build_schedule
+from fedcybgd.strategies.screen import UpdateScreen, update_rms
 from fedcybgd.strategies.server_step import ServerStep, merge_block
 from fedcybgd.strategies.versions import BlockVersions, Tensors
 
@@ -54,7 +54,8 @@ class FedCyBGD(Strategy):
         own parameters stay current).
     cycle, block_schedule, schedule
         Blocks to train, in model order (default: all); the name of their order (a registered
-        schedule); or any :class:`~fedcybgd.strategies.schedule.Schedule` object instead.
+        schedule); or any :class:`~fedcybgd.strategies.schedule.Schedule` object instead (one
+        with ``observe(block, update_rms)`` is told each installed block's step size).
     clients_per_round, clients_per_block, update_rule
         Nodes per round, nodes sharing (and merging) one block, the rule they are asked to use.
     upload_codec, download_codec, exact_codec, seedlog_fallback : str
@@ -71,8 +72,9 @@ class FedCyBGD(Strategy):
         Upload bound; wait for nodes; a round's steps (bounds step logs) and batch size
         (``num-examples`` counts at most ``local_steps * batch_size``).
     aggregate, trim_fraction
-        Merges one block's uploads: a name (``mean`` weighted by examples, ``median``,
-        ``trimmed-mean``) or any callable ``[(examples, tensors), ...] -> tensors``.
+        Merges one block's uploads: a registered name (``mean`` weighted by examples,
+        ``median``, ``trimmed-mean``, plug-ins') or any callable
+        ``[(examples, tensors), ...] -> tensors``.
     max_update_norm, outlier_factor, client_lr
         :class:`~fedcybgd.strategies.screen.UpdateScreen`; ``round -> client lr``.
     server_lr, parallel_damping, server_optimizer, server_beta1, server_beta2, server_eps
@@ -287,8 +289,14 @@ class FedCyBGD(Strategy):
                 [(got.weight, got.tensors) for _, got, _ in uploads], len(admitted)
             ) if uploads else None
             if merged is not None:
+                # Only a schedule that asks is told the step's size (it costs a pass over it).
+                observer = self.schedule if isinstance(self.schedule, ObservingSchedule) else None
+                moved = (0.0 if observer is None
+                         else update_rms(merged.tensors, self.blocks.tensors(block)))
                 self.blocks.install(block, merged.tensors, record.round)
                 self.step.commit(block, merged)
+                if observer is not None:
+                    observer.observe(block, moved)
                 for _, _, rms in uploads:
                     self.screen.accepted(block, rms)
                 record.accepted[block] = [node for node, _, _ in uploads]  # type: ignore[index]

@@ -2,9 +2,13 @@
 
 A schedule hands out distinct blocks for each round (``take``), takes back a block whose
 training failed (``requeue``: it comes again before the cycle moves on, so no block is skipped
-silently) and checkpoints itself as JSON (``state`` / ``load_state``). The built-in orders
-(:data:`fedcybgd.choices.SCHEDULES`) are registered by name; a plug-in registers its own with
-:func:`register_schedule`, or passes any object with these four methods to ``FedCyBGD``.
+silently) and checkpoints itself as JSON (``state`` / ``load_state``). A schedule may also
+define ``observe(block, update_rms)``: the strategy then tells it, for every block it installs,
+the RMS of the step the block took (see :class:`ObservingSchedule`), so an order can follow
+where the model moves. The built-in orders (:data:`fedcybgd.choices.SCHEDULES`) are registered
+by name; a plug-in registers its own with :func:`register_schedule` (a module named in the
+run-config key ``plugin-modules``, then ``block-schedule = "its-name"``), or passes any object
+with these methods to ``FedCyBGD``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from fedcybgd.choices import SCHEDULES
+from fedcybgd.plugins import Registry
 
 
 @runtime_checkable
@@ -37,40 +42,52 @@ class Schedule(Protocol):
         ...
 
 
+@runtime_checkable
+class ObservingSchedule(Schedule, Protocol):
+    """A schedule that is also told how far each installed block moved."""
+
+    def observe(self, block: str, update_rms: float) -> None:
+        """``block`` was installed; its step's RMS (L2 norm / sqrt(elements)) was ``update_rms``."""
+        ...
+
+
 # name -> factory called as factory(blocks=[...], seed=int)
 ScheduleFactory = Callable[..., Schedule]
 _F = TypeVar("_F", bound=ScheduleFactory)
-_REGISTRY: dict[str, ScheduleFactory] = {}
+SCHEDULE_REGISTRY: Registry[ScheduleFactory] = Registry("block schedule", "block-schedule")
 
 
 def register_schedule(name: str, *, replace: bool = False) -> Callable[[_F], _F]:
     """Decorator: make ``factory(blocks=..., seed=...)`` the schedule called ``name``.
 
-    Registering a taken name raises unless ``replace`` (a plug-in must not shadow a built-in
-    order by accident).
+    ``blocks`` are the blocks of one cycle in model order, ``seed`` the run's seed. Registering
+    a taken name raises unless ``replace`` (a plug-in must not shadow a built-in order by
+    accident).
     """
+    return SCHEDULE_REGISTRY.register(name, replace=replace)  # type: ignore[return-value]
 
-    def add(factory: _F) -> _F:
-        if name in _REGISTRY and _REGISTRY[name] is not factory and not replace:
-            raise ValueError(f"a block schedule named {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
 
-    return add
+def unregister_schedule(name: str) -> ScheduleFactory:
+    """Remove the schedule ``name`` (tests, interactive sessions); returns its factory."""
+    return SCHEDULE_REGISTRY.unregister(name)
 
 
 def schedule_names() -> tuple[str, ...]:
     """The registered schedule names, built-in first."""
-    return tuple(_REGISTRY)
+    return SCHEDULE_REGISTRY.names()
 
 
 def build_schedule(name: str, blocks: Sequence[str], seed: int = 0) -> Schedule:
-    """The schedule registered as ``name`` over ``blocks`` (in model order)."""
-    factory = _REGISTRY.get(name)
-    if factory is None:
-        raise ValueError(f"block-schedule {name!r} is not registered; choose one of "
-                         f"{list(_REGISTRY)}")
-    schedule = factory(blocks=list(blocks), seed=seed)
+    """The schedule registered as ``name`` over ``blocks`` (in model order).
+
+    Raises
+    ------
+    ConfigError
+        ``name`` is not registered (the message suggests the closest registered name).
+    TypeError
+        The factory made something without the :class:`Schedule` methods.
+    """
+    schedule = SCHEDULE_REGISTRY.get(name)(blocks=list(blocks), seed=seed)
     if not isinstance(schedule, Schedule):
         raise TypeError(f"block-schedule {name!r} made a {type(schedule).__name__}, which lacks "
                         "take/requeue/state/load_state")

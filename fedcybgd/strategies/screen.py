@@ -39,6 +39,12 @@ def numel(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors.values())
 
 
+def update_rms(tensors: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor]) -> float:
+    """RMS of the step from ``start`` to ``tensors``: L2 norm / sqrt(elements), so blocks of
+    different sizes compare."""
+    return l2_norm(tensors, start) / math.sqrt(max(numel(start), 1))
+
+
 def all_finite(tensors: Mapping[str, torch.Tensor]) -> bool:
     """No NaN or Inf in any floating tensor."""
     return all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
