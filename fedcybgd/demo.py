@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedcybgd.models import cache_root
+from fedcybgd.model.loading import cache_root
 
 PROJECT = Path(__file__).resolve().parent.parent
 

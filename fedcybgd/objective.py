@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fedcybgd.data.prompts import Batch
-from fedcybgd.layerwise import LayerStack
+from fedcybgd.model.layerwise import LayerStack
 
 
 def label_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -19,9 +19,9 @@ from fedcybgd.client.app import app as client_app
 from fedcybgd.client.app import node_key as client_node_key
 from fedcybgd.client.app import train as client_train
 from fedcybgd.config import ConfigError, RunConfig
-from fedcybgd.loopback import LoopbackGrid
-from fedcybgd.models import load_model
-from fedcybgd.procgrid import ProcessGrid
+from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.harness.procgrid import ProcessGrid
+from fedcybgd.model.loading import load_model
 from fedcybgd.server.app import run_server
 from fedcybgd.server.baselines import run_fedavg
 

@@ -68,8 +68,8 @@ def run_scenario(name: str, workdir: Path) -> dict[str, Any]:
     from fedcybgd.checksum import content_checksum
     from fedcybgd.client.app import app as client_app
     from fedcybgd.config import RunConfig
-    from fedcybgd.loopback import LoopbackGrid
-    from fedcybgd.models import load_model
+    from fedcybgd.harness.loopback import LoopbackGrid
+    from fedcybgd.model.loading import load_model
     from fedcybgd.server.app import run_server
 
     overrides, nodes, budgets, silenced = SCENARIOS[name]

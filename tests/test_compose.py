@@ -125,13 +125,13 @@ def _default_run_config() -> dict[str, Any]:
 def test_example_nodes_fit_the_default_model() -> None:
     """Every SuperNode of the example, as configured, has an update rule that fits its memory
     budget on every block of a default run: none is left out of the run it was written for.
-    The estimate is the client's own (fedcybgd.memory_model), on SmolLM2's real shapes (a
+    The estimate is the client's own (fedcybgd.memory.estimate), on SmolLM2's real shapes (a
     randomly initialised model from its config: the weights do not matter)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fedcybgd.blocks import BlockMap
-    from fedcybgd.memory_model import ModelShape, estimate_peak_mb, fitting_rule
-    from fedcybgd.models import smollm2_folder
+    from fedcybgd.memory.estimate import ModelShape, estimate_peak_mb, fitting_rule
+    from fedcybgd.model.blocks import BlockMap
+    from fedcybgd.model.loading import smollm2_folder
 
     run = _default_run_config()
     assert run["model"] == "smollm2-135m"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import fedcybgd.data as data
 from fedcybgd.data import partition, prompts, rotten_tomatoes
-from fedcybgd.models import load_tokenizer
+from fedcybgd.model.loading import load_tokenizer
 
 DATASET = "rotten-tomatoes"
 SUFFIX = "\nSentiment:"

@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 from fedcybgd import atomic
 from fedcybgd.client.app import app as client_app
 from fedcybgd.config import ConfigError, RunConfig
-from fedcybgd.loopback import LoopbackGrid
-from fedcybgd.models import load_model
+from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.model.loading import load_model
 from fedcybgd.server import app as server_app
 from fedcybgd.server import checkpoint as checkpoint_module
 from fedcybgd.server.app import run_server

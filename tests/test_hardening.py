@@ -24,15 +24,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedcybgd import protocol
-from fedcybgd.blocks import BlockMap
+from fedcybgd import protocol, zeroth_order
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.app import app as client_app
 from fedcybgd.compression import decode, encode, seedlog
 from fedcybgd.config import RunConfig
-from fedcybgd.faults import HOSTILE, SANITIZED, set_upload, upload_of
-from fedcybgd.loopback import LoopbackGrid
-from fedcybgd.models import load_model
+from fedcybgd.harness.faults import HOSTILE, SANITIZED, set_upload, upload_of
+from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.loading import load_model
 from fedcybgd.server.app import build_strategy
 from fedcybgd.strategies.aggregate import coordinate_median, trimmed_mean, weighted_mean
 
@@ -84,7 +84,7 @@ def assert_untouched(rig: Rig, before: dict[str, torch.Tensor], entry: Any, reas
 
 
 # ------------------------------------------------------------------ weights-upload replies
-# What each case of the shared catalog (fedcybgd.faults.HOSTILE) must be dropped as.
+# What each case of the shared catalog (fedcybgd.harness.faults.HOSTILE) must be dropped as.
 EXPECTED = {
     "num-examples NaN": "bad-metrics",
     "num-examples inf": "bad-metrics",
@@ -427,10 +427,10 @@ def test_late_reply_from_an_earlier_round_is_ignored(tiny_run_config, tmp_path):
 
 
 # ----------------------------------------------------------------------- seed-log fuzzing
-_HONEST_LOG = seedlog.SeedLog(
+_HONEST_LOG = zeroth_order.SeedLog(
     block="layer.0", units=9, layout="0123456789abcdef", eps=1e-3, weight_decay=0.0,
     torch="2.13.0", z="fedcba9876543210",
-    steps=tuple(seedlog.SeedStep(seed=i, units=(0, 4, 8), g=0.5, lr=seedlog.to_f32(1e-4))
+    steps=tuple(zeroth_order.SeedStep(seed=i, units=(0, 4, 8), g=0.5, lr=zeroth_order.to_f32(1e-4))
                 for i in range(4)))
 _HEADER_NOISE = ["[" * 5000, "1" + "0" * 400, "NaN", "-Infinity", "1e400", '"x"', "true", "null",
                  "{}", "[]", "-1", "65536", "0.0", '"' + "a" * 300 + '"']

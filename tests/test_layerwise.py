@@ -18,11 +18,11 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, LlamaForCausalLM, PreTrainedModel
 
-from fedcybgd.blocks import EMBED, HEAD, BlockMap, UnsupportedModelError
 from fedcybgd.client.updates.fo import block_loss
 from fedcybgd.data.prompts import Batch
-from fedcybgd.layerwise import LayerStack
-from fedcybgd.models import TINY_CONFIGS, build_tiny, load_model, load_tokenizer
+from fedcybgd.model.blocks import EMBED, HEAD, BlockMap, UnsupportedModelError
+from fedcybgd.model.layerwise import LayerStack
+from fedcybgd.model.loading import TINY_CONFIGS, build_tiny, load_model, load_tokenizer
 from fedcybgd.objective import label_loss
 
 ATOL = 1e-5  # fp32 logits; the pieces run the model's own kernels, so the gap measured is 0

@@ -9,14 +9,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedcybgd import protocol
-from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.app import app as client_app
 from fedcybgd.compression import decode
 from fedcybgd.config import ConfigError, RunConfig
-from fedcybgd.faults import upload_of
-from fedcybgd.loopback import LoopbackGrid
-from fedcybgd.models import load_model
+from fedcybgd.harness.faults import upload_of
+from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.loading import load_model
 from fedcybgd.server.app import Evaluator, build_strategy
 from fedcybgd.strategies.lr_schedule import FLOOR, build_lr_schedule
 from fedcybgd.strategies.schedule import BlockSchedule
@@ -121,7 +121,7 @@ def test_eval_split_validation_reads_the_validation_rows(tiny_run_config):
     run = RunConfig.from_run_config(dict(tiny_run_config, **{"eval-split": "validation"}))
     test = RunConfig.from_run_config(tiny_run_config)
     model = load_model(run.model)
-    from fedcybgd.layerwise import LayerStack
+    from fedcybgd.model.layerwise import LayerStack
     stack = LayerStack(model)
     assert not set(Evaluator(run, stack).frame["text"]) & set(Evaluator(test, stack).frame["text"])
 

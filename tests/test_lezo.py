@@ -14,13 +14,14 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import fedcybgd.data as data
-from fedcybgd.blocks import BlockMap
+from fedcybgd import zeroth_order
 from fedcybgd.client.updates import TrainTask, get_rule, lezo
 from fedcybgd.client.updates.fo import block_loss
 from fedcybgd.compression import seedlog
 from fedcybgd.data.prompts import Batch
-from fedcybgd.layerwise import LayerStack
-from fedcybgd.models import load_model, load_tokenizer
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.layerwise import LayerStack
+from fedcybgd.model.loading import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_projected_gradient_matches_directional_derivative(batches):
     # Prepare: one MeZO step with lr=0 on a single-layer block (units = its 9 tensors)
     task = make_task(batches, "layer.1", steps=1, lr=0.0, **{"zo-eps": 1e-4})
     rule = get_rule("mezo")
-    layout = seedlog.unit_layout(task.blocks, "layer.1")
+    layout = zeroth_order.unit_layout(task.blocks, "layer.1")
     params = dict(task.model.named_parameters())
 
     # Execute
@@ -102,7 +103,8 @@ def test_projected_gradient_matches_directional_derivative(batches):
     directional = 0.0
     for unit in step.units:
         names = layout[unit]
-        zs = seedlog.unit_z(seedlog.unit_seed(step.seed, unit), [params[n].shape for n in names])
+        zs = zeroth_order.unit_z(zeroth_order.unit_seed(step.seed, unit),
+                                 [params[n].shape for n in names])
         for z, name in zip(zs, names, strict=True):
             directional += float((z * params[name].grad).sum())
 
@@ -144,7 +146,7 @@ def test_only_chosen_units_change(batches):
                      **{"lezo-density": 0.5})
     rule = get_rule("lezo")
     before = snapshot(task.model)
-    layout = seedlog.unit_layout(task.blocks, "layer.0-3")
+    layout = zeroth_order.unit_layout(task.blocks, "layer.0-3")
 
     # Execute
     rule.train(task)
@@ -246,7 +248,7 @@ def test_replay_reproduces_the_clients_block(batches, block, layers_per_block, d
     # Execute
     rule.train(task)
     log = seedlog.decode_seedlog(seedlog.encode_seedlog(rule.last_log))
-    replayed = seedlog.replay(start, log, seedlog.unit_layout(task.blocks, block))
+    replayed = zeroth_order.replay(start, log, zeroth_order.unit_layout(task.blocks, block))
 
     # Assert
     trained = task.blocks.get(task.model, block)
@@ -259,32 +261,34 @@ def test_replay_refuses_other_torch_and_other_starts(batches):
     # Prepare
     task = make_task(batches, "layer.1", steps=1, lr=1e-2)
     start = task.blocks.get(task.model, "layer.1")
-    layout = seedlog.unit_layout(task.blocks, "layer.1")
+    layout = zeroth_order.unit_layout(task.blocks, "layer.1")
     rule = get_rule("lezo")
     rule.train(task)
     log = rule.last_log
-    other_torch = seedlog.SeedLog(**{**log.__dict__, "torch": "1.0.0"})
-    other_z = seedlog.SeedLog(**{**log.__dict__, "z": "0" * 16})
+    other_torch = zeroth_order.SeedLog(**{**log.__dict__, "torch": "1.0.0"})
+    other_z = zeroth_order.SeedLog(**{**log.__dict__, "z": "0" * 16})
     moved = {n: t + 1 for n, t in start.items()}
 
     # Execute / Assert
-    with pytest.raises(seedlog.ReplayError, match="torch"):
-        seedlog.replay(start, other_torch, layout)
-    with pytest.raises(seedlog.ReplayError, match="fingerprint"):
-        seedlog.replay(start, other_z, layout)
-    with pytest.raises(seedlog.ReplayError, match="start"):
-        seedlog.replay(moved, log, layout)
+    with pytest.raises(zeroth_order.ReplayError, match="torch"):
+        zeroth_order.replay(start, other_torch, layout)
+    with pytest.raises(zeroth_order.ReplayError, match="fingerprint"):
+        zeroth_order.replay(start, other_z, layout)
+    with pytest.raises(zeroth_order.ReplayError, match="start"):
+        zeroth_order.replay(moved, log, layout)
     with pytest.raises(ValueError, match="layout"):
-        seedlog.replay(start, log, layout[:-1])
+        zeroth_order.replay(start, log, layout[:-1])
 
 
-def _sample_log(units: int = 30) -> seedlog.SeedLog:
-    return seedlog.SeedLog(
+def _sample_log(units: int = 30) -> zeroth_order.SeedLog:
+    return zeroth_order.SeedLog(
         block="layer.0-29", units=units, layout="0123456789abcdef", eps=1e-3, weight_decay=0.0,
-        torch=torch.__version__, z=seedlog.z_fingerprint(), base="a" * 64, result="",
+        torch=torch.__version__, z=zeroth_order.z_fingerprint(), base="a" * 64, result="",
         steps=(
-            seedlog.SeedStep(2**64 - 1, (0, 7, 29), seedlog.to_f32(-1.25), seedlog.to_f32(1e-6)),
-            seedlog.SeedStep(3, tuple(range(units)), seedlog.to_f32(0.5), seedlog.to_f32(1e-6)),
+            zeroth_order.SeedStep(2**64 - 1, (0, 7, 29), zeroth_order.to_f32(-1.25),
+                                  zeroth_order.to_f32(1e-6)),
+            zeroth_order.SeedStep(3, tuple(range(units)), zeroth_order.to_f32(0.5),
+                                  zeroth_order.to_f32(1e-6)),
         ),
     )
 
@@ -298,8 +302,8 @@ def test_seedlog_round_trips_and_is_compact():
 
     # Assert
     assert seedlog.decode_seedlog(encoded) == log
-    assert len(seedlog.encode_seedlog(seedlog.SeedLog(**{**log.__dict__, "steps": ()}))) + 2 * 20 \
-        == len(encoded)  # 8 + 4 + 4 + 4 bytes per step for 30 units
+    empty = zeroth_order.SeedLog(**{**log.__dict__, "steps": ()})
+    assert len(seedlog.encode_seedlog(empty)) + 2 * 20 == len(encoded)  # 8+4+4+4 B per step
 
 
 def _reframe(encoded: bytes, edit: Any) -> bytes:
@@ -345,11 +349,11 @@ def test_seedlog_rejects_garbage(mangle):
 def test_seedlog_refuses_to_encode_non_fp32_values():
     # Prepare
     log = _sample_log()
-    step = seedlog.SeedStep(1, (0,), 0.1, 1e-6)  # 0.1 is not an fp32 value
+    step = zeroth_order.SeedStep(1, (0,), 0.1, 1e-6)  # 0.1 is not an fp32 value
 
     # Execute / Assert
     with pytest.raises(ValueError, match="fp32"):
-        seedlog.encode_seedlog(seedlog.SeedLog(**{**log.__dict__, "steps": (step,)}))
+        seedlog.encode_seedlog(zeroth_order.SeedLog(**{**log.__dict__, "steps": (step,)}))
 
 
 def test_prefix_layers_run_once_per_step(batches):
@@ -411,15 +415,15 @@ def test_options_are_validated(batches):
 
 def test_z_is_the_same_with_or_without_a_reused_buffer():
     # Prepare
-    numels = [5, seedlog.Z_CHUNK + 17, 300]
-    buffer = torch.empty(seedlog.Z_CHUNK)
+    numels = [5, zeroth_order.Z_CHUNK + 17, 300]
+    buffer = torch.empty(zeroth_order.Z_CHUNK)
 
     # Execute
-    fresh = [z.clone() for _, _, z in seedlog.unit_z_chunks(11, numels)]
-    reused = [z.clone() for _, _, z in seedlog.unit_z_chunks(11, numels, out=buffer)]
-    whole = seedlog.unit_z(11, [(n,) for n in numels])
+    fresh = [z.clone() for _, _, z in zeroth_order.unit_z_chunks(11, numels)]
+    reused = [z.clone() for _, _, z in zeroth_order.unit_z_chunks(11, numels, out=buffer)]
+    whole = zeroth_order.unit_z(11, [(n,) for n in numels])
 
     # Assert
-    assert [z.numel() for z in fresh] == [5, seedlog.Z_CHUNK, 17, 300]
+    assert [z.numel() for z in fresh] == [5, zeroth_order.Z_CHUNK, 17, 300]
     assert all(torch.equal(a, b) for a, b in zip(fresh, reused, strict=True))
     assert torch.equal(torch.cat(fresh), torch.cat(whole))

@@ -10,12 +10,12 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MessageType
 
-from fedcybgd.blocks import BlockMap
 from fedcybgd.client.app import app as client_app
 from fedcybgd.compression import encode
 from fedcybgd.config import ConfigError, RunConfig
-from fedcybgd.loopback import LoopbackGrid
-from fedcybgd.models import load_model
+from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.loading import load_model
 from fedcybgd.server.app import build_strategy, run_server
 
 
@@ -228,7 +228,7 @@ def test_strategy_runs_under_flower_start(tiny_run_config, tmp_path):
     [
         ("update-rule", "sgd", "update-rule"),
         ("num-server-rounds", -1, "num-server-rounds"),
-        ("block-schedule", "sideways", "block-schedule"),
+        ("block-schedule", "side ways", "block-schedule"),  # registered or not: at start
         ("lr", "fast", "lr"),
     ],
 )

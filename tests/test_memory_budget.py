@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fedcybgd.blocks import BlockMap
-from fedcybgd.memory_model import ModelShape, estimate_peak_mb, fitting_rule
-from fedcybgd.models import load_model
+from fedcybgd.memory.estimate import ModelShape, estimate_peak_mb, fitting_rule
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.loading import load_model
 
 pytestmark = pytest.mark.slow
 BENCH = Path(__file__).resolve().parent.parent / "experiments" / "bench_updates.py"

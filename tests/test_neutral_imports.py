@@ -65,7 +65,7 @@ def test_server_and_strategies_never_import_the_client_package():
 
 
 def test_neutral_modules_import_neither_side():
-    neutral = _files("baselines", "rules", "rule_options.py", "memory_model.py", "config.py",
+    neutral = _files("baselines", "rules", "rule_options.py", "memory/estimate.py", "config.py",
                      "config_fields.py")
     sides = ("fedcybgd.client", "fedcybgd.server", "fedcybgd.strategies")
     assert _importing(neutral, sides) == {}
@@ -139,7 +139,7 @@ def test_the_experiments_harness_picks_the_runner_from_the_same_table(monkeypatc
         import run_experiments
     finally:
         sys.path.pop(0)
-    from fedcybgd import procgrid
+    from fedcybgd.harness import procgrid
     from fedcybgd.server import app
 
     class Exchange:

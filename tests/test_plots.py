@@ -11,7 +11,7 @@ import pytest
 
 from fedcybgd.client.app import app as client_app
 from fedcybgd.config import RunConfig
-from fedcybgd.loopback import LoopbackGrid
+from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.server import plots
 from fedcybgd.server.app import run_server
 from fedcybgd.server.baselines import run_fedavg

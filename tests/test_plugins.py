@@ -156,7 +156,7 @@ def test_a_loopback_run_uses_the_plugin_schedule_and_aggregator(plugin, tiny_run
                                                                 tmp_path):
     # Prepare: two nodes share one block per round, so every merge has two uploads
     from fedcybgd.client.app import app as client_app
-    from fedcybgd.loopback import LoopbackGrid
+    from fedcybgd.harness.loopback import LoopbackGrid
 
     config = dict(tiny_run_config, **{"plugin-modules": MODULE,
                                       "block-schedule": "top-down-watching",

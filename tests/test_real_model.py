@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fedcybgd import data
-from fedcybgd.blocks import BlockMap
 from fedcybgd.client.updates import TrainTask, get_rule
-from fedcybgd.layerwise import LayerStack
-from fedcybgd.models import load_model, load_tokenizer
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.layerwise import LayerStack
+from fedcybgd.model.loading import load_model, load_tokenizer
 from fedcybgd.objective import evaluate
 
 pytestmark = pytest.mark.slow

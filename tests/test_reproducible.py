@@ -20,12 +20,13 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcybgd import demo, loopback, procgrid, protocol
+from fedcybgd import demo, protocol
 from fedcybgd.client.app import app as client_app
 from fedcybgd.client.app import train as client_train
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig
-from fedcybgd.loopback import LoopbackGrid
-from fedcybgd.procgrid import ProcessGrid
+from fedcybgd.harness import loopback, procgrid
+from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.harness.procgrid import ProcessGrid
 from fedcybgd.server.app import run_server
 from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.server.checkpoint import Checkpointer
@@ -36,7 +37,7 @@ MEASURED = {"round_s", "eval_s", "client_train_s", "wall_s", "client_peak_mem_mb
 
 
 def shuffled_ids(salt: str) -> Callable[..., dict[int, dict[str, Any]]]:
-    """A stand-in for :func:`fedcybgd.loopback.node_configs` giving partition ``i`` a random
+    """A stand-in for :func:`fedcybgd.harness.loopback.node_configs` giving partition ``i`` a random
     node id (seeded by ``salt``), listed in random order, as Flower's runtimes do."""
 
     def node_configs(num_nodes: int, node_config: Callable[[int], dict[str, Any]] | None,

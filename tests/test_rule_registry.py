@@ -21,11 +21,10 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from fedcybgd import rule_options, rules
-from fedcybgd.blocks import BlockMap
 from fedcybgd.client.updates import get_rule, step_log_of
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.config_fields import normalize, setting
-from fedcybgd.memory_model import (
+from fedcybgd.memory.estimate import (
     ACT_FLOATS_PER_TOKEN_PER_LAYER,
     MB,
     RUNTIME_MB,
@@ -34,7 +33,8 @@ from fedcybgd.memory_model import (
     fitting_rule,
     memory_needs,
 )
-from fedcybgd.models import load_model
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.loading import load_model
 from fedcybgd.rules import MemoryNeeds, RuleOptions, TrainOutcome, TrainTask
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -302,10 +302,10 @@ def test_the_server_validates_a_plugin_rule_without_importing_the_client_package
     code = textwrap.dedent(f"""
         import sys, json
         import fedcybgd.server.app
-        from fedcybgd.blocks import BlockMap
+        from fedcybgd.model.blocks import BlockMap
         from fedcybgd.config import RunConfig
-        from fedcybgd.memory_model import ModelShape, fitting_rule
-        from fedcybgd.models import load_model
+        from fedcybgd.memory.estimate import ModelShape, fitting_rule
+        from fedcybgd.model.loading import load_model
         run = RunConfig.from_run_config({{"rule-modules": {plugin!r}, "update-rule": "signsgd",
                                          "signsgd-momentum": 0.5}})
         model = load_model("tiny-llama")
@@ -401,7 +401,7 @@ def test_a_broken_memory_estimate_is_named(greedy):
 def _grid(run_config: dict[str, Any], tmp_path: Path, nodes: int,
           node_config: dict[str, Any] | None = None) -> Any:
     from fedcybgd.client.app import app as client_app
-    from fedcybgd.loopback import LoopbackGrid
+    from fedcybgd.harness.loopback import LoopbackGrid
 
     cache = tmp_path / "client-cache"
     return LoopbackGrid(client_app, nodes, run_config,

@@ -21,11 +21,11 @@ from flwr.app import (
 )
 
 from fedcybgd import protocol
-from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.choices import SCHEDULES
 from fedcybgd.compression import decode, encode, payload_from_array, payload_to_array, read_header
-from fedcybgd.models import load_model
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.loading import load_model
 from fedcybgd.protocol import Holding
 from fedcybgd.strategies import FedCyBGD, RoundRecord, Schedule, Upload, run_totals
 from fedcybgd.strategies.downloads import DownloadPlanner, stale_blocks
@@ -509,7 +509,7 @@ def test_metric_record_and_totals_come_from_the_record():
 def test_a_users_schedule_and_aggregator_run_a_round(tiny_run_config, tmp_path: Path):
     # Prepare: two nodes share one block; the aggregator keeps the first upload only
     from fedcybgd.client.app import app as client_app
-    from fedcybgd.loopback import LoopbackGrid
+    from fedcybgd.harness.loopback import LoopbackGrid
 
     config = dict(tiny_run_config, **{"clients-per-block": 2})
     grid = LoopbackGrid(client_app, 2, config,

@@ -10,14 +10,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MessageType
 
 from fedcybgd import protocol
-from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.app import app as client_app
 from fedcybgd.client.runtime import client_model
 from fedcybgd.compression import payload_from_array, payload_to_array, read_header
 from fedcybgd.config import RunConfig
-from fedcybgd.loopback import LoopbackGrid
-from fedcybgd.models import load_model
+from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.loading import load_model
 from fedcybgd.server.app import build_strategy
 
 COMPRESSED = {"upload-codec": "delta+int8+zstd", "download-codec": "delta+int8+zstd"}

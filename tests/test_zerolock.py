@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from fedcybgd import data
-from fedcybgd.blocks import BlockMap
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule
 from fedcybgd.client.updates.local_heads import LocalHead, Translator
 from fedcybgd.client.updates.zerolock import (
@@ -24,8 +23,9 @@ from fedcybgd.client.updates.zerolock import (
     split_layers,
 )
 from fedcybgd.data.prompts import Batch
-from fedcybgd.layerwise import LayerStack
-from fedcybgd.models import load_model, load_tokenizer
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.layerwise import LayerStack
+from fedcybgd.model.loading import load_model, load_tokenizer
 from fedcybgd.objective import label_loss
 
 SEED = 11
@@ -401,7 +401,7 @@ def test_clientapp_runs_zerolock_with_a_tuned_head(tiny_run_config, tmp_path):
     # Prepare: two rounds of one client; the tuned head must appear in the node's cache folder
     from fedcybgd.client.app import app as client_app
     from fedcybgd.config import RunConfig
-    from fedcybgd.loopback import LoopbackGrid
+    from fedcybgd.harness.loopback import LoopbackGrid
     from fedcybgd.server.app import run_server
 
     config = dict(tiny_run_config, **{"update-rule": "zerolock", "zerolock-head": "tuned",
@@ -420,7 +420,7 @@ def test_clientapp_runs_zerolock_with_a_tuned_head(tiny_run_config, tmp_path):
 def test_local_head_with_a_frozen_tied_weight_keeps_the_familys_softcap():
     # Prepare: Gemma2 ties its head to the embedding and softcaps the logits
     from fedcybgd.client.updates.local_heads import LocalHead
-    from fedcybgd.layerwise import LayerStack
+    from fedcybgd.model.layerwise import LayerStack
 
     model = load_model("tiny-gemma2")
     stack = LayerStack(model)

@@ -16,8 +16,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from fedcybgd.config import RunConfig
-from fedcybgd.layerwise import LayerStack
-from fedcybgd.models import load_model
+from fedcybgd.model.layerwise import LayerStack
+from fedcybgd.model.loading import load_model
 
 if TYPE_CHECKING:
     from peft import LoraConfig

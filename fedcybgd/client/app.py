@@ -37,9 +37,9 @@ from fedcybgd.compression import (
     uses_base,
 )
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig
-from fedcybgd.memory import PeakMemory
-from fedcybgd.memory_model import ModelShape, estimate_peak_mb, fitting_rule
-from fedcybgd.models import cache_root
+from fedcybgd.memory.estimate import ModelShape, estimate_peak_mb, fitting_rule
+from fedcybgd.memory.measure import PeakMemory
+from fedcybgd.model.loading import cache_root
 from fedcybgd.protocol import Holding
 from fedcybgd.rules import rule_spec
 

@@ -31,7 +31,7 @@ from fedcybgd.baselines import (  # build_full, build_lora: re-exported for earl
 from fedcybgd.client.runtime import client_tokenizer
 from fedcybgd.client.updates.fo import block_loss
 from fedcybgd.config import NodeConfig, RunConfig
-from fedcybgd.memory import PeakMemory
+from fedcybgd.memory.measure import PeakMemory
 
 __all__ = ["ARRAYS", "METRICS", "build_full", "build_lora", "is_fedavg_message", "train_fedavg"]
 

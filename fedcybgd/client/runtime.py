@@ -14,11 +14,11 @@ import functools
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.store import BlockStore
-from fedcybgd.layerwise import LayerStack
-from fedcybgd.models import load_model, load_tokenizer, read_tensors, safetensors_index
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.layerwise import LayerStack
+from fedcybgd.model.loading import load_model, load_tokenizer, read_tensors, safetensors_index
 from fedcybgd.protocol import Holding
 
 

@@ -17,7 +17,7 @@ A plug-in rule is one file: decorate its class with ``@register_rule("name", opt
 memory=...)`` and name the module in the run-config key ``plugin-modules``; then
 ``update-rule = "name"`` selects it (see :mod:`fedcybgd.plugins` for why a decorator and a
 config key rather than entry points). Import only neutral modules in it (this package,
-:mod:`fedcybgd.config_fields`, :mod:`fedcybgd.layerwise`, :mod:`fedcybgd.objective`, torch):
+:mod:`fedcybgd.config_fields`, :mod:`fedcybgd.model.layerwise`, :mod:`fedcybgd.objective`, torch):
 the server imports it too, and the server never imports the client package.
 
 Nothing in this package imports torch or the client package.

@@ -4,7 +4,7 @@ The implementations live in the client package (:mod:`fedcybgd.client.updates`) 
 here as text, so the server knows every built-in rule without importing client code. The
 registry imports this module on its first lookup.
 
-Memory, on top of runtime + weights (see :mod:`fedcybgd.memory_model` for the shared part and
+Memory, on top of runtime + weights (see :mod:`fedcybgd.memory.estimate` for the shared part and
 its calibration):
 
 * ``fo``: the block's gradients and AdamW moments (+ an fp32 master copy of low-precision

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from torch import nn
 
-    from fedcybgd.blocks import BlockMap
-    from fedcybgd.compression.seedlog import SeedLog
     from fedcybgd.data.prompts import Batch
-    from fedcybgd.layerwise import LayerStack
+    from fedcybgd.model.blocks import BlockMap
+    from fedcybgd.model.layerwise import LayerStack
+    from fedcybgd.zeroth_order import SeedLog
 
 
 @dataclass
@@ -70,7 +70,7 @@ class TrainOutcome:
     """What a rule reports after training (the new weights are in the model).
 
     ``step_log`` is set by a rule that declares ``step_log=True``: the
-    :class:`~fedcybgd.compression.seedlog.SeedLog` of the round, which the server replays to
+    :class:`~fedcybgd.zeroth_order.SeedLog` of the round, which the server replays to
     rebuild the block when the run uploads step logs (``upload-codec = "seedlog"``).
     """
 
@@ -101,7 +101,7 @@ class MemoryNeeds:
     """What one client-round on a block costs, for a rule's memory estimate.
 
     The estimate is the peak on top of the runtime and the model's weights (both counted by
-    :func:`fedcybgd.memory_model.estimate_peak_mb`); all sizes in MiB.
+    :func:`fedcybgd.memory.estimate.estimate_peak_mb`); all sizes in MiB.
 
     Attributes
     ----------

@@ -23,12 +23,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
 from fedcybgd.config import RunConfig
-from fedcybgd.layerwise import LayerStack
-from fedcybgd.memory_model import ModelShape, fitting_rule
-from fedcybgd.models import load_model, load_tokenizer, read_tensors, safetensors_index
+from fedcybgd.memory.estimate import ModelShape, fitting_rule
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.layerwise import LayerStack
+from fedcybgd.model.loading import load_model, load_tokenizer, read_tensors, safetensors_index
 from fedcybgd.objective import EvalResult
 from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.server.checkpoint import Checkpointer

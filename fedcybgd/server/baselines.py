@@ -32,7 +32,7 @@ from fedcybgd.baselines import (
     to_record,
 )
 from fedcybgd.config import RunConfig
-from fedcybgd.models import load_tokenizer
+from fedcybgd.model.loading import load_tokenizer
 from fedcybgd.server.common import Evaluator, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir

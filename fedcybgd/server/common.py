@@ -15,8 +15,8 @@ from flwr.serverapp import Grid
 
 from fedcybgd import data
 from fedcybgd.config import ConfigError, RunConfig
-from fedcybgd.layerwise import LayerStack
-from fedcybgd.models import load_tokenizer
+from fedcybgd.model.layerwise import LayerStack
+from fedcybgd.model.loading import load_tokenizer
 from fedcybgd.objective import EvalResult, evaluate
 
 

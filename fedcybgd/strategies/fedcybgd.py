@@ -24,8 +24,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedcybgd.blocks import BlockMap
 from fedcybgd.compression import raw_fp32_bytes
+from fedcybgd.model.blocks import BlockMap
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
 from fedcybgd.strategies.downloads import DownloadPlanner, PayloadCache
 from fedcybgd.strategies.instructions import RunTerms, train_message

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedcybgd import protocol
-from fedcybgd.compression import seedlog
+from fedcybgd import protocol, zeroth_order
 from fedcybgd.strategies.downloads import Download
 from fedcybgd.strategies.matching import Assignment
 
@@ -49,7 +48,7 @@ def train_message(server_round: int, assignment: Assignment, seed: int, download
         cfg[protocol.LR] = float(lr)
     if terms.upload_codec == protocol.SEEDLOG:
         # the node replays only if its generator and torch match the server's
-        cfg.update({protocol.ZO_FINGERPRINT: seedlog.z_fingerprint(),
+        cfg.update({protocol.ZO_FINGERPRINT: zeroth_order.z_fingerprint(),
                     protocol.ZO_TORCH: torch.__version__,
                     protocol.SEEDLOG_FALLBACK: terms.seedlog_fallback})
     content = RecordDict({protocol.CONFIG: cfg, protocol.DOWNLOAD: download.arrays})

@@ -52,7 +52,7 @@ def match(
         Picks a fitting rule; without it (or without any budget among ``nodes``) budgets are
         ignored.
     lowest_layer_of : Callable[[str], int], optional
-        A block's first layer (e.g. :meth:`fedcybgd.blocks.BlockMap.lowest_layer_of`), to
+        A block's first layer (e.g. :meth:`fedcybgd.model.blocks.BlockMap.lowest_layer_of`), to
         order blocks by cost; required with budgets.
     """
     budgets = budgets or {}

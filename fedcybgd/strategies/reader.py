@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from flwr.app import Message
 
-from fedcybgd import protocol
-from fedcybgd.blocks import BlockMap
+from fedcybgd import protocol, zeroth_order
 from fedcybgd.compression import (
     decode,
     payload_from_array,
@@ -29,6 +28,7 @@ from fedcybgd.compression import (
     uses_base,
 )
 from fedcybgd.compression.header import MAX_HEADER_BYTES
+from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import Holding
 from fedcybgd.strategies.record import RoundRecord
 from fedcybgd.strategies.replies import (
@@ -191,8 +191,8 @@ class ReplyReader:
                 lambda: seedlog.decode_seedlog(payload, max_steps=self.max_steps), BAD_SEEDLOG)
             if step_log.block != block:
                 raise Dropped(BAD_SEEDLOG, f"seed log is for block '{step_log.block[:64]}'")
-            layout = seedlog.unit_layout(self.block_map, block)
-            return guarded(lambda: seedlog.replay(start, step_log, layout), REPLAY_FAILED)
+            layout = zeroth_order.unit_layout(self.block_map, block)
+            return guarded(lambda: zeroth_order.replay(start, step_log, layout), REPLAY_FAILED)
         if kind == protocol.WEIGHTS:
             return guarded(lambda: decode(
                 payload,

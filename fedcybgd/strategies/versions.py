@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from fedcybgd.blocks import BlockMap
 from fedcybgd.checksum import content_checksum
+from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import Holding
 
 Tensors = dict[str, torch.Tensor]

@@ -12,7 +12,7 @@ import math
 import torch
 
 from fedcybgd.data.prompts import Batch
-from fedcybgd.layerwise import LayerStack
+from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.objective import label_loss
 from fedcybgd.rules import TrainOutcome, TrainTask
 

@@ -4,13 +4,13 @@ Forward passes only, at inference memory. One step on a batch:
 
 1. pick ``ceil(density * units)`` units of the block (a unit is a decoder layer of a
    multi-layer block, or one tensor of a single-layer/``embed``/``head`` block; see
-   :mod:`fedcybgd.compression.seedlog`) with a generator seeded from ``(seed, step)``;
+   :mod:`fedcybgd.zeroth_order`) with a generator seeded from ``(seed, step)``;
 2. ``theta += eps * z`` on those units, forward -> ``l+``; ``theta -= 2 eps z``, forward ->
    ``l-``; restore ``theta`` exactly; ``g = (l+ - l-) / (2 eps)``;
 3. ``theta -= lr * (g * z + wd * theta)`` on the chosen units; a non-finite ``l+``, ``l-`` or
    ``g`` skips the update (counted in ``skipped_steps``), the weights stay bit-identical.
 
-z of a unit comes from the unit's own generator (``seedlog.unit_z_chunks``), in chunks, so it
+z of a unit comes from the unit's own generator (``zeroth_order.unit_z_chunks``), in chunks, so it
 is drawn three times per step (perturb, swap sign, restore+update) and never stored.
 
 **Exact restore.** fp32 ``(theta + d) - d`` is not always ``theta``: an element differs by an
@@ -40,9 +40,9 @@ it are not perturbed this step either).
 an inference forward for MeZO and LeZO alike.
 
 **Seed log.** Every applied step is recorded (seed, units, fp32 ``g`` and ``lr``); the
-:class:`~fedcybgd.compression.seedlog.SeedLog` is returned as ``TrainOutcome.step_log`` (both
+:class:`~fedcybgd.zeroth_order.SeedLog` is returned as ``TrainOutcome.step_log`` (both
 rules are declared with ``step_log=True``) and kept in ``rule.last_log``, and
-``seedlog.replay`` rebuilds the trained block from it.
+``zeroth_order.replay`` rebuilds the trained block from it.
 
 Options (``task.options``, run-config keys, parsed by :mod:`fedcybgd.rule_options`): ``zo-eps``
 (1e-3), ``lezo-density`` (0.25; ``mezo`` ignores it). Weight decay is the run's ``weight-decay``.
@@ -58,10 +58,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedcybgd import zeroth_order
 from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import seedlog
 from fedcybgd.data.prompts import Batch
-from fedcybgd.layerwise import Hidden, LayerStack
+from fedcybgd.model.layerwise import Hidden, LayerStack
 from fedcybgd.objective import label_loss
 from fedcybgd.rule_options import LezoOptions, MezoOptions
 from fedcybgd.rules import TrainOutcome, TrainTask
@@ -89,7 +90,7 @@ class ZoOptions:
             raise ValueError(f"weight-decay must be finite and >= 0, got {wd}")
         if not (math.isfinite(task.lr) and task.lr >= 0):
             raise ValueError(f"lr must be finite and >= 0, got {task.lr}")
-        to32 = seedlog.to_f32
+        to32 = zeroth_order.to_f32
         return cls(to32(eps), density, to32(wd), to32(task.lr))
 
 
@@ -141,7 +142,7 @@ class _Slot:
     """
 
     def __init__(self, param: nn.Parameter) -> None:
-        if param.dtype not in seedlog.SUPPORTED_DTYPES:
+        if param.dtype not in zeroth_order.SUPPORTED_DTYPES:
             raise ValueError(
                 f"zeroth-order rules need fp32/fp16/bf16 weights, got {param.dtype}"
             )
@@ -152,7 +153,7 @@ class _Slot:
         self.master = (
             None if param.dtype == torch.float32 else param.detach().reshape(-1).float().clone()
         )
-        self.decay = seedlog.decays(param.shape)
+        self.decay = zeroth_order.decays(param.shape)
         self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.patched = 0  # elements restored from ``saved`` (a diagnostic)
 
@@ -232,7 +233,7 @@ class _Slot:
             theta = self._patch(offset, torch.add(x, d, out=a))
         if update is not None:
             g, lr, wd = update
-            seedlog.apply_update(theta, z, g, lr, wd, self.decay, work=(b, d))
+            zeroth_order.apply_update(theta, z, g, lr, wd, self.decay, work=(b, d))
         x.copy_(theta)
 
 
@@ -240,7 +241,7 @@ class _Block:
     """The block's units and the chunked passes over the chosen ones."""
 
     def __init__(self, task: TrainTask) -> None:
-        self.layout = seedlog.unit_layout(task.blocks, task.block)
+        self.layout = zeroth_order.unit_layout(task.blocks, task.block)
         params = dict(task.model.named_parameters())
         self.units = [[_Slot(params[name]) for name in unit] for unit in self.layout]
         self.device = params[self.layout[0][0]].device
@@ -250,7 +251,7 @@ class _Block:
         if info.layers is not None and len(self.layout) > 1 and info.layers[0] != info.layers[1]:
             self.unit_layers = list(range(info.layers[0], info.layers[1] + 1))
         largest = max(slot.numel for unit in self.units for slot in unit)
-        self.ws = _Workspace(min(seedlog.Z_CHUNK, largest), self.device)
+        self.ws = _Workspace(min(zeroth_order.Z_CHUNK, largest), self.device)
         self.perturbed = 0
 
     def _chunks(
@@ -258,9 +259,9 @@ class _Block:
     ) -> Iterator[tuple[_Slot, int, torch.Tensor]]:
         for unit in chosen:
             slots = self.units[unit]
-            seed = seedlog.unit_seed(seed_of_step, unit)
+            seed = zeroth_order.unit_seed(seed_of_step, unit)
             numels = [s.numel for s in slots]
-            for pos, offset, z in seedlog.unit_z_chunks(seed, numels, out=self.ws.z):
+            for pos, offset, z in zeroth_order.unit_z_chunks(seed, numels, out=self.ws.z):
                 yield slots[pos], offset, z.to(self.device)
 
     def plus(self, seed_of_step: int, chosen: tuple[int, ...], eps: float) -> None:
@@ -293,7 +294,7 @@ class ZerothOrder:
     fixed_density: float | None = None  # MeZO: 1.0, whatever lezo-density says
 
     def __init__(self) -> None:
-        self.last_log: seedlog.SeedLog | None = None
+        self.last_log: zeroth_order.SeedLog | None = None
 
     def train(self, task: TrainTask) -> TrainOutcome:
         """Run ``task.steps`` zeroth-order steps on ``task.block``; returns the step log in the
@@ -301,13 +302,13 @@ class ZerothOrder:
         opts = ZoOptions.from_task(task, self.fixed_density)
         model = task.model
         block = _Block(task)
-        count = seedlog.units_per_step(opts.density, len(block.layout))
+        count = zeroth_order.units_per_step(opts.density, len(block.layout))
         lowest = task.blocks.lowest_layer([task.block])
         began = time.perf_counter()
         base = _block_checksum(task)
         times = {"prefix_s": 0.0, "zo_forward_s": 0.0, "perturb_s": 0.0}
         times["seedlog_s"] = time.perf_counter() - began
-        steps: list[seedlog.SeedStep] = []
+        steps: list[zeroth_order.SeedStep] = []
         losses: list[float] = []
         examples = skipped = 0
         was_training = model.training
@@ -317,8 +318,8 @@ class ZerothOrder:
                 for step in range(task.steps):
                     batch = next(task.batches).to(block.device)
                     examples += len(batch)
-                    seed = seedlog.step_seed(task.seed, step)
-                    chosen = seedlog.choose_units(seed, len(block.layout), count)
+                    seed = zeroth_order.step_seed(task.seed, step)
+                    chosen = zeroth_order.choose_units(seed, len(block.layout), count)
                     record = self._step(task, block, opts, batch, lowest, seed, chosen, times)
                     if record is None:
                         skipped += 1
@@ -328,14 +329,14 @@ class ZerothOrder:
         finally:
             model.train(was_training)
         began = time.perf_counter()
-        self.last_log = seedlog.SeedLog(
+        self.last_log = zeroth_order.SeedLog(
             block=task.block,
             units=len(block.layout),
-            layout=seedlog.layout_id(block.layout),
+            layout=zeroth_order.layout_id(block.layout),
             eps=opts.eps,
             weight_decay=opts.weight_decay,
             torch=torch.__version__,
-            z=seedlog.z_fingerprint(),
+            z=zeroth_order.z_fingerprint(),
             steps=tuple(steps),
             base=base,
             result=_block_checksum(task),
@@ -363,7 +364,7 @@ class ZerothOrder:
         seed: int,
         chosen: tuple[int, ...],
         times: dict[str, float],
-    ) -> tuple[seedlog.SeedStep, float] | None:
+    ) -> tuple[zeroth_order.SeedStep, float] | None:
         """One step; ``None`` when skipped. The weights are restored whatever happens."""
         stack = task.stack
         clock = time.perf_counter()
@@ -392,7 +393,7 @@ class ZerothOrder:
             clock = time.perf_counter()
             loss_minus = perturbed_loss(stack, batch, prefix, start)
             times["zo_forward_s"] += time.perf_counter() - clock
-            g = seedlog.to_f32((loss_plus - loss_minus) / (2 * opts.eps))
+            g = zeroth_order.to_f32((loss_plus - loss_minus) / (2 * opts.eps))
             if math.isfinite(loss_plus) and math.isfinite(loss_minus) and math.isfinite(g):
                 update = (g, opts.lr, opts.weight_decay)
         finally:
@@ -401,7 +402,7 @@ class ZerothOrder:
             times["perturb_s"] += time.perf_counter() - clock
         if update is None:
             return None
-        return seedlog.SeedStep(seed, chosen, update[0], opts.lr), (loss_plus + loss_minus) / 2
+        return zeroth_order.SeedStep(seed, chosen, update[0], opts.lr), (loss_plus + loss_minus) / 2
 
 
 class LeZO(ZerothOrder):

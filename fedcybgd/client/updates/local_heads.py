@@ -29,7 +29,7 @@ from torch import nn
 
 from fedcybgd.choices import ZEROLOCK_OBJECTIVES
 from fedcybgd.data.prompts import Batch
-from fedcybgd.layerwise import Hidden, LayerStack
+from fedcybgd.model.layerwise import Hidden, LayerStack
 
 Objective = Literal["label", "next-token"]
 OBJECTIVES = ZEROLOCK_OBJECTIVES  # zerolock-objective

@@ -76,12 +76,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 from fedcybgd.atomic import save_tensors
-from fedcybgd.blocks import EMBED, HEAD
 from fedcybgd.client.paths import block_name
 from fedcybgd.client.updates.local_heads import LocalHead, Translator
 from fedcybgd.data import BatchIterator
 from fedcybgd.data.prompts import Batch
-from fedcybgd.layerwise import Hidden, LayerStack
+from fedcybgd.model.blocks import EMBED, HEAD
+from fedcybgd.model.layerwise import Hidden, LayerStack
 from fedcybgd.rule_options import ZeroLockOptions  # the options' one parser (server too)
 from fedcybgd.rules import TrainOutcome, TrainTask
 

@@ -21,11 +21,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fedcybgd.blocks import EMBED, HEAD
+from fedcybgd.model.blocks import EMBED, HEAD
 from fedcybgd.rules import MemoryNeeds, rule_spec
 
 if TYPE_CHECKING:
-    from fedcybgd.blocks import BlockMap
+    from fedcybgd.model.blocks import BlockMap
 
 MB = 2**20
 # Fitted on bench_updates.py (SmolLM2-135M fp32, batch 16 x 32 tokens, 1 thread, 2026-11-30):

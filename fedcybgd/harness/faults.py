@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message, MessageType
 
-from fedcybgd import protocol
-from fedcybgd.compression import encode, payload_from_array, payload_to_array, read_header, seedlog
+from fedcybgd import protocol, zeroth_order
+from fedcybgd.compression import encode, payload_from_array, payload_to_array, read_header
 from fedcybgd.compression.header import MAX_HEADER_BYTES
-from fedcybgd.loopback import LoopbackGrid
+from fedcybgd.harness.loopback import LoopbackGrid
 
 Tamper = Callable[[Message, random.Random], None]
 
@@ -92,8 +92,8 @@ def _seedlog_bytes(block: str, header: dict[str, Any], steps: bytes) -> bytes:
 
 def _seedlog_header(block: str, **extra: Any) -> dict[str, Any]:
     return {"block": block, "units": 2, "layout": "0" * 16, "eps": 1e-3, "weight_decay": 0.0,
-            "torch": torch.__version__, "z": seedlog.z_fingerprint(), "chunk": seedlog.Z_CHUNK,
-            "base": "", "result": "", "steps": 0, **extra}
+            "torch": torch.__version__, "z": zeroth_order.z_fingerprint(),
+            "chunk": zeroth_order.Z_CHUNK, "base": "", "result": "", "steps": 0, **extra}
 
 
 def _seedlog_eps_1e400(reply: Message, rng: random.Random) -> None:
@@ -193,7 +193,7 @@ class FaultyGrid(LoopbackGrid):
     seed : int
         Seeds every choice, so a soak is reproducible.
     **kwargs
-        Passed to :class:`fedcybgd.loopback.LoopbackGrid`.
+        Passed to :class:`fedcybgd.harness.loopback.LoopbackGrid`.
     """
 
     def __init__(self, *args: Any, hostile: set[int], lose: float, delay: float,

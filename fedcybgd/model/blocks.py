@@ -37,7 +37,7 @@ _LAYER_RE = re.compile(r"^layer\.(\d+)(?:-(\d+))?$")
 class UnsupportedModelError(ValueError):
     """A model this package cannot cut into blocks or run layer by layer exactly.
 
-    Raised when a :class:`BlockMap` or a :class:`fedcybgd.layerwise.LayerStack` is built, so a
+    Raised when a :class:`BlockMap` or a :class:`fedcybgd.model.layerwise.LayerStack` is built, so a
     model is refused at start, never trained block by block as a different function.
     """
 

@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from fedcybgd.blocks import UnsupportedModelError, base_model, family_name, find_layers
+from fedcybgd.model.blocks import UnsupportedModelError, base_model, family_name, find_layers
 
 _FINAL_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
 
