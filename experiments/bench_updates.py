@@ -57,10 +57,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from fedcybgd import data
-    from fedcybgd.model.blocks import BlockMap
     from fedcybgd.client.updates import TrainTask, get_rule
-    from fedcybgd.model.layerwise import LayerStack
     from fedcybgd.memory.measure import PeakMemory, rss_bytes
+    from fedcybgd.model.blocks import BlockMap
+    from fedcybgd.model.layerwise import LayerStack
     from fedcybgd.model.loading import load_model, load_tokenizer
     from fedcybgd.objective import label_loss
 

@@ -48,11 +48,11 @@ from flwr.app import Message
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedcybgd import protocol
-from fedcybgd.model.blocks import BlockMap
 from fedcybgd.client.app import app as client_app
 from fedcybgd.compression import decode, payload_from_array, read_header, uses_base
 from fedcybgd.config import RunConfig
 from fedcybgd.harness.faults import SANITIZED, FaultyGrid
+from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
 from fedcybgd.server.app import configure_logging, run_server
 from fedcybgd.strategies.aggregate import weighted_mean

@@ -39,102 +39,19 @@ from fedcybgd.rules import MemoryNeeds, RuleOptions, TrainOutcome, TrainTask
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_MODULE = "signsgd_rule"
-# The one file a user writes for a rule of their own (examples/ holds the same). It imports only
-# neutral modules, so the server can import it to validate the run without the client package.
-PLUGIN_SOURCE = '''\
-"""Sign-SGD on the assigned block: an update rule of one's own, in one file.
-
-Select it in the run config: rule-modules = "signsgd_rule", update-rule = "signsgd"; its option
-signsgd-momentum is a run-config key (list it in [tool.flwr.app.config] to set it with
-flwr run). The server imports this module at start to validate the run, every client to train.
-"""
-
-from __future__ import annotations
-
-import math
-from dataclasses import dataclass
-
-import torch
-
-from fedcybgd.config_fields import normalize, setting
-from fedcybgd.objective import label_loss
-from fedcybgd.rules import MemoryNeeds, RuleOptions, TrainOutcome, TrainTask, register_rule
-
-
-@dataclass(frozen=True)
-class SignSGDOptions(RuleOptions):
-    """The rule's run-config keys, defaults and ranges (checked on the server at start)."""
-
-    momentum: float = setting(0.0, key="signsgd-momentum", ge=0, lt=1)  # 0: plain sign-SGD
-
-    def __post_init__(self) -> None:
-        normalize(self)
-
-
-def signsgd_memory(needs: MemoryNeeds) -> float:
-    """MiB on top of runtime + weights: the block's gradient and momentum buffer, backprop from
-    the block up (nothing below it requires grad, so nothing there is kept), the logits."""
-    return (2 * needs.block_mb + needs.layers_from_block * needs.layer_activations_mb
-            + needs.logits_mb)
-
-
-@register_rule("signsgd", options=SignSGDOptions, memory=signsgd_memory)
-class SignSGD:
-    """m = momentum * m + grad; theta -= lr * sign(m), on the assigned block only."""
-
-    name = "signsgd"
-
-    def train(self, task: TrainTask) -> TrainOutcome:
-        """Train ``task.block`` in place for ``task.steps`` steps."""
-        opts = SignSGDOptions.from_options(task.options)
-        params = task.blocks.parameters(task.model, task.block)
-        for p in task.model.parameters():
-            p.requires_grad_(False)
-        for p in params:
-            p.requires_grad_(True)
-        momenta = [torch.zeros_like(p) for p in params]
-        losses: list[float] = []
-        examples = 0
-        try:
-            for _ in range(task.steps):
-                batch = next(task.batches)
-                examples += len(batch)
-                hidden = task.stack.embed(batch.input_ids, batch.attention_mask)
-                hidden = task.stack.run(hidden, 0, task.stack.num_layers)
-                logits = task.stack.logits_at(hidden.states, batch.last_index)
-                loss = label_loss(logits, batch)
-                if not math.isfinite(loss.item()):
-                    continue  # counted as skipped below; the weights stay as they are
-                loss.backward()
-                with torch.no_grad():
-                    for p, m in zip(params, momenta, strict=True):
-                        assert p.grad is not None
-                        m.mul_(opts.momentum).add_(p.grad)
-                        p.mul_(1 - task.lr * task.weight_decay)
-                        p.add_(m.sign(), alpha=-task.lr)
-                        p.grad = None
-                losses.append(loss.item())
-        finally:
-            for p in params:
-                p.requires_grad_(False)
-                p.grad = None
-        mean = sum(losses) / len(losses) if losses else math.nan
-        return TrainOutcome(loss=mean, steps=len(losses), examples=examples,
-                            skipped_steps=task.steps - len(losses))
-'''
+# The one file a user writes for a rule of their own: the example's. It imports only neutral
+# modules, so the server can import it to validate the run without the client package.
+PLUGIN_DIR = ROOT / "examples" / "signsgd_rule"
 
 
 # ----------------------------------------------------------------------------- fixtures
 
 
 @pytest.fixture
-def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The one-file plug-in on sys.path (not yet imported); removed again afterwards, so no
     other test sees its rule or its option key."""
-    folder = tmp_path / "plugins"
-    folder.mkdir()
-    (folder / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE)
-    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.syspath_prepend(str(PLUGIN_DIR))
     yield PLUGIN_MODULE
     sys.modules.pop(PLUGIN_MODULE, None)
     if "signsgd" in rules.rule_names():
@@ -315,8 +232,7 @@ def test_the_server_validates_a_plugin_rule_without_importing_the_client_package
         print(json.dumps([rule, sorted(m for m in sys.modules
                                        if m.startswith("fedcybgd.client"))]))
     """)
-    plugin_dirs = [p for p in sys.path if p.endswith("plugins")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*plugin_dirs, str(ROOT)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PLUGIN_DIR), str(ROOT)]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, cwd=ROOT, env=env)
     assert json.loads(done.stdout.strip().splitlines()[-1]) == ["signsgd", []]
