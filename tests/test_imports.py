@@ -1,4 +1,6 @@
-"""The package's import graph: no cycles, and the server side never imports the client.
+"""The package's structure: its import graph has no cycles, the server side never imports the
+client nor the client the server side, every shared module reaches neither side, and one table
+of runners serves the ServerApp and the experiments harness.
 
 Read statically from the source (``ast``), so a lazy import inside a function counts as much as
 one at the top: it is still a dependency. Imports under ``if TYPE_CHECKING:`` do not run and
@@ -10,14 +12,23 @@ submodule ``name`` when there is one, else to ``fedcybgd.pkg`` itself.
 from __future__ import annotations
 
 import ast
+import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from flwr.app import Context, RecordDict
+
+from fedcybgd.choices import STRATEGIES
+from fedcybgd.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent / "fedcybgd"
 SERVER_SIDE = ("fedcybgd.server", "fedcybgd.strategies")
 CLIENT = "fedcybgd.client"
+# On the operator's machine only (kept out of the app bundle): they may use both sides.
+OPERATOR_SIDE = ("fedcybgd.harness", "fedcybgd.deploy", "fedcybgd.demo")
 
 
 def module_name(path: Path) -> str:
@@ -164,9 +175,90 @@ def test_client_imports_nothing_of_the_server_side():
     assert {m: d for m, d in direct.items() if d} == {}
 
 
+def test_shared_modules_reach_neither_side():
+    # Prepare: every module that is neither side nor operator-side (config, rules, model, ...)
+    shared = [m for m in GRAPH if not _on(m, (*SERVER_SIDE, CLIENT, *OPERATOR_SIDE))]
+    assert {"fedcybgd.config", "fedcybgd.rules.registry", "fedcybgd.memory.estimate",
+            "fedcybgd.baselines.model", "fedcybgd.plugins", "fedcybgd.zeroth_order"} <= set(shared)
+    # Assert: none imports either side, directly or through other modules
+    through = {m: sorted(d for d in reachable(m) if _on(d, (*SERVER_SIDE, CLIENT)))
+               for m in shared}
+    assert {m: d for m, d in through.items() if d} == {}
+
+
 @pytest.mark.parametrize(("graph", "expected"), [
     ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
     ({"a": {"b"}, "b": set()}, []),
 ])
 def test_cycle_finder(graph, expected):
     assert cycles(graph) == expected
+
+
+# ------------------------------------------------------------ one table of runners
+def test_one_runner_per_strategy():
+    from fedcybgd.server.app import RUNNERS, run_server
+    from fedcybgd.server.baselines import run_fedavg
+
+    assert set(RUNNERS) == set(STRATEGIES)
+    assert RUNNERS["fedcybgd"] is run_server and RUNNERS["fedavg"] is run_fedavg
+
+
+def test_the_serverapp_runs_the_strategys_runner(monkeypatch, tmp_path):
+    from fedcybgd.server import app
+
+    seen: list[tuple[Any, RunConfig]] = []
+    monkeypatch.setitem(app.RUNNERS, "fedavg", lambda grid, run: seen.append((grid, run)) or {})
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                      run_config={"strategy": "fedavg", "output-dir": str(tmp_path)})
+    logger = logging.getLogger("fedcybgd")  # main() sets up its logging: keep the test's
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    try:
+        app.main(grid="the grid", context=context)  # type: ignore[arg-type]
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
+    assert [(g, r.strategy) for g, r in seen] == [("the grid", "fedavg")]
+
+
+class _FakeGrid:
+    """Stands in for the ProcessGrid run_one opens (no child process)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.exchanges: list[Any] = []
+
+    def __enter__(self) -> _FakeGrid:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_the_experiments_harness_picks_the_runner_from_the_same_table(monkeypatch, tmp_path):
+    # Prepare: a runner that writes what a run writes, and no child process
+    sys.path.insert(0, str(ROOT.parent / "experiments"))
+    try:
+        import run_experiments
+    finally:
+        sys.path.pop(0)
+    from fedcybgd.harness import procgrid
+    from fedcybgd.server import app
+
+    class Exchange:
+        bytes_down, bytes_up, peak_rss_mb, max_rss_mb = 10, 5, 100.0, 120.0
+        message_type = "train"
+
+    def fake_runner(grid: _FakeGrid, run: RunConfig) -> dict[str, Any]:
+        grid.exchanges.append(Exchange())
+        out = Path(run.output_dir)
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text('{"round": 0}\n{"round": 1, "round_s": 2.0}\n')
+        return {"strategy": run.strategy}
+
+    monkeypatch.setattr(procgrid, "ProcessGrid", _FakeGrid)
+    monkeypatch.setitem(app.RUNNERS, "fedavg", fake_runner)
+    plan = {"id": "fedavg-x", "method": "fedavg", "partition": "iid", "seed": 0,
+            "config": {"strategy": "fedavg", "model": "tiny-llama"}}
+    # Execute
+    result = run_experiments.run_one(plan, tmp_path, nodes=2, threads=1)
+    # Assert
+    assert result["summary"] == {"strategy": "fedavg"}
+    assert result["round_s"] == pytest.approx(2.0) and result["wire_bytes_up"] == 5
