@@ -81,6 +81,7 @@ def main() -> None:
         "num-server-rounds": rounds, "clients-per-round": args.clients_per_round,
         "layers-per-block": 1, "block-schedule": "ascending", "update-rule": "fo",
         "local-steps": 1, "batch-size": 8, "max-seq-len": 48, "lr": 2e-6,
+        "clients-per-block": 1, "logit-adjust": False,
         "eval-every": max(rounds // 3, 1), "eval-examples": 64 if args.quick else 200,
         "seed": 0,
     }

@@ -55,7 +55,7 @@ def main() -> None:
         "num-server-rounds": args.rounds, "clients-per-round": 4, "layers-per-block": 1,
         "block-schedule": "ascending", "local-steps": args.local_steps, "batch-size": 8,
         "max-seq-len": 48, "lr": args.lr, "eval-every": args.eval_every,
-        "eval-examples": 200, "seed": 0,
+        "eval-examples": 200, "seed": 0, "clients-per-block": 1, "logit-adjust": False,
     }
     work = Path(args.out) / "rules"
     runs: dict[str, list[dict[str, Any]]] = {}

@@ -70,24 +70,25 @@ class RunConfig:
     dataset: str = setting("rotten-tomatoes", choices=DATASETS)
     partitioner: str = setting("dirichlet", choices=PARTITIONERS)
     dirichlet_alpha: float = setting(0.5, gt=0)
-    num_server_rounds: int = setting(6, ge=1)
+    num_server_rounds: int = setting(8, ge=1)
     clients_per_round: int = setting(4, ge=1)
-    clients_per_block: int = setting(1, ge=1)  # >1: that many clients train the same block
+    # 0: all of a round's clients train one block (averaged); k: k clients per block
+    clients_per_block: int = setting(0, ge=0)
     # A registered schedule (built-ins: SCHEDULES; plug-ins' too), checked at server start
-    block_schedule: str = setting("ascending")
-    layers_per_block: int = setting(8, ge=1)
+    block_schedule: str = setting("descending")
+    layers_per_block: int = setting(4, ge=1)
     train_embeddings: bool = setting(False)
     train_head: bool = setting(False)
     update_rule: str = setting("fo")  # a registered rule (fedcybgd.rules), checked at start
     # Comma-separated modules imported first, registering plug-in rules, schedules, aggregators
     plugin_modules: str = setting("")
     rule_modules: str = setting("")  # the older name of plugin-modules; both are imported
-    local_steps: int = setting(6, ge=1)
+    local_steps: int = setting(5, ge=1)
     batch_size: int = setting(8, ge=1)
     max_seq_len: int = setting(64, ge=8)
-    lr: float = setting(2e-6, gt=0)
+    lr: float = setting(1e-4, gt=0)
     weight_decay: float = setting(0.0, ge=0)
-    eval_every: int = setting(3, ge=0)  # 0 = only before and after training
+    eval_every: int = setting(4, ge=0)  # 0 = only before and after training
     eval_examples: int = setting(200, ge=1)
     eval_batch_size: int = setting(32, ge=1)
     output_dir: str = setting("outputs/demo")
@@ -115,6 +116,7 @@ class RunConfig:
     lr_schedule: str = setting("constant", choices=LR_SCHEDULES)  # client lr over the rounds
     warmup_rounds: int = setting(0, ge=0)  # rounds of linear lr warm-up
     eval_split: str = setting("test", choices=EVAL_SPLITS)  # validation: for tuning
+    logit_adjust: bool = setting(True)  # clients add log(C x own label share) to class logits
     # Every registered update rule's options (zerolock-*, zo-*, lezo-*, plug-ins'), every key
     # with its value; keys not given take the rule's default. See fedcybgd.rules.options.
     options: dict[str, Any] = field(default_factory=dict)
@@ -138,10 +140,10 @@ class RunConfig:
                 parse_spec(spec)
             except CodecError as err:
                 raise ConfigError(f"{key} = {spec!r}: {err}") from None
-        if self.clients_per_round % self.clients_per_block:
+        if self.clients_per_round % self.per_block:
             raise ConfigError(
                 f"clients-per-round ({self.clients_per_round}) must be a multiple of "
-                f"clients-per-block ({self.clients_per_block})"
+                f"clients-per-block ({self.per_block})"
             )
         if 0 < self.outlier_factor < 1:
             # below 1 it would refuse about half of the honest updates
@@ -173,9 +175,14 @@ class RunConfig:
         return [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
 
     @property
+    def per_block(self) -> int:
+        """Clients that train the same block in a round (``clients-per-block``, 0 resolved)."""
+        return self.clients_per_block or self.clients_per_round
+
+    @property
     def blocks_per_round(self) -> int:
         """Distinct blocks trained in parallel each round."""
-        return self.clients_per_round // self.clients_per_block
+        return self.clients_per_round // self.per_block
 
     def rule_options(self, rule: str) -> RuleOptions:
         """The typed options of the registered update rule ``rule``."""

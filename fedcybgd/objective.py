@@ -18,9 +18,23 @@ from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import LayerStack
 
 
+def adjusted(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``logits`` (float) with ``batch.class_log_prior`` added to each class's verbalizer
+    logit: the logit adjustment of a label-skewed client (balanced softmax, FedLC-style). The
+    client's own label shares enter its loss, so its update need not learn them; the model
+    itself stays prior-free. ``logits`` unchanged when the batch carries no prior."""
+    logits = logits.float()
+    if batch.class_log_prior is None:
+        return logits
+    shift = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    shift[batch.class_token_ids] = batch.class_log_prior.to(logits)
+    return logits + shift
+
+
 def label_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Mean cross-entropy of the label token; ``logits`` is ``[B, V]`` at ``last_index``."""
-    return F.cross_entropy(logits.float(), batch.target_ids)
+    """Mean cross-entropy of the label token; ``logits`` is ``[B, V]`` at ``last_index``
+    (logit-adjusted when the batch carries a class prior, see :func:`adjusted`)."""
+    return F.cross_entropy(adjusted(logits, batch), batch.target_ids)
 
 
 def correct(logits: torch.Tensor, batch: Batch) -> torch.Tensor:

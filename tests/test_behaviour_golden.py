@@ -35,6 +35,7 @@ BASE: dict[str, Any] = {
     "layers-per-block": 1, "train-embeddings": False, "train-head": False,
     "local-steps": 2, "batch-size": 4, "max-seq-len": 48, "lr": 1e-3,
     "eval-every": 3, "eval-examples": 16, "eval-batch-size": 16, "seed": 7,
+    "logit-adjust": False,
 }
 # name -> (run config overrides, number of nodes, node budgets (MB) by partition, silenced
 # (round, partition) pairs: the node's train reply of that round is lost)

@@ -44,6 +44,7 @@ E2E_RUN_CONFIG: dict[str, object] = {
     "model": "tiny-llama",
     "partitioner": "iid",
     "layers-per-block": 1,
+    "clients-per-block": 1,
     "num-server-rounds": 2,
     "clients-per-round": 2,
     "eval-examples": 16,

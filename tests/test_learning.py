@@ -201,3 +201,49 @@ def test_bad_server_optimizer_keys_are_refused():
                        ("server-beta2", -0.1), ("server-eps", 0.0)):
         with pytest.raises(ConfigError, match=key):
             RunConfig.from_run_config({key: value})
+
+
+# ---------------------------------------------------------------------- logit adjustment
+
+def test_local_log_prior_is_zero_when_balanced_and_suppresses_a_missing_class():
+    from fedcybgd.data import local_log_prior
+    assert torch.allclose(local_log_prior([0, 1, 1, 0], 2), torch.zeros(2))
+    skewed = local_log_prior([1] * 98, 2)  # shares (1/100, 99/100)
+    assert torch.allclose(skewed, torch.log(torch.tensor([0.02, 1.98])))
+
+
+def test_logit_adjustment_shifts_only_the_class_logits_of_the_training_loss():
+    # Prepare: a 2-class batch over a 6-token vocabulary, a prior favouring class 1
+    from fedcybgd.data.prompts import Batch
+    from fedcybgd.objective import adjusted, label_loss
+    classes = torch.tensor([2, 4])
+    plain = Batch(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                  torch.tensor([2, 2]), classes[torch.tensor([0, 1])], torch.tensor([0, 1]),
+                  classes)
+    prior = torch.tensor([-1.0, 0.5])
+    skewed = Batch(**{**plain.__dict__, "class_log_prior": prior})
+    logits = torch.randn(2, 6)
+    # Execute
+    shifted = adjusted(logits, skewed)
+    # Assert: class columns move by the prior, the rest and a prior-free batch do not
+    assert torch.equal(shifted[:, [0, 1, 3, 5]], logits[:, [0, 1, 3, 5]])
+    assert torch.allclose(shifted[:, classes] - logits[:, classes], prior.expand(2, 2))
+    assert torch.equal(adjusted(logits, plain), logits)
+    assert label_loss(logits, skewed) != label_loss(logits, plain)
+
+
+def test_client_batches_carry_their_partitions_prior_only_when_asked(tiny_run_config):
+    from fedcybgd import data
+    from fedcybgd.model.loading import load_tokenizer
+    frame = data.client_examples("rotten-tomatoes", "dirichlet", 0, 8, 0.5, 0)
+    tokenizer = load_tokenizer("tiny-llama")
+    on = next(data.batches(frame, tokenizer, 4, 32, seed=0, logit_adjust=True))
+    off = next(data.batches(frame, tokenizer, 4, 32, seed=0))
+    # Assert: the prior is the partition's own (partition 0 of seed 0 is mostly positive)
+    assert float(frame["label"].mean()) > 0.6
+    assert off.class_log_prior is None
+    assert on.class_log_prior is not None
+    assert torch.allclose(on.class_log_prior,
+                          data.local_log_prior(frame["label"].astype(int).tolist(), 2))
+    assert on.class_log_prior[1] > 0 > on.class_log_prior[0]
+    assert torch.equal(on.input_ids, off.input_ids)

@@ -196,7 +196,8 @@ def train(msg: Message, context: Context) -> Message:
     tokenizer = client_tokenizer(run.model)
     examples = _examples(run, node.partition_id, node.num_partitions)
     batches = data.batches(
-        examples, tokenizer, run.batch_size, run.max_seq_len, seed=seed, shuffle=True
+        examples, tokenizer, run.batch_size, run.max_seq_len, seed=seed, shuffle=True,
+        logit_adjust=run.logit_adjust,
     )
     start = cm.blocks.get(cm.model, block)
     start_holding = store.holdings.get(block, Holding(0, ""))

@@ -62,7 +62,8 @@ def train_fedavg(msg: Message, context: Context) -> Message:
     examples = data.client_examples(run.dataset, run.partitioner, node.partition_id,
                                     node.num_partitions, run.dirichlet_alpha, run.seed)
     batches = data.batches(examples, client_tokenizer(run.model), run.batch_size,
-                           run.max_seq_len, seed=seed, shuffle=True)
+                           run.max_seq_len, seed=seed, shuffle=True,
+                           logit_adjust=run.logit_adjust)
     params = bm.trainable
     for p in params:
         p.requires_grad_(True)

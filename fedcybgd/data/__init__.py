@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
+import torch
 
 from fedcybgd.data import rotten_tomatoes
 from fedcybgd.data.partition import PARTITIONERS, check_partition_args, partition_positions
@@ -103,7 +104,10 @@ class BatchIterator(Iterator[Batch]):
     Rows are read as one stream, epoch after epoch, each epoch in its own order drawn from
     ``(seed, epoch)``; batches are cut from that stream, so every batch is full. The ``n``-th
     batch depends only on ``(frame, seed, n)``, and ``start_step`` skips ahead without
-    tokenizing, so a client rebuilt each round can resume where it stopped.
+    tokenizing, so a client rebuilt each round can resume where it stopped. With
+    ``logit_adjust`` every batch carries ``log(C * p_c)`` of the frame's own label shares
+    (Laplace-smoothed: a class the client lacks is strongly suppressed, not ``-inf``), which the
+    training loss adds to the class logits (:func:`fedcybgd.objective.adjusted`).
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class BatchIterator(Iterator[Batch]):
         seed: int,
         shuffle: bool = True,
         start_step: int = 0,
+        logit_adjust: bool = False,
     ) -> None:
         if len(frame) == 0:
             raise ValueError("cannot draw batches from an empty frame")
@@ -125,6 +130,8 @@ class BatchIterator(Iterator[Batch]):
         self._texts = frame["text"].tolist()
         self._labels = frame["label"].astype(int).tolist()
         self._encoder = PromptEncoder(tokenizer, max_seq_len)
+        self._log_prior = local_log_prior(self._labels, len(self._encoder.class_token_ids)) \
+            if logit_adjust else None
         self._batch_size = batch_size
         self._seed = seed
         self._shuffle = shuffle
@@ -152,8 +159,17 @@ class BatchIterator(Iterator[Batch]):
             rows.append(int(self._epoch_order(epoch)[offset]))
         self.step += 1
         return collate(
-            self._encoder([self._texts[r] for r in rows], [self._labels[r] for r in rows])
+            self._encoder([self._texts[r] for r in rows], [self._labels[r] for r in rows]),
+            self._log_prior,
         )
+
+
+def local_log_prior(labels: list[int], classes: int) -> torch.Tensor:
+    """``[C]`` ``log(C * p_c)`` of ``labels``' shares, ``p_c = (n_c + 1) / (n + C)``: zeros
+    for balanced labels."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=classes)[:classes]
+    shares = (counts + 1.0) / (counts.sum() + classes)
+    return torch.tensor(np.log(classes * shares), dtype=torch.float32)
 
 
 def batches(
@@ -164,9 +180,11 @@ def batches(
     seed: int,
     shuffle: bool = True,
     start_step: int = 0,
+    logit_adjust: bool = False,
 ) -> BatchIterator:
     """Endless training batches over ``frame`` (see :class:`BatchIterator`)."""
-    return BatchIterator(frame, tokenizer, batch_size, max_seq_len, seed, shuffle, start_step)
+    return BatchIterator(frame, tokenizer, batch_size, max_seq_len, seed, shuffle, start_step,
+                         logit_adjust)
 
 
 def eval_batches(

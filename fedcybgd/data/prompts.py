@@ -49,6 +49,9 @@ class Batch:
         ``[B]`` class index (0 negative, 1 positive).
     class_token_ids : torch.Tensor
         ``[C]`` verbalizer token id of each class, indexed by class.
+    class_log_prior : torch.Tensor
+        ``[C]`` added to the class logits by the training loss (logit adjustment, see
+        :func:`fedcybgd.objective.adjusted`); zeros: no adjustment (evaluation).
     """
 
     input_ids: torch.Tensor
@@ -57,13 +60,15 @@ class Batch:
     target_ids: torch.Tensor
     labels: torch.Tensor
     class_token_ids: torch.Tensor
+    class_log_prior: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with every tensor on ``device``."""
-        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return Batch(**{f.name: None if getattr(self, f.name) is None
+                        else getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def class_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -165,7 +170,7 @@ def encode(
     return PromptEncoder(tokenizer, max_seq_len)(texts, labels)
 
 
-def collate(examples: EncodedExamples) -> Batch:
+def collate(examples: EncodedExamples, class_log_prior: torch.Tensor | None = None) -> Batch:
     """Right-pad ``examples`` to the longest one and build the target tensors."""
     if len(examples) == 0:
         raise ValueError("cannot collate an empty set of examples")
@@ -185,4 +190,5 @@ def collate(examples: EncodedExamples) -> Batch:
         target_ids=classes[labels],
         labels=labels,
         class_token_ids=classes,
+        class_log_prior=class_log_prior,
     )

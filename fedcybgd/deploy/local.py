@@ -54,6 +54,7 @@ BIN_DIR = Path(sys.executable).parent  # flower-superlink & co. live beside pyth
 QUICK_RUN_CONFIG: dict[str, object] = {
     "model": "tiny-llama",
     "layers-per-block": 1,
+    "clients-per-block": 1,
     "num-server-rounds": 2,
     "eval-examples": 16,
     "local-steps": 2,

@@ -30,6 +30,7 @@ from torch import nn
 from fedcybgd.choices import ZEROLOCK_OBJECTIVES
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import Hidden, LayerStack
+from fedcybgd.objective import adjusted
 
 Objective = Literal["label", "next-token"]
 OBJECTIVES = ZEROLOCK_OBJECTIVES  # zerolock-objective
@@ -134,12 +135,17 @@ class LocalHead:
         # head_logits keeps the family's logit scaling/softcap, also with a frozen weight copy
         return self.stack.head_logits(self.stack.final_hidden(rows), self.head_weight)
 
+    def _scored(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Float logits as the loss scores them: label rows logit-adjusted like the global
+        objective's (:func:`fedcybgd.objective.adjusted`), next-token rows as they are."""
+        return adjusted(logits, batch) if self.objective == "label" else logits.float()
+
     def loss(self, hidden: Hidden, batch: Batch) -> torch.Tensor:
         """The local loss as one graph (no slicing): for checks and small batches."""
         if self.aux_layers:
             hidden = self.stack.run(hidden, 0, self.aux_layers)
         rows, targets = loss_rows(hidden.states, batch, self.objective)
-        return F.cross_entropy(self.logits(rows).float(), targets)
+        return F.cross_entropy(self._scored(self.logits(rows), batch), targets)
 
     def backward(self, hidden: Hidden, batch: Batch) -> float:
         """Compute the local loss slice by slice, backpropagate it, return its value.
@@ -157,8 +163,8 @@ class LocalHead:
         total = 0.0
         for begin in range(0, count, self.slice_rows):
             part = slice(begin, begin + self.slice_rows)
-            logits = self.logits(cut[part])
-            loss = F.cross_entropy(logits.float(), targets[part], reduction="sum") / count
+            logits = self._scored(self.logits(cut[part]), batch)
+            loss = F.cross_entropy(logits, targets[part], reduction="sum") / count
             if loss.requires_grad:
                 loss.backward()
             total += float(loss.detach())
