@@ -60,13 +60,14 @@ def main(argv: list[str] | None = None) -> int:
                FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
                PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     # The demo replaces its previous outputs (a rerun gives the same numbers).
-    # Later keys win: a user's --run-config overrides the demo's size.
-    overrides = (f"{DEMO_RUN_CONFIG} output-dir='{Path(args.output_dir).resolve()}' "
-                 f"overwrite=true {args.run_config}").strip()
+    # Two --run-config options: Flower applies them in order (a key may not repeat within
+    # one), so a user's keys override the demo's size.
+    overrides = (f"output-dir='{Path(args.output_dir).resolve()}' overwrite=true "
+                 f"{args.run_config}").strip()
     flwr = str(Path(sys.executable).with_name("flwr"))
     command = [
         flwr, "run", str(PROJECT), "local", "--stream",
-        "--run-config", overrides,
+        "--run-config", DEMO_RUN_CONFIG, "--run-config", overrides,
         "--federation-config",
         f"num-supernodes={args.nodes} client-resources-num-cpus=2",
     ]

@@ -247,3 +247,30 @@ def test_client_batches_carry_their_partitions_prior_only_when_asked(tiny_run_co
                           data.local_log_prior(frame["label"].astype(int).tolist(), 2))
     assert on.class_log_prior[1] > 0 > on.class_log_prior[0]
     assert torch.equal(on.input_ids, off.input_ids)
+
+
+def test_demo_user_run_config_overrides_the_demos_size(tmp_path, monkeypatch):
+    # Prepare: capture the flwr command instead of running it
+    import subprocess
+
+    from flwr.common.config import parse_config_args
+
+    from fedcybgd import demo
+    seen = {}
+
+    def fake_run(command, **kwargs):
+        if "--run-config" in command:
+            seen["command"] = command
+        return subprocess.CompletedProcess(command, 0, stdout="")  # pgrep finds nothing
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    # Execute: a user's key that the demo also sets
+    demo.main(["--output-dir", str(tmp_path / "out"),
+               "--run-config", "num-server-rounds=2 partitioner='dirichlet'"])
+    # Assert: Flower's own parser reads the demo's keys, then the user's, which win
+    command = seen["command"]
+    values = [command[i + 1] for i, c in enumerate(command) if c == "--run-config"]
+    config = parse_config_args(values)
+    assert config["num-server-rounds"] == 2 and config["partitioner"] == "dirichlet"
+    assert config["eval-every"] == 0 and config["overwrite"] is True
