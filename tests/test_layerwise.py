@@ -26,7 +26,9 @@ from fedcybgd.model.loading import TINY_CONFIGS, build_tiny, load_model, load_to
 from fedcybgd.objective import label_loss
 
 ATOL = 1e-5  # fp32 logits; the pieces run the model's own kernels, so the gap measured is 0
-GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7
+# fp32 gradients of scale ~1: with transformers 5.24 the model's own backward sums in another
+# order than the piecewise one, up to 7e-7 apart (was 0); a wrong mask or input is ~1e-1 off
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5
 LENGTH = 40  # longer than every tiny sliding window (16)
 ROW_LENGTHS = (LENGTH, 29, 11)
 VOCAB = 1024  # the tokenizer's 49,152 would make the head most of each test's time
