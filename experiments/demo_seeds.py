@@ -7,7 +7,8 @@ Each run is ``make demo`` itself (``python -m fedcybgd.demo``: ``flwr run . loca
 Simulation Engine with the app's default run config) with only ``seed`` and ``partitioner``
 changed, so the figures are what a user gets. Reads each run's ``summary.json`` and writes
 ``experiments/results/demo_seeds.json`` and ``demo_seeds.md``: per run the eval accuracy and
-loss before and after, the wall time and the bytes, then per partition the mean gain and the
+loss before and after, the wall time (from the command to its end, as measured here) and the
+bytes, then per partition the mean gain and the
 spread (min, max) across seeds. A gain counts when even the smallest one is above zero and the
 mean gain is above the spread of the final accuracies.
 """
@@ -27,20 +28,28 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def run_demo(seed: int, partitioner: str, out: Path, extra: str) -> dict[str, Any]:
-    """One ``make demo`` run; its summary plus the wall time measured here."""
-    overrides = f"seed={seed} partitioner='{partitioner}' {extra}".strip()
-    command = [sys.executable, "-m", "fedcybgd.demo", "--output-dir", str(out),
-               "--run-config", overrides]
-    print("$", " ".join(command), flush=True)
-    started = time.perf_counter()
-    code = subprocess.run(command, cwd=ROOT, check=False).returncode
-    wall = time.perf_counter() - started
-    if code != 0:
-        raise SystemExit(f"demo run seed={seed} partitioner={partitioner} failed ({code})")
+def run_demo(seed: int, partitioner: str, out: Path, extra: str,
+             report_only: bool = False) -> dict[str, Any] | None:
+    """One ``make demo`` run; its summary plus the wall time measured here (``report_only``:
+    the summary a previous run left, ``None`` if there is none)."""
+    wall = None
+    if report_only:
+        if not (out / "summary.json").is_file():
+            return None
+    else:
+        overrides = f"seed={seed} partitioner='{partitioner}' {extra}".strip()
+        command = [sys.executable, "-m", "fedcybgd.demo", "--output-dir", str(out),
+                   "--run-config", overrides]
+        print("$", " ".join(command), flush=True)
+        started = time.perf_counter()
+        code = subprocess.run(command, cwd=ROOT, check=False).returncode
+        wall = time.perf_counter() - started
+        if code != 0:
+            raise SystemExit(f"demo run seed={seed} partitioner={partitioner} failed ({code})")
     summary = json.loads((out / "summary.json").read_text())
     return {
         "seed": seed, "partitioner": partitioner, "wall_s": wall,
+        "server_wall_s": summary["wall_s"],
         "initial_accuracy": summary["initial_eval_accuracy"],
         "final_accuracy": summary["final_eval_accuracy"],
         "initial_loss": summary["initial_eval_loss"],
@@ -58,7 +67,8 @@ def report(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         lines.append(f"| {r['partitioner']} | {r['seed']} | {r['initial_accuracy']:.3f} -> "
                      f"{r['final_accuracy']:.3f} | {r['initial_loss']:.3f} -> "
-                     f"{r['final_loss']:.3f} | {r['wall_s']:.0f} | "
+                     f"{r['final_loss']:.3f} | "
+                     f"{'-' if r['wall_s'] is None else format(r['wall_s'], '.0f')} | "
                      f"{(r['bytes_down'] + r['bytes_up']) / 2**20:,.0f} |")
     lines.append("")
     for part in sorted({r["partitioner"] for r in runs}):
@@ -86,12 +96,16 @@ def main() -> None:
     parser.add_argument("--run-config", default="", help="extra overrides for every run")
     parser.add_argument("--work", default=str(ROOT / "outputs" / "demo-seeds"))
     parser.add_argument("--results", default=str(HERE / "results"))
+    parser.add_argument("--report-only", action="store_true",
+                        help="report the runs already in --work (wall time unknown: '-')")
     args = parser.parse_args()
     runs = []
     for part in args.partitioners:
         for seed in args.seeds:
-            runs.append(run_demo(seed, part, Path(args.work) / f"{part}-seed{seed}",
-                                 args.run_config))
+            run = run_demo(seed, part, Path(args.work) / f"{part}-seed{seed}", args.run_config,
+                           args.report_only)
+            if run is not None:
+                runs.append(run)
     text = report(runs)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
