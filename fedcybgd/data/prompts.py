@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,8 +67,10 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with every tensor on ``device``."""
-        return Batch(**{f.name: None if getattr(self, f.name) is None
-                        else getattr(self, f.name).to(device) for f in fields(self)})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        moved: dict[str, Any] = {k: None if v is None else v.to(device)
+                                 for k, v in values.items()}
+        return Batch(**moved)
 
 
 def class_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
