@@ -33,6 +33,7 @@ RUN_CONFIG: dict[str, object] = {
     "layers-per-block": 1,
     "num-server-rounds": 2,
     "clients-per-round": 2,
+    "clients-per-block": 1,  # each node its own block: the killed node's block is the lost one
     "eval-every": 0,
     "eval-examples": 16,
     "local-steps": 2,
