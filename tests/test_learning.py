@@ -274,3 +274,27 @@ def test_demo_user_run_config_overrides_the_demos_size(tmp_path, monkeypatch):
     config = parse_config_args(values)
     assert config["num-server-rounds"] == 2 and config["partitioner"] == "dirichlet"
     assert config["eval-every"] == 0 and config["overwrite"] is True
+
+
+def test_reply_arrival_order_does_not_change_the_merge(tiny_run_config, tmp_path):
+    # Prepare: three nodes on one block (fp32 uploads, so the average is order-sensitive in
+    # its last bits); two equal runs, whose replies reach the strategy in opposite orders
+    config = dict(tiny_run_config, **{"clients-per-block": 0, "clients-per-round": 3,
+                                      "upload-codec": "fp32"})
+    grid, first = setup(config, tmp_path, nodes=3)
+    other_grid, second = setup(config, tmp_path / "second", nodes=3)
+    messages = list(first.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
+    replies = list(grid.send_and_receive(messages))
+    other = list(other_grid.send_and_receive(
+        second.configure_train(1, ArrayRecord(), ConfigRecord(), other_grid)))
+    assert len(replies) == len(other) == 3
+    # Execute
+    first.aggregate_train(1, replies)
+    second.aggregate_train(1, list(reversed(other)))
+    # Assert: the same weights bit for bit and the same record, nodes in sending order
+    for name, value in first.weights.items():
+        assert torch.equal(value.detach(), second.weights[name].detach()), name
+    sent = [m.metadata.dst_node_id for m in messages]
+    assert first.history[-1].accepted == second.history[-1].accepted
+    assert list(first.history[-1].accepted.values()) == [sent]
+    assert first.history[-1].train_loss == second.history[-1].train_loss

@@ -241,8 +241,7 @@ class FedCyBGD(Strategy):
         if live is None or live.record.round != server_round:
             raise RuntimeError(f"aggregate_train({server_round}) without its configure_train")
         record, drops = live.record, DropLog(server_round)
-        admitted: dict[str, list[Admitted]] = {}
-        losses: list[tuple[float, float]] = []  # in reply order: the mean sums in that order
+        arrived: list[tuple[str, Admitted]] = []
         # Replies are matched to this round's instructions by message id: an error reply made
         # by the SuperLink (e.g. the node died) comes from the SuperLink's own id, and a late
         # reply to an earlier round must not pass for this round's upload.
@@ -262,13 +261,21 @@ class FedCyBGD(Strategy):
             except Dropped as drop:
                 drops.add(node, f"upload of block {block}", drop)
                 continue
+            arrived.append((block, (node, got, rms)))
+        for node, block in live.awaiting.items():
+            drops.add(node, f"upload of block {block}", Dropped(NO_REPLY, "timeout or lost"))
+        live.awaiting = {}
+        # Merge in the order the instructions went out, not the order replies arrived: float
+        # sums depend on their order, and the same seed must give the same run.
+        sent_order = {m.metadata.dst_node_id: i for i, m in enumerate(live.sent)}
+        arrived.sort(key=lambda item: sent_order[item[1][0]])
+        admitted: dict[str, list[Admitted]] = {}
+        losses: list[tuple[float, float]] = []
+        for block, (node, got, rms) in arrived:
             admitted.setdefault(block, []).append((node, got, rms))
             losses.append((got.weight, got.metrics["train_loss"]))
             record.count_upload(got.weight, raw_fp32_bytes(got.tensors), got.rule,
                                 got.metrics["peak_mem_mb"], got.metrics["train_s"])
-        for node, block in live.awaiting.items():
-            drops.add(node, f"upload of block {block}", Dropped(NO_REPLY, "timeout or lost"))
-        live.awaiting = {}
         self._finish(live, admitted, losses, drops)
         if not record.accepted or not self.return_arrays:
             return None, record.to_metric_record()
