@@ -20,3 +20,6 @@ DAMPINGS: tuple[str, ...] = ("none", "inverse", "inverse-sqrt")  # parallel-damp
 SERVER_OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")  # server-optimizer
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine", "linear")  # lr-schedule
 EVAL_SPLITS: tuple[str, ...] = ("test", "validation")  # eval-split
+FROZEN_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # frozen-dtype
+FROZEN_QUANTS: tuple[str, ...] = ("none", "int8")  # frozen-quant
+EVAL_PRECISIONS: tuple[str, ...] = ("float32", "frozen")  # eval-precision

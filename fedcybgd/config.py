@@ -26,8 +26,11 @@ from fedcybgd.choices import (
     AGGREGATES,
     DAMPINGS,
     DATASETS,
+    EVAL_PRECISIONS,
     EVAL_SPLITS,
     FEDAVG_PARAMS,
+    FROZEN_DTYPES,
+    FROZEN_QUANTS,
     LR_SCHEDULES,
     PARTITIONERS,
     SCHEDULES,
@@ -37,6 +40,7 @@ from fedcybgd.choices import (
 )
 from fedcybgd.compression import CodecError, parse_spec
 from fedcybgd.config_fields import ConfigError, build, closest, coerce, normalize, setting, settings
+from fedcybgd.model.devices import check_device_name
 from fedcybgd.rules import RuleOptions
 
 __all__ = [
@@ -117,6 +121,13 @@ class RunConfig:
     warmup_rounds: int = setting(0, ge=0)  # rounds of linear lr warm-up
     eval_split: str = setting("test", choices=EVAL_SPLITS)  # validation: for tuning
     logit_adjust: bool = setting(True)  # clients add log(C x own label share) to class logits
+    # Placement and precision (fedcybgd.model.devices, fedcybgd.model.precision): the clients'
+    # and the server's device (a node's own `device` overrides), and how a client holds the
+    # blocks it does not train; the trained block and the server's weights are always fp32.
+    device: str = setting("auto")  # auto, cpu, cuda, cuda:N, mps
+    frozen_dtype: str = setting("float32", choices=FROZEN_DTYPES)
+    frozen_quant: str = setting("none", choices=FROZEN_QUANTS)  # int8: Linear/Embedding weights
+    eval_precision: str = setting("float32", choices=EVAL_PRECISIONS)  # frozen: as the clients
     # Every registered update rule's options (zerolock-*, zo-*, lezo-*, plug-ins'), every key
     # with its value; keys not given take the rule's default. See fedcybgd.rules.options.
     options: dict[str, Any] = field(default_factory=dict)
@@ -125,6 +136,7 @@ class RunConfig:
         normalize(self)
         self._check_rules()
         object.__setattr__(self, "options", rules.check_all(self.options))
+        check_device_name(self.device, "device")
         if not self.model:
             raise ConfigError("model must name a model (alias, tiny-<family>, path or hub id)")
         if not self.output_dir:
@@ -238,9 +250,12 @@ class NodeConfig:
     cache_dir: str = setting("")  # empty: FEDCYBGD_CACHE or ~/.cache/fedcybgd
     # The node's stable key (sampling order, seeds); empty: its partition-id. See `key`.
     node_key: str = setting("")
+    device: str = setting("")  # empty: the run config's `device`
 
     def __post_init__(self) -> None:
         normalize(self)
+        if self.device:
+            check_device_name(self.device, "device (node config)")
         if not self.partition_id < self.num_partitions:
             raise ConfigError(
                 f"partition-id must be in [0, num-partitions={self.num_partitions}), "

@@ -34,7 +34,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FoOptions(RuleOptions):
-    """``fo`` (first-order AdamW on the block) has no options of its own."""
+    """``fo`` (first-order AdamW on the block)."""
+
+    # Activation checkpointing of the layers above the block: only each layer's input is kept
+    # and the layer is run again in backward, so the bottom block's peak nears the top's.
+    recompute: bool = setting(False, key="fo-recompute")
+
+    def __post_init__(self) -> None:
+        normalize(self)
 
 
 @dataclass(frozen=True)

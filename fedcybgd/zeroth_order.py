@@ -202,17 +202,28 @@ def to_f32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
-@functools.lru_cache(maxsize=1)
-def z_fingerprint() -> str:
-    """Hash of z and update arithmetic on a fixed probe: equal iff replay can be exact here."""
+def z_fingerprint(device: torch.device | str = "cpu") -> str:
+    """Hash of z and update arithmetic on a fixed probe: equal iff replay can be exact here.
+
+    z is always drawn on the CPU (:func:`unit_z_chunks`), so its stream is the same whatever
+    device trains; the update arithmetic runs where the block lives, so the probe's update runs
+    on ``device``. A client training on a GPU and a server replaying on the CPU then agree
+    exactly when that device's fp32 elementwise ops round as the CPU's do, and the fingerprints
+    say so either way (a mismatch makes the client upload weights instead of its log).
+    """
+    return _z_fingerprint(str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=8)
+def _z_fingerprint(device: str) -> str:
     numels = [7, 4099, Z_CHUNK + 5]
     digest = hashlib.sha256()
-    theta = torch.linspace(-0.05, 0.05, 4099, dtype=torch.float32)
+    theta = torch.linspace(-0.05, 0.05, 4099, dtype=torch.float32).to(device)
     for pos, _offset, z in unit_z_chunks(mix64(_DOMAIN_PROBE), numels):
         digest.update(z.numpy().tobytes())
         if pos == 1:
-            apply_update(theta, z, to_f32(0.37), to_f32(1e-3), to_f32(0.01), True)
-            digest.update(theta.numpy().tobytes())
+            apply_update(theta, z.to(device), to_f32(0.37), to_f32(1e-3), to_f32(0.01), True)
+            digest.update(theta.cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -297,6 +308,7 @@ def replay(
     *,
     check_torch: bool = True,
     verify: bool = True,
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Re-apply the updates of ``log`` to a copy of ``block_tensors`` (the block's start).
 
@@ -312,12 +324,16 @@ def replay(
         Refuse a log written by another torch version.
     verify : bool
         Check the start against ``log.base`` and the result against ``log.result`` (when set).
+    device : torch.device or str
+        Where the update arithmetic runs (the server's ``device``); the log's fingerprint must
+        match this device's (:func:`z_fingerprint`).
 
     Returns
     -------
     dict[str, Tensor]
-        The trained block, in the dtypes of ``block_tensors``: fp32 master arithmetic, as on
-        the client, so it equals the client's block bit for bit when the fingerprints match.
+        The trained block, on the CPU in the dtypes of ``block_tensors``: fp32 master
+        arithmetic, as on the client, so it equals the client's block bit for bit when the
+        fingerprints match.
 
     Raises
     ------
@@ -339,8 +355,9 @@ def replay(
         )
     if check_torch and log.torch != torch.__version__:
         raise ReplayError(f"log written with torch {log.torch}, this is torch {torch.__version__}")
-    if log.z != z_fingerprint():
-        raise ReplayError(f"z fingerprint {log.z} differs from this machine's {z_fingerprint()}")
+    if log.z != z_fingerprint(device):
+        raise ReplayError(f"z fingerprint {log.z} differs from this machine's "
+                          f"{z_fingerprint(device)} on {device}")
     for name, tensor in block_tensors.items():
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"tensor '{name}' has dtype {tensor.dtype}; zeroth-order rules need "
@@ -348,7 +365,7 @@ def replay(
     if verify and log.base and content_checksum(block_tensors) != log.base:
         raise ReplayError(f"block '{log.block}': the start tensors are not the client's start")
     masters = {
-        name: t.detach().to(dtype=torch.float32, copy=True).reshape(-1)
+        name: t.detach().to(device=device, dtype=torch.float32, copy=True).reshape(-1)
         for name, t in block_tensors.items()
     }
     size = min(Z_CHUNK, max((t.numel() for t in masters.values()), default=1))
@@ -370,7 +387,7 @@ def replay(
                 apply_update(theta, z.to(theta.device), step.g, step.lr, log.weight_decay, decay,
                              work=(scratch[0][:n], scratch[1][:n]))
     out = {
-        name: masters[name].view(block_tensors[name].shape).to(block_tensors[name].dtype)
+        name: masters[name].view(block_tensors[name].shape).to("cpu", block_tensors[name].dtype)
         for name in block_tensors
     }
     if verify and log.result and content_checksum(out) != log.result:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,12 @@ from fedcybgd.compression import (
     uses_base,
 )
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig
+from fedcybgd.data.prompts import Batch
 from fedcybgd.memory.estimate import ModelShape, estimate_peak_mb, fitting_rule
 from fedcybgd.memory.measure import PeakMemory
+from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
+from fedcybgd.model.precision import Precision
 from fedcybgd.protocol import Holding
 from fedcybgd.rules import rule_spec
 
@@ -95,7 +99,8 @@ def apply_downloads(
             if header.base_version == 0:
                 base = cm.pretrained(block)
             elif held == header.base_version:
-                base = cm.blocks.get(cm.model, block)
+                # Exact fp32 from the cache: the model may hold the block as bf16/int8.
+                base = cm.exact(block, store)
             else:
                 raise CodecError(
                     f"block '{block}': delta against version {header.base_version}, "
@@ -105,7 +110,7 @@ def apply_downloads(
             payload,
             base=base,
             expect_block=block,
-            expect_shapes=cm.blocks.shapes(cm.model, block),
+            expect_shapes=cm.shapes(block),
             max_bytes=max_bytes,
         )
         holding = store.put(block, header.target_version, decoded.tensors)
@@ -118,6 +123,8 @@ def node_key(msg: Message, context: Context) -> Message:
     """Answer the server's node-key query (:data:`fedcybgd.protocol.QUERY_NODE_KEY`): this
     node's stable key, by which the server orders nodes for sampling and derives their seeds."""
     node = NodeConfig.from_node_config(context.node_config)
+    # The server's first message to a node: a device the node lacks fails here, by name.
+    node_device(str(context.run_config.get("device", "auto")), node.device)
     identity = ConfigRecord({protocol.NODE_KEY: node.key})
     return Message(RecordDict({protocol.IDENTITY: identity}), reply_to=msg)
 
@@ -146,7 +153,9 @@ def train(msg: Message, context: Context) -> Message:
     server_base = protocol.get_str(cfg, protocol.BASE_HASH)
     max_bytes = int(run.max_payload_mb * 2**20)
 
-    cm = client_model(run.model, run.layers_per_block)
+    device = node_device(run.device, node.device)
+    precision = Precision(run.frozen_dtype, run.frozen_quant)
+    cm = client_model(run.model, run.layers_per_block, str(device), precision)
     if server_base != cm.base_hash:
         return _reply(
             msg, protocol.REJECTED, None,
@@ -193,13 +202,23 @@ def train(msg: Message, context: Context) -> Message:
         return _reply(msg, protocol.RESYNC, store, "cache differs from the server's record",
                       budget=node.memory_budget_mb)
 
+    try:
+        cm.train_block(block, store)  # fp32 from exact tensors; the rest frozen
+    except CodecError as err:
+        store.clear()
+        cm.sync(store)
+        return _reply(msg, protocol.RESYNC, store, f"cannot rebuild block {block}: {err}",
+                      budget=node.memory_budget_mb)
     tokenizer = client_tokenizer(run.model)
     examples = _examples(run, node.partition_id, node.num_partitions)
     batches = data.batches(
         examples, tokenizer, run.batch_size, run.max_seq_len, seed=seed, shuffle=True,
         logit_adjust=run.logit_adjust,
     )
-    start = cm.blocks.get(cm.model, block)
+    # Rules get their batches where the model is (on the CPU the iterator itself, which
+    # zerolock can skip through without tokenizing).
+    feed: Iterator[Batch] = batches if device.type == "cpu" else (b.to(device) for b in batches)
+    start = to_cpu(cm.blocks.get(cm.model, block))
     start_holding = store.holdings.get(block, Holding(0, ""))
     torch.manual_seed(seed)
     task = TrainTask(
@@ -207,7 +226,7 @@ def train(msg: Message, context: Context) -> Message:
         stack=cm.stack,
         blocks=cm.blocks,
         block=block,
-        batches=iter(batches),
+        batches=iter(feed),
         steps=run.local_steps,
         lr=_round_lr(cfg, run.lr),
         weight_decay=run.weight_decay,
@@ -220,7 +239,7 @@ def train(msg: Message, context: Context) -> Message:
     try:
         with PeakMemory() as mem:
             outcome = rule.train(task)
-        trained = cm.blocks.get(cm.model, block)
+        trained = to_cpu(cm.blocks.get(cm.model, block))  # the wire is CPU tensors
     finally:
         # The cache keeps the block as the server had it (also when training failed); the new
         # version arrives like any other.

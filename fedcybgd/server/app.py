@@ -27,6 +27,7 @@ from fedcybgd.checksum import content_checksum
 from fedcybgd.config import RunConfig
 from fedcybgd.memory.estimate import ModelShape, fitting_rule
 from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.devices import resolve_device
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model, load_tokenizer, read_tensors, safetensors_index
 from fedcybgd.objective import EvalResult
@@ -57,8 +58,10 @@ def pretrained_reader(
 
 
 def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
-                   lineage: str, base_hash: str, shape: ModelShape | None = None) -> FedCyBGD:
-    """The FedCyBGD strategy for ``run`` (``shape`` enables memory-aware assignment)."""
+                   lineage: str, base_hash: str, shape: ModelShape | None = None,
+                   device: str = "cpu") -> FedCyBGD:
+    """The FedCyBGD strategy for ``run`` (``shape`` enables memory-aware assignment; step logs
+    are replayed on ``device``)."""
 
     def rule_for_budget(preferred: str, block: str, budget_mb: float) -> str | None:
         assert shape is not None
@@ -99,6 +102,7 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
         server_eps=run.server_eps,
         client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
                                     run.warmup_rounds),
+        device=device,
     )
 
 
@@ -118,6 +122,7 @@ def run_server(
     check_names(run.block_schedule, run.aggregate)
     out = resolve_output_dir(run.output_dir)
     prepare_output_dir(out, run.resume, run.overwrite, can_resume=True)
+    device = resolve_device(run.device)  # before waiting for nodes: a bad device fails now
     require_nodes(grid, run.clients_per_round, node_wait_s)
     model = load_model(run.model)
     for p in model.parameters():
@@ -148,7 +153,7 @@ def run_server(
                  checkpointer.root)
 
     strategy = build_strategy(run, blocks, weights, lineage, base_hash,
-                              ModelShape.of(model, blocks))
+                              ModelShape.of(model, blocks), device=str(device))
     if resumed:
         for name, tensors in saved_blocks.items():
             strategy.install_checkpoint(name, tensors)
@@ -165,7 +170,7 @@ def run_server(
         log.warning("metrics.jsonl lacks round %d; restoring its row from the checkpoint",
                     first_round - 1)
         writer.write(dict(saved["record"]))
-    evaluator = Evaluator(run, stack)
+    evaluator = Evaluator(run, stack, blocks, device)
 
     initial: EvalResult | None = None
     if resumed and saved.get("initial_eval"):

@@ -7,16 +7,21 @@ Shared by the FedCyBGD loop (:mod:`fedcybgd.server.app`) and the FedAvg baseline
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
 
+import torch
 from flwr.serverapp import Grid
 
 from fedcybgd import data
 from fedcybgd.config import ConfigError, RunConfig
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.devices import to_cpu
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_tokenizer
+from fedcybgd.model.precision import FrozenBlocks, Precision
 from fedcybgd.objective import EvalResult, evaluate
 
 
@@ -29,18 +34,47 @@ def resolve_output_dir(path: str) -> Path:
 
 
 class Evaluator:
-    """Evaluate the global model on the first ``eval-examples`` rows of ``eval-split``."""
+    """Evaluate the global model on the first ``eval-examples`` rows of ``eval-split``.
 
-    def __init__(self, run: RunConfig, stack: LayerStack) -> None:
+    With ``blocks`` given, the evaluation follows the run's ``device`` and ``eval-precision``:
+    on the CPU in fp32 it reads the global model itself; otherwise it runs on a copy of it on
+    that device (``eval-precision = "frozen"``: every block held as the clients hold their
+    frozen blocks, ``frozen-dtype``/``frozen-quant``), refreshed from the fp32 masters before
+    each evaluation. The masters themselves never change form.
+    """
+
+    def __init__(self, run: RunConfig, stack: LayerStack, blocks: BlockMap | None = None,
+                 device: torch.device | None = None) -> None:
         self.stack = stack
+        self._master = stack.model
         self.frame = data.load_split(run.dataset, run.eval_split).head(run.eval_examples)
         self.tokenizer = load_tokenizer(run.model)
         self.run = run
+        self.device = device or torch.device("cpu")
+        self.blocks = blocks
+        self.copy: FrozenBlocks | None = None
+        frozen = run.eval_precision == "frozen"
+        if blocks is not None and (self.device.type != "cpu" or frozen):
+            precision = Precision(run.frozen_dtype, run.frozen_quant) if frozen else Precision()
+            twin = copy.deepcopy(stack.model)
+            self.stack = LayerStack(twin)
+            self.copy = FrozenBlocks(twin, blocks, precision)
+            self.copy.place(self.device)
+
+    def _refresh(self) -> None:
+        """Every block of the copy rebuilt from the masters (fp32, exact)."""
+        assert self.copy is not None and self.blocks is not None
+        for block in self.blocks.names:
+            self.copy.freeze(block, to_cpu(self.blocks.get(self._master, block)))
 
     def __call__(self) -> EvalResult:
         batches = data.eval_batches(
             self.frame, self.tokenizer, self.run.eval_batch_size, self.run.max_seq_len
         )
+        if self.copy is not None:
+            self._refresh()
+        if self.device.type != "cpu":
+            return evaluate(self.stack, (b.to(self.device) for b in batches))
         return evaluate(self.stack, batches)
 
 

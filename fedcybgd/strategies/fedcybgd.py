@@ -82,6 +82,8 @@ class FedCyBGD(Strategy):
         checkpointed through :meth:`checkpoint_tensors`).
     return_arrays : bool
         Return the global weights from :meth:`aggregate_train` (``Strategy.start`` needs it).
+    device : str
+        Where step logs are replayed (a torch device name; the global weights stay on the CPU).
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class FedCyBGD(Strategy):
         server_beta2: float = 0.99,
         server_eps: float = 1e-8,
         client_lr: Callable[[int], float] | None = None,
+        device: str = "cpu",
     ) -> None:
         if clients_per_round < 1 or clients_per_block < 1 or clients_per_round % clients_per_block:
             raise ValueError(f"clients-per-round ({clients_per_round}) must be a multiple of "
@@ -153,7 +156,8 @@ class FedCyBGD(Strategy):
         self.sampler = NodeSampler(seed)
         self.reader = ReplyReader(self.blocks, self.nodes, upload_codec=upload_codec,
                                   max_steps=local_steps, max_examples=local_steps * batch_size,
-                                  max_payload_bytes=max_payload_bytes)
+                                  max_payload_bytes=max_payload_bytes, device=device)
+        self.device = device
         self.history: list[RoundRecord] = []
         self.round: RoundInFlight | None = None
         # A re-queued block keeps its seed, so a client can resume its in-round checkpoint.
@@ -209,7 +213,7 @@ class FedCyBGD(Strategy):
         live = self.round = RoundInFlight(record, pairs)
         payloads: PayloadCache = {}
         terms = RunTerms(self.lineage, self.base_hash, self.upload_codec, self.local_steps,
-                         self.seedlog_fallback)
+                         self.seedlog_fallback, self.device)
         lr = None if self.client_lr is None else self.client_lr(server_round)
         for assignment in pairs:
             node, block = assignment.node, assignment.block

@@ -25,6 +25,7 @@ class RunTerms:
     upload_codec: str  # codec spec, or "seedlog"
     local_steps: int
     seedlog_fallback: str  # weights codec of a node that cannot send a replayable step log
+    device: str = "cpu"  # where the server replays step logs (its z fingerprint is for it)
 
 
 def train_message(server_round: int, assignment: Assignment, seed: int, download: Download,
@@ -48,7 +49,7 @@ def train_message(server_round: int, assignment: Assignment, seed: int, download
         cfg[protocol.LR] = float(lr)
     if terms.upload_codec == protocol.SEEDLOG:
         # the node replays only if its generator and torch match the server's
-        cfg.update({protocol.ZO_FINGERPRINT: zeroth_order.z_fingerprint(),
+        cfg.update({protocol.ZO_FINGERPRINT: zeroth_order.z_fingerprint(terms.device),
                     protocol.ZO_TORCH: torch.__version__,
                     protocol.SEEDLOG_FALLBACK: terms.seedlog_fallback})
     content = RecordDict({protocol.CONFIG: cfg, protocol.DOWNLOAD: download.arrays})

@@ -102,10 +102,14 @@ class ReplyReader:
     max_payload_bytes : int
         The most bytes of any upload (each block has its own bound too, see
         :meth:`payload_limit`).
+    device : str
+        Where step logs are replayed (the result comes back to the CPU).
     """
 
     def __init__(self, versions: BlockVersions, nodes: NodeBook, *, upload_codec: str,
-                 max_steps: int, max_examples: int, max_payload_bytes: int) -> None:
+                 max_steps: int, max_examples: int, max_payload_bytes: int,
+                 device: str = "cpu") -> None:
+        self.device = device
         self.versions = versions
         self.nodes = nodes
         self.upload_codec = upload_codec
@@ -192,7 +196,8 @@ class ReplyReader:
             if step_log.block != block:
                 raise Dropped(BAD_SEEDLOG, f"seed log is for block '{step_log.block[:64]}'")
             layout = zeroth_order.unit_layout(self.block_map, block)
-            return guarded(lambda: zeroth_order.replay(start, step_log, layout), REPLAY_FAILED)
+            return guarded(lambda: zeroth_order.replay(start, step_log, layout, device=self.device),
+                           REPLAY_FAILED)
         if kind == protocol.WEIGHTS:
             return guarded(lambda: decode(
                 payload,

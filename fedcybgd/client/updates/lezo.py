@@ -336,7 +336,7 @@ class ZerothOrder:
             eps=opts.eps,
             weight_decay=opts.weight_decay,
             torch=torch.__version__,
-            z=zeroth_order.z_fingerprint(),
+            z=zeroth_order.z_fingerprint(block.device),  # its arithmetic ran there
             steps=tuple(steps),
             base=base,
             result=_block_checksum(task),
