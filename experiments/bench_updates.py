@@ -8,6 +8,11 @@ RSS and peak RSS above the loaded model's RSS. ``full`` is whole-model AdamW fin
 
     python experiments/bench_updates.py                      # all rules, SmolLM2, batch 16x32
     python experiments/bench_updates.py --rules fo,full --blocks bottom,top
+    python experiments/bench_updates.py --variants precision --blocks bottom,top
+
+Each row also reports the runtime's own RSS (after imports, tokenizer and data, before the
+model), the peak above it, and the memory model's estimate
+(:func:`fedcybgd.memory.estimate.estimate_peak_mb`) with its error against the measured peak.
 
 Results: printed, and saved to ``experiments/results/bench_updates.json``.
 """
@@ -27,7 +32,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# name -> (update rule, rule options)
+# name -> (update rule, rule options); a "/bf16" or "/int8" suffix: the blocks not trained are
+# held as frozen-dtype bfloat16 (and frozen-quant int8), as a client with those keys holds them
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "inference": ("inference", {}),
     "full": ("full", {}),
@@ -37,7 +43,26 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mezo": ("mezo", {}),
     "lezo-0.25": ("lezo", {"lezo-density": 0.25}),
     "lezo-0.5": ("lezo", {"lezo-density": 0.5}),
+    "fo/recompute": ("fo", {"fo-recompute": True}),
+    "fo/bf16": ("fo", {}),
+    "fo/int8": ("fo", {}),
+    "fo/recompute/bf16": ("fo", {"fo-recompute": True}),
+    "lezo-0.25/bf16": ("lezo", {"lezo-density": 0.25}),
+    "lezo-0.25/int8": ("lezo", {"lezo-density": 0.25}),
+    "inference/int8": ("inference", {}),
 }
+# --variants names one of these for a whole set: fp32 vs bf16 vs int8 frozen, recompute or not
+VARIANT_SETS = {
+    "precision": "inference,inference/int8,lezo-0.25,lezo-0.25/bf16,lezo-0.25/int8,fo,"
+                 "fo/bf16,fo/int8,fo/recompute,fo/recompute/bf16",
+}
+PRECISIONS = {"bf16": ("bfloat16", "none"), "int8": ("bfloat16", "int8")}
+
+
+def precision_of(variant: str) -> tuple[str, str]:
+    """``(frozen-dtype, frozen-quant)`` of a variant name."""
+    suffix = variant.rsplit("/", 1)[-1]
+    return PRECISIONS.get(suffix, ("float32", "none"))
 
 
 def pick_block(names: list[str], where: str) -> str:
@@ -58,18 +83,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from fedcybgd import data
     from fedcybgd.client.updates import TrainTask, get_rule
-    from fedcybgd.memory.measure import PeakMemory, rss_bytes
+    from fedcybgd.memory.estimate import ModelShape, estimate_peak_mb
+    from fedcybgd.memory.measure import PeakMemory, release_freed, rss_bytes
     from fedcybgd.model.blocks import BlockMap
     from fedcybgd.model.layerwise import LayerStack
-    from fedcybgd.model.loading import load_model, load_tokenizer
+    from fedcybgd.model.loading import load_model, load_tokenizer, resolve
+    from fedcybgd.model.precision import FrozenBlocks, Precision
     from fedcybgd.objective import label_loss
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     rule_name, options = VARIANTS[args.variant]
-    model = load_model(args.model)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    precision = Precision(*precision_of(args.variant))
     tokenizer = load_tokenizer(args.model)
     frame = data.load_split("rotten-tomatoes", "train")
     batches = list(
@@ -77,6 +102,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             data.batches(frame, tokenizer, args.batch, args.seq, seed=0), args.steps + 1
         )
     )
+    # The modeling code transformers imports lazily is runtime too, not the model's memory.
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(resolve(args.model)))]
+    runtime_mb = rss_bytes() / 2**20  # python, torch, transformers, tokenizer, data
+    model = load_model(args.model)
+    for p in model.parameters():
+        p.requires_grad_(False)
     stack = LayerStack(model)
     whole = args.where == "whole"
     blocks = BlockMap(model, stack.num_layers if whole else args.layers_per_block)
@@ -86,7 +120,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0)
+    shape = ModelShape.of(model, blocks)
+    exact_block = blocks.get(model, block)
+    if not precision.full:
+        # What a client with frozen-dtype/frozen-quant holds: every block but the trained one
+        # frozen, built from the exact fp32 weights.
+        # frozen, built from the exact fp32 weights; the trained one rebuilt as fresh fp32 (as
+        # ClientModel.train_block does), so no tensor keeps the loader's fp32 buffer alive.
+        frozen = FrozenBlocks(model, blocks, precision)
+        for name in blocks.names:
+            frozen.freeze(name, blocks.get(model, name))
+        if rule_name != "inference":
+            frozen.thaw(block, exact_block)
+        __import__("gc").collect()
+        release_freed()
     loaded_mb = rss_bytes() / 2**20
+    estimate = (
+        estimate_peak_mb(shape, blocks, rule_name, block, args.batch, args.seq,
+                         precision=precision, options=options)
+        if rule_name != "full" else float("nan")
+    )
 
     def step_fn(batch_index: int) -> None:
         batch = batches[batch_index]
@@ -127,6 +180,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_mb": mem.peak_mb,
         "loaded_rss_mb": loaded_mb,
         "peak_above_loaded_mb": mem.peak_mb - loaded_mb,
+        "runtime_rss_mb": runtime_mb,
+        "peak_above_runtime_mb": mem.peak_mb - runtime_mb,
+        "frozen": precision.describe(),
+        "options": options,
+        "estimate_mb": estimate,
+        "estimate_error": estimate / mem.peak_mb - 1,
         "batch": args.batch,
         "seq": args.seq,
         "tokens": int(sum(int(b.attention_mask.sum()) for b in batches[1:]) / args.steps),
@@ -162,14 +221,14 @@ def main() -> None:
 
     rules = set(available_rules()) | {"inference", "full"}
     rows: list[dict[str, Any]] = []
-    for variant in args.variants.split(","):
+    for variant in VARIANT_SETS.get(args.variants, args.variants).split(","):
         if variant not in VARIANTS:
             raise SystemExit(f"unknown variant {variant!r}; known: {list(VARIANTS)}")
         if VARIANTS[variant][0] not in rules:
             print(f"skip {variant}: rule {VARIANTS[variant][0]!r} is not available")
             continue
         wheres = args.blocks.split(",")
-        if variant in ("inference", "full"):
+        if VARIANTS[variant][0] in ("inference", "full"):
             wheres = ["whole"]
         for where in wheres:
             command = [
@@ -185,9 +244,13 @@ def main() -> None:
                 continue
             row = json.loads(done.stdout.strip().splitlines()[-1])
             rows.append(row)
-            print(f"{variant:>15} {row['block']:>12}  {row['step_s']:7.3f} s/step  "
+            print(f"{variant:>18} {row['block']:>12}  {row['step_s']:7.3f} s/step  "
                   f"peak {row['peak_rss_mb']:7.0f} MB  "
-                  f"above model {row['peak_above_loaded_mb']:7.0f} MB", flush=True)
+                  f"above model {row['peak_above_loaded_mb']:7.0f} MB  "
+                  f"above runtime ({row['runtime_rss_mb']:4.0f}) "
+                  f"{row['peak_above_runtime_mb']:6.0f} MB  "
+                  f"estimate {row['estimate_mb']:6.0f} MB ({row['estimate_error']:+.0%})",
+                  flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

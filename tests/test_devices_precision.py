@@ -375,3 +375,25 @@ def test_fo_rule_with_recompute_trains_the_same_block(tiny_run_config):
         results.append(blocks.get(model, "layer.1"))
     for name in results[0]:
         assert torch.allclose(results[0][name], results[1][name], rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- evaluator
+def test_the_evaluator_can_run_as_the_clients_hold_frozen_blocks(tiny_run_config):
+    from fedcybgd.server.common import Evaluator
+
+    model, stack, blocks = _model("tiny-llama")
+    plain = Evaluator(RunConfig.from_run_config(tiny_run_config), stack, blocks)
+    run = RunConfig.from_run_config(dict(tiny_run_config, **{
+        "eval-precision": "frozen", "frozen-dtype": "bfloat16", "frozen-quant": "int8"}))
+    frozen = Evaluator(run, stack, blocks)
+    assert plain.stack is stack and frozen.stack is not stack  # fp32 on the CPU: no copy
+    first, low = plain(), frozen()
+    assert low.loss != first.loss and abs(low.loss - first.loss) < 0.05 * first.loss
+    # the masters change: the copy follows them; the masters stay fp32
+    with torch.no_grad():
+        for p in blocks.parameters(model, "layer.2"):
+            p.mul_(1.5)
+    moved = frozen()
+    assert moved.loss != low.loss
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert abs(moved.loss - plain().loss) < 0.05 * moved.loss

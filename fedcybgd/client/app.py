@@ -39,7 +39,7 @@ from fedcybgd.compression import (
 )
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig
 from fedcybgd.data.prompts import Batch
-from fedcybgd.memory.estimate import ModelShape, estimate_peak_mb, fitting_rule
+from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule
 from fedcybgd.memory.measure import PeakMemory
 from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
@@ -173,12 +173,12 @@ def train(msg: Message, context: Context) -> Message:
         log.warning("round %s: refused an instruction (%s)", server_round, err)
         return _reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")
     if node.memory_budget_mb:
-        shape = ModelShape.of(cm.model, cm.blocks)
+        shape = cm.shape
         fit = fitting_rule(shape, cm.blocks, block, node.memory_budget_mb, run.batch_size,
-                           run.max_seq_len, rule_name)
+                           run.max_seq_len, rule_name, precision, run.options)
         if fit is None:
             need = estimate_peak_mb(shape, cm.blocks, "lezo", block, run.batch_size,
-                                    run.max_seq_len)
+                                    run.max_seq_len, precision, run.options)
             return _reply(
                 msg, protocol.REJECTED, None,
                 f"memory-budget-mb = {node.memory_budget_mb:.0f} fits no update rule for "

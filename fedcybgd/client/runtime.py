@@ -22,6 +22,8 @@ from transformers import PreTrainedTokenizerBase
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.store import BlockStore
 from fedcybgd.compression import CodecError
+from fedcybgd.memory.estimate import ModelShape
+from fedcybgd.memory.measure import release_freed
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.devices import to_cpu
 from fedcybgd.model.layerwise import LayerStack
@@ -58,19 +60,21 @@ class ClientModel:
         self.blocks = BlockMap(self.model, layers_per_block)
         self.base_hash = content_checksum(dict(self.model.named_parameters()))
         self._shapes = {b: self.blocks.shapes(self.model, b) for b in self.blocks.names}
+        self.shape = ModelShape.of(self.model, self.blocks)  # read in fp32, before freezing
         self._weight_files = safetensors_index(name)
         self._pristine: dict[str, dict[str, torch.Tensor]] = {}
         self._loaded: dict[str, Holding] = {}  # absent: pretrained
         self.frozen: FrozenBlocks | None = None
         self.trained: str | None = None  # the block in fp32 form when frozen blocks are not
         if not self.precision.full:
-            self.frozen = FrozenBlocks(self.model, self.blocks, self.precision)
+            self.frozen = FrozenBlocks(self.model, self.blocks, self.precision, self.device)
             for block in self.blocks.names:
                 tensors = self.blocks.get(self.model, block)
                 if not self._has_files(block):
                     self._pristine[block] = tensors  # nowhere else to get exact v0 back from
                 self.frozen.freeze(block, tensors)
             self.frozen.place(self.device)
+            release_freed()
         elif self.device.type != "cpu":
             self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
 

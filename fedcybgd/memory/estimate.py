@@ -18,14 +18,18 @@ Used by the client (budget check) and the server (memory-aware assignment): no c
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fedcybgd.model.blocks import EMBED, HEAD
 from fedcybgd.rules import MemoryNeeds, rule_spec
 
 if TYPE_CHECKING:
     from fedcybgd.model.blocks import BlockMap
+    from fedcybgd.model.precision import Precision
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 MB = 2**20
 # Fitted on bench_updates.py (SmolLM2-135M fp32, batch 16 x 32 tokens, 1 thread, 2026-11-30):
@@ -33,6 +37,11 @@ MB = 2**20
 # 652 / 353 / 72 MB above that = 40 MB of AdamW state + 30 / 15 / 1 layers of activations.
 RUNTIME_MB = 595.0  # python + torch + transformers + tokenizer + data, before weights
 ACT_FLOATS_PER_TOKEN_PER_LAYER = 18.0  # x hidden_size: activations autograd keeps per layer
+# Frozen blocks in bf16/int8 (fedcybgd.model.precision): each frozen module's output is cast
+# back to fp32, so a layer keeps more small tensors; and an int8 forward dequantizes up to
+# DEQUANT_CHUNK weight elements at a time (16 MB fp32), plus its output chunks.
+ACT_FLOATS_LOW_PRECISION = 18.0
+DEQUANT_TRANSIENT_MB = 16.0
 INFERENCE = "inference"  # not a rule: the forward-only floor
 
 RULE_ORDER = ("fo", "zerolock", "lezo")  # most to least memory; the fallback order
@@ -47,27 +56,66 @@ class ModelShape:
     vocab_size: int
     param_bytes: int  # all parameters, in their own dtype
     bytes_per_param: int  # 4 for fp32
+    # (block, elements, rows) of the weights frozen-quant int8 quantizes, per block
+    int8_weights: tuple[tuple[str, int, int], ...] = ()
 
     @classmethod
     def of(cls, model: object, blocks: BlockMap) -> ModelShape:
         """Read the shape of a loaded Hugging Face model."""
+        from fedcybgd.model.precision import int8_weights
+
         config = model.config  # type: ignore[attr-defined]
         params = list(model.parameters())  # type: ignore[attr-defined]
         total = sum(b.numel for b in blocks.blocks.values())
         width = params[0].element_size() if params else 4
+        quantized = int8_weights(model, blocks)  # type: ignore[arg-type]
         return cls(
             num_layers=blocks.num_layers,
             hidden_size=int(config.hidden_size),
             vocab_size=int(config.vocab_size),
             param_bytes=total * width,
             bytes_per_param=width,
+            int8_weights=tuple((b, e, r) for b, (e, r) in quantized.items()),
         )
+
+    def frozen_bytes(self, blocks: BlockMap, block: str, precision: Precision | None) -> int:
+        """Bytes ``block`` takes in its frozen form (``precision``; ``None``: as loaded)."""
+        numel = blocks.info(block).numel
+        if precision is None or precision.full:
+            return numel * self.bytes_per_param
+        width = _DTYPE_BYTES[precision.dtype]
+        if precision.quant != "int8":
+            return numel * width
+        elements, rows = next(((e, r) for b, e, r in self.int8_weights if b == block), (0, 0))
+        return (numel - elements) * width + elements + 4 * rows
+
+
+def weights_mb(shape: ModelShape, blocks: BlockMap, trained: str | None,
+               precision: Precision | None) -> float:
+    """The model's weights as a client holds them: ``trained`` in fp32 (``None``: no block
+    trained, e.g. inference), every other block in its frozen form."""
+    if precision is None or precision.full:
+        return shape.param_bytes / MB
+    total = 0
+    for name in blocks.names:
+        if name == trained:
+            total += blocks.info(name).numel * 4
+        else:
+            total += shape.frozen_bytes(blocks, name, precision)
+    return total / MB
 
 
 def memory_needs(
-    shape: ModelShape, blocks: BlockMap, block: str, batch_size: int, seq_len: int
+    shape: ModelShape, blocks: BlockMap, block: str, batch_size: int, seq_len: int,
+    precision: Precision | None = None, options: Mapping[str, Any] | None = None,
+    trained: bool = True,
 ) -> MemoryNeeds:
-    """What one client-round on ``block`` costs, before a rule's own additions."""
+    """What one client-round on ``block`` costs, before a rule's own additions.
+
+    ``precision``: how frozen blocks are held; ``options``: the run's rule options (a rule's
+    estimate reads its own, e.g. ``fo-recompute``); ``trained = False``: no block is held in
+    fp32 (the inference floor).
+    """
     info = blocks.info(block)
     block_bytes = info.numel * 4
     tokens = batch_size * seq_len
@@ -78,16 +126,22 @@ def memory_needs(
     else:
         assert info.layers is not None
         lowest, own_layers = info.layers[0], info.layers[1] - info.layers[0] + 1
+    low = precision is not None and not precision.full
+    int8 = precision is not None and precision.quant == "int8"
     return MemoryNeeds(
-        weights_mb=shape.param_bytes / MB,
+        weights_mb=weights_mb(shape, blocks, block if trained else None, precision),
         block_mb=block_bytes / MB,
         optimizer_mb=3 * block_bytes / MB + (
             block_bytes / MB if shape.bytes_per_param != 4 else 0),
-        layer_activations_mb=tokens * shape.hidden_size * ACT_FLOATS_PER_TOKEN_PER_LAYER * 4 / MB,
+        layer_activations_mb=tokens * shape.hidden_size * 4 / MB * (
+            ACT_FLOATS_LOW_PRECISION if low else ACT_FLOATS_PER_TOKEN_PER_LAYER),
         logits_mb=batch_size * shape.vocab_size * 4 / MB,
         layers_from_block=shape.num_layers - lowest,
         own_layers=own_layers,
         num_layers=shape.num_layers,
+        options=dict(options or {}),
+        layer_input_mb=tokens * shape.hidden_size * 4 / MB,
+        frozen_transient_mb=DEQUANT_TRANSIENT_MB if int8 else 0.0,
     )
 
 
@@ -98,10 +152,14 @@ def estimate_peak_mb(
     block: str,
     batch_size: int,
     seq_len: int,
+    precision: Precision | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> float:
     """Estimated peak resident memory, in MiB, of one client-round (see the module docstring).
 
-    ``rule`` is a registered update rule, or ``"inference"``.
+    ``rule`` is a registered update rule, or ``"inference"``; ``precision`` how the client
+    holds its frozen blocks (``frozen-dtype``, ``frozen-quant``), ``options`` the run's rule
+    options (``fo-recompute``).
 
     Raises
     ------
@@ -110,9 +168,10 @@ def estimate_peak_mb(
     ValueError
         The rule's estimate is not a finite number >= 0.
     """
-    needs = memory_needs(shape, blocks, block, batch_size, seq_len)
+    needs = memory_needs(shape, blocks, block, batch_size, seq_len, precision, options,
+                         trained=rule != INFERENCE)
     if rule == INFERENCE:
-        extra = needs.layer_activations_mb + needs.logits_mb
+        extra = needs.layer_activations_mb + needs.logits_mb + needs.frozen_transient_mb
     else:
         extra = rule_spec(rule).memory(needs)
         if isinstance(extra, bool) or not isinstance(extra, int | float) or not (
@@ -130,6 +189,8 @@ def fitting_rule(
     batch_size: int,
     seq_len: int,
     preferred: str,
+    precision: Precision | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> str | None:
     """``preferred`` if it fits ``budget_mb``, else the first rule in :data:`RULE_ORDER` after it
     (after ``preferred`` not in that order, such as a plug-in rule: all of it) that fits;
@@ -140,6 +201,7 @@ def fitting_rule(
     if preferred in RULE_ORDER:
         order = list(RULE_ORDER[RULE_ORDER.index(preferred):])
     for rule in order:
-        if estimate_peak_mb(shape, blocks, rule, block, batch_size, seq_len) <= budget_mb:
+        if estimate_peak_mb(shape, blocks, rule, block, batch_size, seq_len, precision,
+                            options) <= budget_mb:
             return rule
     return None

@@ -80,6 +80,14 @@ class Precision:
         return self.dtype if self.quant == "none" else f"{self.dtype}+{self.quant}"
 
 
+def compute_dtype(precision: Precision, device: torch.device) -> torch.dtype:
+    """The dtype frozen Linear layers compute in: fp32 on a CPU (where bf16 matmuls run 6x
+    slower than fp32 without native bf16 units: measured on this project's 2-core machine),
+    ``frozen-dtype`` on an accelerator. Storage stays ``frozen-dtype``/int8 either way; one
+    weight chunk at a time is converted."""
+    return torch.float32 if device.type == "cpu" else precision.torch_dtype
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: ``weight ~= q * scale[:, None]`` with ``|q| <= 127``.
 
@@ -92,8 +100,11 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q * scale[:, None]`` in ``dtype`` (tests and tools; the forward works in chunks)."""
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """``q * scale[:, None]`` in ``dtype`` (``scale`` ``None``: ``q`` is a bf16/fp16 weight)."""
+    if scale is None:
+        return q.to(dtype)
     return (q.to(dtype) * scale.to(dtype)[:, None])
 
 
@@ -103,14 +114,22 @@ def _row_chunks(q: torch.Tensor) -> Iterator[slice]:
         yield slice(start, min(start + rows, q.shape[0]))
 
 
+def _rows(scale: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if scale is None else scale[rows]
+
+
 class _Int8Linear(torch.autograd.Function):
-    """``x @ (q * scale).T`` with the weight dequantized chunk by chunk; grad for ``x`` only."""
+    """``x @ (q * scale).T`` with the weight dequantized chunk by chunk; grad for ``x`` only.
+
+    Also a bf16/fp16 weight computed in fp32 (``scale`` ``None``). Backward dequantizes again
+    rather than letting autograd keep an fp32 copy of every weight for ``fo``.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+    def forward(ctx: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None
                 ) -> torch.Tensor:
         ctx.save_for_backward(q, scale)
-        outs = [F.linear(x, dequantize_rows(q[rows], scale[rows], x.dtype))
+        outs = [F.linear(x, dequantize_rows(q[rows], _rows(scale, rows), x.dtype))
                 for rows in _row_chunks(q)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
@@ -122,7 +141,7 @@ class _Int8Linear(torch.autograd.Function):
             return None, None, None
         total: torch.Tensor | None = None
         for rows in _row_chunks(q):
-            part = grad[..., rows] @ dequantize_rows(q[rows], scale[rows], grad.dtype)
+            part = grad[..., rows] @ dequantize_rows(q[rows], _rows(scale, rows), grad.dtype)
             total = part if total is None else total + part
         return total, None, None
 
@@ -137,9 +156,12 @@ class _Quantized:
 
 
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    state: _Quantized = module.__dict__["_fc_int8"]
+    state: _Quantized | None = module.__dict__.get("_fc_int8")
     dtype: torch.dtype = module.__dict__["_fc_dtype"]
-    out = _Int8Linear.apply(x.to(dtype), state.q, state.scale)
+    if state is None:  # a bf16/fp16 weight, computed in ``dtype``
+        out = _Int8Linear.apply(x.to(dtype), module.weight, None)
+    else:
+        out = _Int8Linear.apply(x.to(dtype), state.q, state.scale)
     if module.bias is not None:
         out = out + module.bias.to(dtype)
     return out.float()
@@ -175,6 +197,30 @@ def _cast_hooks(module: nn.Module, dtype: torch.dtype) -> list[RemovableHandle]:
             module.register_forward_hook(after)]
 
 
+def int8_weights(model: nn.Module, blocks: BlockMap) -> dict[str, tuple[int, int]]:
+    """Per block, ``(elements, rows)`` of the weights ``frozen-quant = "int8"`` quantizes (the
+    rule of :class:`FrozenBlocks`: plain ``nn.Linear``/``nn.Embedding`` weights, a tied one
+    only when every module holding it is such), for the memory model."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    held: dict[str, list[bool]] = {}
+    rows: dict[str, tuple[int, int]] = {}
+    for module in model.modules():
+        for local, param in module._parameters.items():
+            if param is None or id(param) not in canonical:
+                continue
+            name = canonical[id(param)]
+            held.setdefault(name, []).append(
+                local == "weight" and type(module) in (nn.Linear, nn.Embedding))
+            rows[name] = (param.numel(), int(param.shape[0]) if param.dim() == 2 else 0)
+    out = dict.fromkeys(blocks.names, (0, 0))
+    for name, ok in held.items():
+        if all(ok):
+            block = blocks.block_of(name)
+            elements, count = out[block]
+            out[block] = (elements + rows[name][0], count + rows[name][1])
+    return out
+
+
 class FrozenBlocks:
     """Switch blocks of ``model`` between their frozen form and trainable fp32.
 
@@ -193,9 +239,11 @@ class FrozenBlocks:
     the block's exact fp32 tensors, so going fp32 -> frozen -> fp32 never loses anything.
     """
 
-    def __init__(self, model: nn.Module, blocks: BlockMap, precision: Precision) -> None:
+    def __init__(self, model: nn.Module, blocks: BlockMap, precision: Precision,
+                 device: torch.device | str | None = None) -> None:
         self.model, self.blocks, self.precision = model, blocks, precision
         self.device = next(iter(model.parameters())).device
+        self.compute = compute_dtype(precision, torch.device(device) if device else self.device)
         canonical = {id(p): name for name, p in model.named_parameters()}
         # block -> [(module, its attribute name, the canonical parameter name)]
         self._owned: dict[str, list[tuple[nn.Module, str, str]]] = {b: [] for b in blocks.names}
@@ -241,7 +289,7 @@ class FrozenBlocks:
                 del module._parameters[local]
                 # Plain attributes (not buffers: module docstring); the forward reads them.
                 module.__dict__["_fc_int8"] = state
-                module.__dict__["_fc_dtype"] = dtype
+                module.__dict__["_fc_dtype"] = self.compute
                 forward = _linear_forward if isinstance(module, nn.Linear) else _embedding_forward
                 module.__dict__["forward"] = types.MethodType(forward, module)
                 state.modules.append(module)
@@ -251,7 +299,13 @@ class FrozenBlocks:
             param.data = source.detach().to(self.device, dtype, copy=True)
         if dtype != torch.float32:
             for module in {id(m): m for m, _, _ in self._owned[block]}.values():
-                if "_fc_int8" not in module.__dict__:
+                if "_fc_dtype" in module.__dict__:
+                    continue
+                if type(module) is nn.Linear:
+                    # the low-precision weight computes in ``compute`` chunk by chunk
+                    module.__dict__["_fc_dtype"] = self.compute
+                    module.__dict__["forward"] = types.MethodType(_linear_forward, module)
+                else:
                     hooked.extend(_cast_hooks(module, dtype))
         self._hooks[block] = hooked
         self._frozen.add(block)
@@ -264,6 +318,9 @@ class FrozenBlocks:
         fresh: dict[str, nn.Parameter] = {}
         for module, local, name in self._owned[block]:
             value = tensors[name].detach().to(self.device, torch.float32, copy=True)
+            if "_fc_dtype" in module.__dict__ and "_fc_int8" not in module.__dict__:
+                for attr in ("_fc_dtype", "forward"):  # a bf16 Linear: the class's again
+                    module.__dict__.pop(attr)
             if "_fc_int8" in module.__dict__ and local == "weight":
                 self._quantized.pop(name, None)
                 for attr in ("_fc_int8", "_fc_dtype", "forward"):  # forward: the class's again
@@ -283,6 +340,10 @@ class FrozenBlocks:
         for state in self._quantized.values():
             state.q, state.scale = state.q.to(device), state.scale.to(device)
         self.device = device
+        self.compute = compute_dtype(self.precision, device)
+        for module in self.model.modules():
+            if "_fc_dtype" in module.__dict__:
+                module.__dict__["_fc_dtype"] = self.compute
 
     def _check(self, block: str, tensors: Mapping[str, torch.Tensor]) -> None:
         want = set(self.blocks.info(block).param_names)

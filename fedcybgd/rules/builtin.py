@@ -27,22 +27,29 @@ ZO_PATCH_FRACTION = 0.05  # share of a unit's elements saved for an exact restor
 
 
 def first_order_memory(needs: MemoryNeeds) -> float:
-    """``fo``: optimizer state, activations from the block up, logits."""
-    return (needs.optimizer_mb + needs.layers_from_block * needs.layer_activations_mb
-            + needs.logits_mb)
+    """``fo``: optimizer state, activations from the block up, logits. With ``fo-recompute``
+    the layers above the block keep only their inputs, and one of them is recomputed at a time
+    in backward."""
+    if FoOptions.from_options(needs.options).recompute:
+        above = needs.layers_from_block - needs.own_layers
+        kept = (needs.own_layers * needs.layer_activations_mb + above * needs.layer_input_mb
+                + (needs.layer_activations_mb if above > 0 else 0.0))
+    else:
+        kept = needs.layers_from_block * needs.layer_activations_mb
+    return needs.optimizer_mb + kept + needs.logits_mb + needs.frozen_transient_mb
 
 
 def zerolock_memory(needs: MemoryNeeds) -> float:
     """``zerolock``: optimizer state, the block's own activations (at least one layer's, for
     the embeddings and the head), the local head's logits."""
     return (needs.optimizer_mb + max(needs.own_layers, 1) * needs.layer_activations_mb
-            + needs.logits_mb)
+            + needs.logits_mb + needs.frozen_transient_mb)
 
 
 def zeroth_order_memory(needs: MemoryNeeds) -> float:
     """``lezo`` / ``mezo``: workspace, saved restore elements, one layer's activations."""
     return (ZO_WORKSPACE_MB + ZO_PATCH_FRACTION * needs.block_mb
-            + needs.layer_activations_mb)
+            + needs.layer_activations_mb + needs.frozen_transient_mb)
 
 
 UPDATES = "fedcybgd.client.updates"

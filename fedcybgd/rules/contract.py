@@ -125,6 +125,14 @@ class MemoryNeeds:
         Decoder layers inside the block (0 for the embeddings and the head).
     num_layers : int
         Decoder layers of the model.
+    options : dict
+        The run's rule options (every registered rule's keys), so an estimate can read its own
+        (``fo-recompute``).
+    layer_input_mb : float
+        One layer's input hidden states (fp32): what a checkpointed layer keeps.
+    frozen_transient_mb : float
+        What a forward through a frozen block holds besides activations (an int8 layer's
+        dequantized weight chunk); 0 when frozen blocks are fp32 or bf16.
     """
 
     weights_mb: float
@@ -135,6 +143,9 @@ class MemoryNeeds:
     layers_from_block: int
     own_layers: int
     num_layers: int
+    options: dict[str, Any] = field(default_factory=dict)
+    layer_input_mb: float = 0.0
+    frozen_transient_mb: float = 0.0
 
 
 # A rule's memory estimate: MiB it adds on top of runtime + weights for one client-round.

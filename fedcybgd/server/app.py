@@ -30,6 +30,7 @@ from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.devices import resolve_device
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model, load_tokenizer, read_tensors, safetensors_index
+from fedcybgd.model.precision import Precision
 from fedcybgd.objective import EvalResult
 from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.server.checkpoint import Checkpointer
@@ -66,7 +67,8 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
     def rule_for_budget(preferred: str, block: str, budget_mb: float) -> str | None:
         assert shape is not None
         return fitting_rule(shape, blocks, block, budget_mb, run.batch_size, run.max_seq_len,
-                            preferred)
+                            preferred, Precision(run.frozen_dtype, run.frozen_quant),
+                            run.options)
 
     return FedCyBGD(
         block_map=blocks,
