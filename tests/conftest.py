@@ -48,3 +48,23 @@ def tiny_run_config(tmp_path: Path) -> dict[str, Any]:
         "output-dir": str(tmp_path / "out"),
         "seed": 0,
     }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def private_flower(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private Flower home and private local-SuperLink ports, so the managed SuperLink that
+    `flwr run . local` starts is this test's alone (another `flwr run` on the machine, e.g. a
+    `make demo`, would otherwise share the fixed default port and be stopped with it)."""
+    home = tmp_path / "flwr-home"
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    monkeypatch.setenv("FLWR_LOCAL_SUPERLINK_HTTP_API_PORT", str(_free_port()))
+    monkeypatch.setenv("FLWR_LOCAL_CONTROL_API_PORT", str(_free_port()))
+    return home

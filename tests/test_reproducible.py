@@ -277,11 +277,9 @@ def test_node_key_config_is_checked():
 
 # ------------------------------------------------------------------ Simulation Engine
 @pytest.fixture
-def flwr_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    # A private Flower home, so the managed SuperLink is ours alone (demo.main stops it)
-    home = tmp_path / "flwr-home"
-    monkeypatch.setenv("FLWR_HOME", str(home))
-    yield home
+def flwr_home(private_flower: Path) -> Iterator[Path]:
+    # A private Flower home and ports, so the managed SuperLink is ours alone (demo.main stops it)
+    yield private_flower
 
 
 @pytest.mark.slow

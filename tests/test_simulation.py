@@ -12,9 +12,8 @@ from fedcybgd import demo
 pytestmark = pytest.mark.slow
 
 
-def test_flwr_run_simulation_completes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    # Prepare: a private Flower home, so the managed SuperLink is ours alone
-    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+def test_flwr_run_simulation_completes(tmp_path: Path, private_flower: Path):
+    # Prepare: a private Flower home and ports (the fixture), so the managed SuperLink is ours
     out = tmp_path / "out"
     overrides = ("model='tiny-llama' layers-per-block=1 num-server-rounds=2 clients-per-round=2 "
                  "local-steps=2 batch-size=4 max-seq-len=48 eval-examples=16")
