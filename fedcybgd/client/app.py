@@ -14,15 +14,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcybgd import data, protocol
+from fedcybgd import protocol
 from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
+from fedcybgd.client.local_data import training_batches
 from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
-from fedcybgd.client.runtime import ClientModel, client_model, client_tokenizer
+from fedcybgd.client.runtime import ClientModel, client_model
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_of
 from fedcybgd.compression import (
@@ -42,16 +42,10 @@ from fedcybgd.memory.measure import PeakMemory
 from fedcybgd.model.loading import cache_root
 from fedcybgd.protocol import Holding
 from fedcybgd.rules import rule_spec
+from fedcybgd.tasks.base import warn_cut
 
 log = logging.getLogger(__name__)
 app = ClientApp()
-
-
-def _examples(run: RunConfig, partition_id: int, num_partitions: int) -> pd.DataFrame:
-    # data.client_examples caches the partitioning per process.
-    return data.client_examples(
-        run.dataset, run.partitioner, partition_id, num_partitions, run.dirichlet_alpha, run.seed
-    )
 
 
 def _reply(
@@ -193,12 +187,7 @@ def train(msg: Message, context: Context) -> Message:
         return _reply(msg, protocol.RESYNC, store, "cache differs from the server's record",
                       budget=node.memory_budget_mb)
 
-    tokenizer = client_tokenizer(run.model)
-    examples = _examples(run, node.partition_id, node.num_partitions)
-    batches = data.batches(
-        examples, tokenizer, run.batch_size, run.max_seq_len, seed=seed, shuffle=True,
-        logit_adjust=run.logit_adjust,
-    )
+    batches = training_batches(run, node, seed)
     start = cm.blocks.get(cm.model, block)
     start_holding = store.holdings.get(block, Holding(0, ""))
     torch.manual_seed(seed)
@@ -226,6 +215,8 @@ def train(msg: Message, context: Context) -> Message:
         # version arrives like any other.
         cm.blocks.set(cm.model, block, start)
     train_s = time.perf_counter() - began
+    warn_cut(f"round {server_round}, block {block}", batches.encoder.cut,
+             outcome.examples, run.max_seq_len, "see the task's truncation rule")
 
     kind, note = protocol.WEIGHTS, ""
     if upload_codec == protocol.SEEDLOG:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from flwr.serverapp import Grid
 
-from fedcybgd import data
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_tokenizer
-from fedcybgd.objective import EvalResult, evaluate
+from fedcybgd.objective import EvalResult
+from fedcybgd.tasks.base import build_task
 
 
 def resolve_output_dir(path: str) -> Path:
@@ -29,19 +29,24 @@ def resolve_output_dir(path: str) -> Path:
 
 
 class Evaluator:
-    """Evaluate the global model on the first ``eval-examples`` rows of ``eval-split``."""
+    """Evaluate the global model through the run's task on the first ``eval-examples`` rows
+    of ``eval-dataset`` (the server's own held-out file) or of the dataset's ``eval-split``."""
 
     def __init__(self, run: RunConfig, stack: LayerStack) -> None:
         self.stack = stack
-        self.frame = data.load_split(run.dataset, run.eval_split).head(run.eval_examples)
+        self.task = build_task(run)
+        self.frame = self.task.eval_frame(run.eval_split, run.eval_examples)
         self.tokenizer = load_tokenizer(run.model)
         self.run = run
 
     def __call__(self) -> EvalResult:
-        batches = data.eval_batches(
-            self.frame, self.tokenizer, self.run.eval_batch_size, self.run.max_seq_len
-        )
-        return evaluate(self.stack, batches)
+        return self.task.evaluate(self.stack, self.tokenizer, self.frame,
+                                  self.run.eval_batch_size, self.run.max_seq_len)
+
+
+def eval_extras(result: EvalResult) -> dict[str, float]:
+    """The task's metrics besides loss and accuracy, as ``metrics.jsonl`` keys."""
+    return {f"eval_{name}": value for name, value in result.metrics.items()}
 
 
 def require_nodes(grid: Grid, wanted: int, wait_s: float) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import LayerStack
-from fedcybgd.objective import label_loss
+from fedcybgd.objective import batch_loss, scored_logits
 from fedcybgd.rules import TrainOutcome, TrainTask
 
 
@@ -25,8 +25,7 @@ def block_loss(stack: LayerStack, batch: Batch, lowest: int) -> torch.Tensor:
     with torch.no_grad():
         hidden = stack.run(hidden, 0, min(start, stack.num_layers))
     hidden = stack.run(hidden, start, stack.num_layers)
-    logits = stack.logits_at(hidden.states, batch.last_index)
-    return label_loss(logits, batch)
+    return batch_loss(scored_logits(stack, hidden.states, batch), batch)
 
 
 class FirstOrder:
@@ -57,7 +56,7 @@ class FirstOrder:
             for _ in range(task.steps):
                 batch = next(task.batches)
                 loss = block_loss(task.stack, batch, lowest)
-                examples += int(batch.labels.shape[0])
+                examples += len(batch)
                 if not math.isfinite(float(loss.detach())):
                     skipped += 1
                     for p in params:
