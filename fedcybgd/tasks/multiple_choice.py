@@ -11,6 +11,7 @@ the option's index, a letter (``A``, ``B``, ...) or the option's text.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import string
 from collections.abc import Sequence
@@ -39,10 +40,8 @@ def _options(value: Any, frame: pd.DataFrame, position: int, field: str) -> list
     if isinstance(value, np.ndarray):
         value = value.tolist()
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             value = json.loads(value)
-        except json.JSONDecodeError:
-            pass
     if not isinstance(value, list) or len(value) < 2 or not all(
             isinstance(v, str) and v.strip() for v in value):
         raise DataError(f"{where(frame, position)}: field {field!r} must be a list of two or "
@@ -53,7 +52,9 @@ def _options(value: Any, frame: pd.DataFrame, position: int, field: str) -> list
 def _answer(value: Any, options: list[str], frame: pd.DataFrame, position: int,
             field: str) -> int:
     index: int | None = None
-    if (isinstance(value, (int, np.integer)) and not isinstance(value, bool)) or (isinstance(value, (float, np.floating)) and float(value).is_integer()):
+    integral = isinstance(value, (int, np.integer)) or (
+        isinstance(value, (float, np.floating)) and float(value).is_integer())
+    if integral and not isinstance(value, bool):
         index = int(value)
     elif isinstance(value, str):
         text = value.strip()

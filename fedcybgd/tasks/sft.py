@@ -15,6 +15,8 @@ response by exact match (the ``accuracy`` of the run's records) and token F1, SQ
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import re
 import string
@@ -47,12 +49,8 @@ def _messages(value: Any, frame: pd.DataFrame, position: int, field: str) -> Mes
     if isinstance(value, np.ndarray):  # Parquet / Arrow lists arrive as arrays
         value = value.tolist()
     if isinstance(value, str):
-        import json
-
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             value = json.loads(value)
-        except json.JSONDecodeError:
-            pass
     at = f"{where(frame, position)}: field {field!r}"
     if not isinstance(value, list) or not value:
         raise DataError(f"{at} must be a non-empty list of messages, got {str(value)[:60]!r}")
@@ -83,7 +81,7 @@ class ChatFormat:
     def _template(self, messages: Messages, generation: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, tokenize=True,
                                                  add_generation_prompt=generation)
-        ids = out["input_ids"] if not isinstance(out, list) else out
+        ids: Any = out if isinstance(out, list) else out["input_ids"]  # type: ignore[index]
         return [int(i) for i in ids]
 
     @staticmethod
@@ -226,7 +224,7 @@ def generate(stack: LayerStack, tokenizer: PreTrainedTokenizerBase, prompts: lis
                              pad_token_id=int(pad), eos_token_id=tokenizer.eos_token_id)
     finally:
         model.train(was_training)
-    return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
+    return [str(tokenizer.decode(row[width:], skip_special_tokens=True)).strip() for row in out]
 
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
