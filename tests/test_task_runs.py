@@ -107,3 +107,41 @@ def test_flwr_run_trains_sft_from_a_file(tmp_path: Path, monkeypatch: pytest.Mon
     summary = json.loads((out / "summary.json").read_text())
     assert summary["run_config"]["task"] == "sft"
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+def test_a_node_with_its_own_data_path_trains_on_it(tiny_run_config, tmp_path, monkeypatch):
+    # Prepare: node 0 reads its own file; node 1 its partition of the run's dataset
+    from fedcybgd.client import local_data
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.config import RunConfig
+    from fedcybgd.harness.loopback import LoopbackGrid
+    from fedcybgd.server.app import run_server
+
+    sets = write_sets(tmp_path / "data")
+    own = tmp_path / "node0.jsonl"
+    own.write_text("".join(json.dumps({"prompt": f"local question {i}", "response": "mine"})
+                           + "\n" for i in range(12)), encoding="utf-8")
+    config = {**tiny_run_config, **sets["sft"], "num-server-rounds": 2, "eval-examples": 4}
+    seen: dict[str, set[str]] = {}
+    real = local_data.data.batches
+
+    def spy(frame, *args, **kwargs):
+        key = "own" if frame["_file"].iloc[0] == str(own) else "shared"
+        seen.setdefault(key, set()).update(m[0]["content"] for m in frame["messages"])
+        return real(frame, *args, **kwargs)
+
+    monkeypatch.setattr(local_data.data, "batches", spy)
+
+    def node_config(i: int) -> dict[str, Any]:
+        extra: dict[str, Any] = {"cache-dir": str(tmp_path / "cache")}
+        if i == 0:
+            extra["data-path"] = str(own)
+        return extra
+
+    # Execute
+    summary = run_server(LoopbackGrid(client_app, 2, config, node_config=node_config),
+                         RunConfig.from_run_config(config), node_wait_s=0.0)
+    # Assert: node 0 trained on exactly its file's rows, node 1 on the shared dataset
+    assert seen["own"] == {f"local question {i}" for i in range(12)}
+    assert seen["shared"] and all(p.startswith("What is") for p in seen["shared"])
+    assert summary["rounds"] == 2

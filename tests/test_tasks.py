@@ -120,7 +120,7 @@ def test_non_utf8_and_empty_files_are_refused_by_name(tmp_path):
 
 
 def test_bad_task_keys_name_key_and_value():
-    with pytest.raises(ConfigError, match="task = 'sftt'.*'sft'"):
+    with pytest.raises(ConfigError, match=r"task = 'sftt'.*'sft'"):
         RunConfig.from_run_config({"task": "sftt"})
     with pytest.raises(ConfigError, match="label-words"):
         RunConfig.from_run_config({"label-words": "yes"})
@@ -273,3 +273,18 @@ def test_node_data_path_replaces_the_partition(tmp_path, tokenizer, monkeypatch)
     # Assert
     assert {m[0]["content"] for m in mine._items} == {f"local {i}" for i in range(9)}
     assert all(m[0]["content"].startswith("What is") for m in theirs._items)
+
+
+def test_the_server_evaluates_on_its_own_eval_dataset(tmp_path):
+    # Prepare
+    shared = write_jsonl(tmp_path / "shared.jsonl", sft_rows(40))
+    held_out = write_jsonl(tmp_path / "held.jsonl",
+                           [{"prompt": f"held {i}", "response": "out"} for i in range(7)])
+    with_own = task_for(task="sft", dataset=str(shared), eval_dataset=str(held_out))
+    without = task_for(task="sft", dataset=str(shared))
+    # Execute
+    own = with_own.eval_frame("test", 5)
+    default = without.eval_frame("test", 5)
+    # Assert: the first eval-examples rows of the server's file; else the dataset's test split
+    assert [m[0]["content"] for m in own["messages"]] == [f"held {i}" for i in range(5)]
+    assert default["_row"].tolist() == without.split("test")["_row"].tolist()[:5]
