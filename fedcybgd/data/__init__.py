@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 
 from fedcybgd.data import rotten_tomatoes
+from fedcybgd.data.builtin import builtin_splits
 from fedcybgd.data.partition import PARTITIONERS, check_partition_args, partition_positions
 from fedcybgd.data.prompts import (
     TEMPLATE,
@@ -67,14 +68,6 @@ def load_split(dataset: str, split: str) -> pd.DataFrame:
     """Columns ``text``, ``label``, ``movie_name`` of a built-in dataset's ``split``."""
     _check_dataset(dataset)
     return rotten_tomatoes.load_split(split)
-
-
-def builtin_splits(dataset: str) -> dict[str, pd.DataFrame] | None:
-    """``train``/``validation``/``test`` of the built-in ``dataset`` (shared frames: do not
-    modify), ``None`` when ``dataset`` is not a built-in name (a path or hub name)."""
-    if dataset == "rotten-tomatoes":
-        return {split: rotten_tomatoes.shared_split(split) for split in SPLITS}
-    return None
 
 
 def default_task() -> Task:

@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from fedcybgd.data import builtin_splits
+from fedcybgd.data.builtin import builtin_splits
 from fedcybgd.data.prompts import Batch, EncodedExamples
 from fedcybgd.data.sources import DataError, make_splits, read_source
 from fedcybgd.objective import EvalResult
