@@ -288,3 +288,25 @@ def test_the_server_evaluates_on_its_own_eval_dataset(tmp_path):
     # Assert: the first eval-examples rows of the server's file; else the dataset's test split
     assert [m[0]["content"] for m in own["messages"]] == [f"held {i}" for i in range(5)]
     assert default["_row"].tolist() == without.split("test")["_row"].tolist()[:5]
+
+
+def test_zerolock_objectives_read_the_tasks_positions(tmp_path, tokenizer):
+    # Prepare
+    from fedcybgd.client.updates.local_heads import loss_rows
+
+    path = write_jsonl(tmp_path / "d.jsonl", sft_rows(20))
+    task = task_for(task="sft", dataset=str(path))
+    batch = next(data.batches(task.split("train"), tokenizer, 4, 96, seed=0, task=task))
+    states = torch.randn(*batch.input_ids.shape, 8)
+    # Execute
+    label_rows, label_targets = loss_rows(states, batch, "label")
+    lm_rows, lm_targets = loss_rows(states, batch, "next-token")
+    # Assert: `label` = the response positions; `next-token` = every real position that has a
+    # next real token (the last one of an sft example predicts nothing)
+    assert batch.score_rows is not None and batch.score_positions is not None
+    assert torch.equal(label_rows, states[batch.score_rows, batch.score_positions])
+    assert torch.equal(label_targets, batch.target_ids)
+    assert lm_rows.shape[0] == int(batch.attention_mask.sum()) - len(batch)
+    mask = batch.attention_mask.bool().clone()
+    mask[torch.arange(len(batch)), batch.last_index] = False
+    assert torch.equal(lm_targets, torch.roll(batch.input_ids, -1, dims=1)[mask])
