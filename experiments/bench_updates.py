@@ -9,10 +9,15 @@ RSS and peak RSS above the loaded model's RSS. ``full`` is whole-model AdamW fin
     python experiments/bench_updates.py                      # all rules, SmolLM2, batch 16x32
     python experiments/bench_updates.py --rules fo,full --blocks bottom,top
     python experiments/bench_updates.py --variants precision --blocks bottom,top
+    python experiments/bench_updates.py --task sft --seq 128   # loss on response tokens
 
 Each row also reports the runtime's own RSS (after imports, tokenizer and data, before the
 model), the peak above it, and the memory model's estimate
 (:func:`fedcybgd.memory.estimate.estimate_peak_mb`) with its error against the measured peak.
+
+``--task sft`` turns each review into an instruction example whose response is the review
+itself (``Repeat this review: ...`` -> the review), so about half of each sequence is scored:
+the LM head then runs on every response token, the classification one on one token per row.
 
 Results: printed, and saved to ``experiments/results/bench_updates.json``.
 """
@@ -79,6 +84,7 @@ def pick_block(names: list[str], where: str) -> str:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One configuration, in this process (called in a subprocess by :func:`main`)."""
+    import pandas as pd
     import torch
 
     from fedcybgd import data
@@ -89,7 +95,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from fedcybgd.model.layerwise import LayerStack
     from fedcybgd.model.loading import load_model, load_tokenizer, resolve
     from fedcybgd.model.precision import FrozenBlocks, Precision
-    from fedcybgd.objective import label_loss
+    from fedcybgd.objective import batch_loss, scored_logits
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -97,9 +103,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     precision = Precision(*precision_of(args.variant))
     tokenizer = load_tokenizer(args.model)
     frame = data.load_split("rotten-tomatoes", "train")
+    task = None
+    if args.task == "sft":
+        from fedcybgd.config import RunConfig
+        from fedcybgd.tasks.base import build_task
+
+        task = build_task(RunConfig(task="sft", partitioner="iid"))
+        frame = task.check(pd.DataFrame({
+            "prompt": [f"Repeat this review: {t}" for t in frame["text"]],
+            "response": frame["text"]}))
     batches = list(
         __import__("itertools").islice(
-            data.batches(frame, tokenizer, args.batch, args.seq, seed=0), args.steps + 1
+            data.batches(frame, tokenizer, args.batch, args.seq, seed=0, task=task),
+            args.steps + 1,
         )
     )
     # The modeling code transformers imports lazily is runtime too, not the model's memory.
@@ -145,14 +161,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         batch = batches[batch_index]
         if rule_name == "inference":
             with torch.no_grad():
-                stack.forward_logits(batch.input_ids, batch.attention_mask, batch.last_index)
+                hidden = stack.run(stack.embed(batch.input_ids, batch.attention_mask), 0,
+                                   stack.num_layers)
+                scored_logits(stack, hidden.states, batch)
             return
         if rule_name == "full":
             for p in model.parameters():
                 p.requires_grad_(True)
-            logits = stack.forward_logits(batch.input_ids, batch.attention_mask,
-                                          batch.last_index)
-            label_loss(logits, batch).backward()
+            hidden = stack.run(stack.embed(batch.input_ids, batch.attention_mask), 0,
+                               stack.num_layers)
+            batch_loss(scored_logits(stack, hidden.states, batch), batch).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return
@@ -189,6 +207,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch,
         "seq": args.seq,
         "tokens": int(sum(int(b.attention_mask.sum()) for b in batches[1:]) / args.steps),
+        "task": args.task,
+        "scored_tokens": int(sum(b.num_scored for b in batches[1:]) / args.steps),
     }
 
 
@@ -204,6 +224,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--task", default="classification", choices=("classification", "sft"),
+                        help="the loss: one label token per row, or every response token")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: steadier timings on a shared machine)")
     parser.add_argument("--out", default=str(RESULTS / "bench_updates.json"))
@@ -235,7 +257,7 @@ def main() -> None:
                 sys.executable, __file__, "--one", "--variant", variant, "--where", where,
                 "--model", args.model, "--layers-per-block", str(args.layers_per_block),
                 "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-                "--threads", str(args.threads),
+                "--threads", str(args.threads), "--task", args.task,
                 "--state-dir", str(RESULTS / ".state" / f"{variant}-{where}"),
             ]
             done = subprocess.run(command, capture_output=True, text=True, check=False)

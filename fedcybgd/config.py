@@ -42,6 +42,7 @@ from fedcybgd.compression import CodecError, parse_spec
 from fedcybgd.config_fields import ConfigError, build, closest, coerce, normalize, setting, settings
 from fedcybgd.model.devices import check_device_name
 from fedcybgd.rules import RuleOptions
+from fedcybgd.tasks.registry import task_class
 
 __all__ = [
     "AGGREGATES",
@@ -71,7 +72,23 @@ class RunConfig:
     lora_rank: int = setting(8, ge=1)
     lora_alpha: int = setting(16, ge=1)
     lora_target_modules: str = setting("q_proj,v_proj")  # comma-separated module names
-    dataset: str = setting("rotten-tomatoes", choices=DATASETS)
+    # The task layer (fedcybgd.tasks): what is fine-tuned, on which data, how it is scored
+    task: str = setting("classification")  # a registered task (built-ins: TASKS), checked
+    dataset: str = setting("rotten-tomatoes")  # a built-in name (DATASETS), a path or hub name
+    eval_dataset: str = setting("")  # the server's own held-out file; "": dataset's eval-split
+    text_field: str = setting("text")  # classification
+    label_field: str = setting("label")  # classification: class index or label word
+    label_words: str = setting("negative,positive")  # classification, in label order
+    prompt_template: str = setting("Review: {text}\nSentiment:")  # classification
+    prompt_field: str = setting("prompt")  # sft
+    response_field: str = setting("response")  # sft
+    messages_field: str = setting("")  # sft: a chat `messages` list column instead
+    question_field: str = setting("question")  # multiple-choice
+    options_field: str = setting("options")  # multiple-choice: a list of option texts
+    answer_field: str = setting("answer")  # multiple-choice: index or text of the answer
+    length_normalize: bool = setting(False)  # multiple-choice: log-likelihood per token
+    max_new_tokens: int = setting(32, ge=1, le=4096)  # sft: greedy generation at evaluation
+    partition_by: str = setting("")  # column dirichlet/movie read; "": the task's default
     partitioner: str = setting("dirichlet", choices=PARTITIONERS)
     dirichlet_alpha: float = setting(0.5, gt=0)
     num_server_rounds: int = setting(8, ge=1)
@@ -152,6 +169,7 @@ class RunConfig:
                 parse_spec(spec)
             except CodecError as err:
                 raise ConfigError(f"{key} = {spec!r}: {err}") from None
+        self._check_task()
         if self.clients_per_round % self.per_block:
             raise ConfigError(
                 f"clients-per-round ({self.clients_per_round}) must be a multiple of "
@@ -180,6 +198,22 @@ class RunConfig:
                       if set(rules.registry.option_keys(s.options)) & set(clash)]
             raise ConfigError(f"update rule(s) {owners} declare option(s) {clash}, which are "
                               "run-config keys of their own; rename the option(s)")
+
+    def _check_task(self) -> None:
+        """``task`` must be registered (plug-in modules are loaded); its text keys parse."""
+        try:
+            task_class(self.task)
+        except ConfigError as err:
+            raise ConfigError(f"{err}") from None
+        words = [w.strip() for w in self.label_words.split(",")]
+        if len(words) < 2 or not all(words) or len(set(words)) != len(words):
+            raise ConfigError(f"label-words must be two or more distinct comma-separated words, "
+                              f"got {self.label_words!r}")
+        if self.prompt_template.count("{text}") != 1:
+            raise ConfigError(f"prompt-template must contain {{text}} exactly once, got "
+                              f"{self.prompt_template!r}")
+        if not self.dataset:
+            raise ConfigError("dataset must name a built-in dataset, a file or a folder")
 
     @property
     def lora_modules(self) -> list[str]:
@@ -251,6 +285,9 @@ class NodeConfig:
     # The node's stable key (sampling order, seeds); empty: its partition-id. See `key`.
     node_key: str = setting("")
     device: str = setting("")  # empty: the run config's `device`
+    # The node's own training data (a file or folder on this device; never sent anywhere):
+    # it replaces the node's partition of the run's dataset. Empty: use the partition.
+    data_path: str = setting("")
 
     def __post_init__(self) -> None:
         normalize(self)

@@ -1,15 +1,20 @@
-"""The task objective: cross-entropy on the label token, and verbalizer accuracy.
+"""The rule-facing objective: the logits a batch is scored on, and its loss.
 
-The prompt ends right before the label word, so one position per example carries the loss:
-the logits there are scored against the verbalizer token of the true label (full-vocabulary
-cross-entropy, the language-model loss on that token), and accuracy compares only the two
-verbalizer logits.
+Every update rule, local head and baseline computes its loss through here and never knows which
+task runs: a batch names the positions that carry the loss (``Batch.score_rows`` /
+``score_positions``; by default one per row, the last prompt token of a classification prompt)
+and the task that made it (``Batch.task``), whose ``loss`` scores the logits. Only the scored
+hidden rows go through the final norm and the LM head (:func:`scored_logits`), so the logits are
+``N x V`` for ``N`` scored tokens, never ``B x T x V``.
+
+A batch without a task (built by hand in tests) is scored as a classification prompt: the
+full-vocabulary cross-entropy of the label token, logit-adjusted by the batch's class prior.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,34 +36,93 @@ def adjusted(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     return logits + shift
 
 
-def label_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Mean cross-entropy of the label token; ``logits`` is ``[B, V]`` at ``last_index``
-    (logit-adjusted when the batch carries a class prior, see :func:`adjusted`)."""
+def score_index(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([N], [N])`` row and position of every scored token of ``batch``."""
+    if batch.score_rows is None or batch.score_positions is None:
+        rows = torch.arange(batch.input_ids.shape[0], device=batch.last_index.device)
+        return rows, batch.last_index
+    return batch.score_rows, batch.score_positions
+
+
+def scored_states(states: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``[N, H]``: the rows of ``states`` ``[B, T, H]`` that carry the loss."""
+    rows, positions = score_index(batch)
+    return states[rows.to(states.device), positions.to(states.device)]
+
+
+def scored_logits(stack: LayerStack, states: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``[N, V]`` LM-head logits at the scored positions of the last layer's ``states``."""
+    if batch.score_rows is None:
+        return stack.logits_at(states, batch.last_index)
+    return stack.head(stack.final_hidden(scored_states(states, batch)))
+
+
+def batch_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Mean loss of ``batch`` from its ``[N, V]`` scored logits, as its task defines it."""
+    if batch.task is not None:
+        loss: torch.Tensor = batch.task.loss(logits, batch)
+        return loss
     return F.cross_entropy(adjusted(logits, batch), batch.target_ids)
 
 
+def loss_sum(logits: torch.Tensor, batch: Batch, part: slice) -> torch.Tensor:
+    """Summed loss of the scored rows ``part`` (``logits`` holds just those rows): the sliced
+    form of :func:`batch_loss` (which is ``loss_sum`` over all rows / ``num_scored``)."""
+    if batch.task is not None:
+        total: torch.Tensor = batch.task.loss_sum(logits, batch, part)
+        return total
+    return F.cross_entropy(adjusted(logits, batch), batch.target_ids[part], reduction="sum")
+
+
+def scores(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Float logits as the task's loss scores them (e.g. logit-adjusted)."""
+    if batch.task is not None:
+        out: torch.Tensor = batch.task.scores(logits, batch)
+        return out
+    return adjusted(logits, batch)
+
+
+def label_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The batch's task loss (:func:`batch_loss`; the name plug-in rules written before the
+    task layer call)."""
+    return batch_loss(logits, batch)
+
+
 def correct(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Boolean ``[B]``: does the true label's verbalizer token beat the other one?"""
+    """Boolean ``[B]``: does the true label's verbalizer token beat the others?"""
     pair = logits[:, batch.class_token_ids]
     return pair.argmax(dim=-1) == batch.labels
 
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Mean label loss and accuracy over a set of examples."""
+    """Mean loss and the task's main metric (``accuracy``) over a set of examples.
+
+    ``metrics`` holds the task's other metrics (``sft``: ``exact_match``, ``token_f1``,
+    ``perplexity``); they are written to ``metrics.jsonl`` as ``eval_<name>``.
+    """
 
     loss: float
     accuracy: float
     examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def on_model_device(stack: LayerStack, batch: Batch) -> Batch:
+    """``batch`` where the model's weights are (itself on the CPU, so CPU runs are unchanged);
+    evaluation builds its batches on the CPU whatever the ``device``."""
+    device = next(stack.model.parameters()).device
+    return batch if device.type == "cpu" else batch.to(device)
 
 
 @torch.no_grad()
 def evaluate(stack: LayerStack, batches: Iterable[Batch]) -> EvalResult:
-    """Loss and accuracy of the model behind ``stack`` over ``batches`` (no grad)."""
+    """Label loss and verbalizer accuracy of classification ``batches`` (no grad)."""
     total_loss = 0.0
     hits = 0
     count = 0
     for batch in batches:
+        batch = on_model_device(stack, batch)
         logits = stack.forward_logits(batch.input_ids, batch.attention_mask, batch.last_index)
         total_loss += float(
             F.cross_entropy(logits.float(), batch.target_ids, reduction="sum")

@@ -50,7 +50,7 @@ def _readme_tables() -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _readme_value(cell: str) -> Any:
     if cell.startswith("`") and cell.endswith("`"):
-        inner = cell[1:-1]
+        inner = cell[1:-1].replace("\\n", "\n")  # a newline is written \n in the table
         return "" if inner == '""' else inner
     if cell in ("true", "false"):
         return cell == "true"

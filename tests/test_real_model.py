@@ -68,3 +68,35 @@ def test_client_reads_pretrained_blocks_from_the_model_files(smollm2):
     assert client._pristine == {}
     expected = BlockMap(model, 8).get(model, "layer.8-15")
     assert all(torch.equal(on_disk[name], expected[name]) for name in expected)
+
+
+def test_first_order_sft_steps_lower_the_response_loss(smollm2):
+    # Prepare: reviews as instructions with a one-word answer, through the chat template
+    import pandas as pd
+
+    from fedcybgd.config import RunConfig
+    from fedcybgd.tasks import make_task
+
+    model, tokenizer = smollm2
+    stack = LayerStack(model)
+    blocks = BlockMap(model, layers_per_block=1)
+    reviews = data.load_split("rotten-tomatoes", "train").head(32)
+    task = make_task("sft", RunConfig(task="sft", partitioner="iid", max_new_tokens=3))
+    frame = task.check(pd.DataFrame({
+        "prompt": [f"Is this movie review positive or negative? Answer in one word.\n{t}"
+                   for t in reviews["text"]],
+        "response": ["positive" if y else "negative" for y in reviews["label"]]}))
+    fixed = list(itertools.islice(data.batches(frame, tokenizer, 8, 128, seed=0, task=task), 4))
+    before = task.evaluate(stack, tokenizer, frame, 16, 128)
+    start = blocks.get(model, "layer.29")
+    train = TrainTask(model=model, stack=stack, blocks=blocks, block="layer.29",
+                      batches=itertools.cycle(fixed), steps=8, lr=1e-4, weight_decay=0.0, seed=0)
+    # Execute
+    outcome = get_rule("fo").train(train)
+    after = task.evaluate(stack, tokenizer, frame, 16, 128)
+    blocks.set(model, "layer.29", start)  # leave the shared fixture as it was
+    # Assert: the loss on the response tokens falls; generations are scored
+    assert outcome.steps == 8 and outcome.skipped_steps == 0
+    assert after.loss < before.loss - 0.05
+    assert set(after.metrics) == {"exact_match", "token_f1", "perplexity"}
+    assert after.metrics["perplexity"] < before.metrics["perplexity"]

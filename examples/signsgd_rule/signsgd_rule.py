@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fedcybgd.config_fields import normalize, setting
-from fedcybgd.objective import label_loss
+from fedcybgd.objective import batch_loss, scored_logits
 from fedcybgd.rules import MemoryNeeds, RuleOptions, TrainOutcome, TrainTask, register_rule
 
 
@@ -61,8 +61,8 @@ class SignSGD:
                 examples += len(batch)
                 hidden = task.stack.embed(batch.input_ids, batch.attention_mask)
                 hidden = task.stack.run(hidden, 0, task.stack.num_layers)
-                logits = task.stack.logits_at(hidden.states, batch.last_index)
-                loss = label_loss(logits, batch)
+                # the task's loss at its scored positions: any task, not only classification
+                loss = batch_loss(scored_logits(task.stack, hidden.states, batch), batch)
                 if not math.isfinite(loss.item()):
                     continue  # counted as skipped below; the weights stay as they are
                 loss.backward()

@@ -15,15 +15,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcybgd import data, protocol
+from fedcybgd import protocol
 from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
+from fedcybgd.client.local_data import training_batches
 from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
-from fedcybgd.client.runtime import ClientModel, client_model, client_tokenizer
+from fedcybgd.client.runtime import ClientModel, client_model
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_of
 from fedcybgd.compression import (
@@ -46,16 +46,10 @@ from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
 from fedcybgd.protocol import Holding
 from fedcybgd.rules import rule_spec
+from fedcybgd.tasks.base import warn_cut
 
 log = logging.getLogger(__name__)
 app = ClientApp()
-
-
-def _examples(run: RunConfig, partition_id: int, num_partitions: int) -> pd.DataFrame:
-    # data.client_examples caches the partitioning per process.
-    return data.client_examples(
-        run.dataset, run.partitioner, partition_id, num_partitions, run.dirichlet_alpha, run.seed
-    )
 
 
 def _reply(
@@ -209,12 +203,7 @@ def train(msg: Message, context: Context) -> Message:
         cm.sync(store)
         return _reply(msg, protocol.RESYNC, store, f"cannot rebuild block {block}: {err}",
                       budget=node.memory_budget_mb)
-    tokenizer = client_tokenizer(run.model)
-    examples = _examples(run, node.partition_id, node.num_partitions)
-    batches = data.batches(
-        examples, tokenizer, run.batch_size, run.max_seq_len, seed=seed, shuffle=True,
-        logit_adjust=run.logit_adjust,
-    )
+    batches = training_batches(run, node, seed)
     # Rules get their batches where the model is (on the CPU the iterator itself, which
     # zerolock can skip through without tokenizing).
     feed: Iterator[Batch] = batches if device.type == "cpu" else (b.to(device) for b in batches)
@@ -245,6 +234,8 @@ def train(msg: Message, context: Context) -> Message:
         # version arrives like any other.
         cm.blocks.set(cm.model, block, start)
     train_s = time.perf_counter() - began
+    warn_cut(f"round {server_round}, block {block}", batches.encoder.cut,
+             outcome.examples, run.max_seq_len, "see the task's truncation rule")
 
     kind, note = protocol.WEIGHTS, ""
     if upload_codec == protocol.SEEDLOG:

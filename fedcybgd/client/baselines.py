@@ -15,7 +15,6 @@ import time
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedcybgd import data
 from fedcybgd.baselines import (  # build_full, build_lora: re-exported for earlier callers
     ARRAYS,
     CONFIG,
@@ -28,7 +27,7 @@ from fedcybgd.baselines import (  # build_full, build_lora: re-exported for earl
     is_fedavg_message,
     to_record,
 )
-from fedcybgd.client.runtime import client_tokenizer
+from fedcybgd.client.local_data import training_batches
 from fedcybgd.client.updates.fo import block_loss
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.memory.measure import PeakMemory
@@ -59,11 +58,7 @@ def train_fedavg(msg: Message, context: Context) -> Message:
     bm.set(from_record(msg.content.array_records.pop(ARRAYS)))
 
     seed = run.seed * 1_000_003 + server_round * 1009 + node.partition_id
-    examples = data.client_examples(run.dataset, run.partitioner, node.partition_id,
-                                    node.num_partitions, run.dirichlet_alpha, run.seed)
-    batches = data.batches(examples, client_tokenizer(run.model), run.batch_size,
-                           run.max_seq_len, seed=seed, shuffle=True,
-                           logit_adjust=run.logit_adjust)
+    batches = training_batches(run, node, seed)
     params = bm.trainable
     for p in params:
         p.requires_grad_(True)
@@ -83,7 +78,7 @@ def train_fedavg(msg: Message, context: Context) -> Message:
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                seen += int(batch.labels.shape[0])
+                seen += len(batch)
                 losses.append(float(loss.detach()))
     finally:
         for p in params:

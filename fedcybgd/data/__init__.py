@@ -1,27 +1,30 @@
-"""Task data for clients and server: splits, federated shares and batches of prompts.
+"""Task data for clients and server: splits, federated shares and batches.
 
-Prompts are tokenized lazily, one batch at a time: a client takes a few batches per round, and
-tokenizing 8 rows costs ~0.3 ms against ~45 ms for a whole 1.3k-row share.
+What a row is and how it is tokenized belongs to the run's task (:mod:`fedcybgd.tasks`); here
+are the shares of its train split and the batches over a frame. Without a task, the functions
+serve the default one: Rotten Tomatoes classification. Examples are tokenized lazily, one batch
+at a time: a client takes a few batches per round, and tokenizing 8 rows costs ~0.3 ms against
+~45 ms for a whole 1.3k-row share.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
 
 from fedcybgd.data import rotten_tomatoes
+from fedcybgd.data.builtin import builtin_splits
 from fedcybgd.data.partition import PARTITIONERS, check_partition_args, partition_positions
 from fedcybgd.data.prompts import (
     TEMPLATE,
     VERBALIZER,
     Batch,
     EncodedExamples,
-    PromptEncoder,
     class_token_ids,
     collate,
     encode,
@@ -29,6 +32,8 @@ from fedcybgd.data.prompts import (
 
 if TYPE_CHECKING:  # importing transformers costs ~2 s; only the type is needed here
     from transformers import PreTrainedTokenizerBase
+
+    from fedcybgd.tasks.base import Task
 
 __all__ = [
     "DATASETS",
@@ -40,15 +45,17 @@ __all__ = [
     "BatchIterator",
     "EncodedExamples",
     "batches",
+    "builtin_splits",
     "class_token_ids",
     "client_examples",
     "collate",
+    "default_task",
     "encode",
     "eval_batches",
     "load_split",
 ]
 
-DATASETS = ("rotten-tomatoes",)
+DATASETS = ("rotten-tomatoes",)  # built-in datasets; `dataset` also takes a path
 SPLITS = rotten_tomatoes.SPLITS
 
 
@@ -58,22 +65,40 @@ def _check_dataset(dataset: str) -> None:
 
 
 def load_split(dataset: str, split: str) -> pd.DataFrame:
-    """Columns ``text``, ``label``, ``movie_name`` of ``split`` (train/validation/test)."""
+    """Columns ``text``, ``label``, ``movie_name`` of a built-in dataset's ``split``."""
     _check_dataset(dataset)
     return rotten_tomatoes.load_split(split)
 
 
+def default_task() -> Task:
+    """The task of the default run config: Rotten Tomatoes classification."""
+    from fedcybgd.config import RunConfig
+    from fedcybgd.tasks.base import build_task
+
+    return build_task(RunConfig())
+
+
+def _task_of(task: Task | str | None) -> Task:
+    """A task object for callers that name a built-in dataset (the default task's)."""
+    if task is None:
+        return default_task()
+    if isinstance(task, str):
+        _check_dataset(task)
+        return default_task()
+    return task
+
+
 @lru_cache(maxsize=32)
 def _shares(
-    dataset: str, partitioner: str, num_partitions: int, alpha: float, seed: int
+    task: Task, partitioner: str, num_partitions: int, alpha: float, seed: int
 ) -> tuple[np.ndarray, ...]:
     # Computed once per process for all clients: simulated clients share a process.
-    train = rotten_tomatoes.shared_split("train")
-    return tuple(partition_positions(train, partitioner, num_partitions, alpha, seed))
+    return tuple(partition_positions(task.split("train"), partitioner, num_partitions, alpha,
+                                     seed, column=task.partition_column(partitioner)))
 
 
 def client_examples(
-    dataset: str,
+    dataset: Task | str | None,
     partitioner: str,
     partition_id: int,
     num_partitions: int,
@@ -84,6 +109,9 @@ def client_examples(
 
     Parameters
     ----------
+    dataset : Task or str
+        The run's task (:func:`fedcybgd.tasks.build_task`), whose train split is shared out;
+        a built-in dataset's name stands for the default task.
     partitioner : str
         One of ``PARTITIONERS``.
     alpha : float
@@ -91,10 +119,10 @@ def client_examples(
     seed : int
         Seeds the partitioning; the train/validation/test split itself is fixed.
     """
-    _check_dataset(dataset)
+    resolved = _task_of(dataset)
     check_partition_args(partitioner, partition_id, num_partitions, alpha)
-    positions = _shares(dataset, partitioner, int(num_partitions), float(alpha), int(seed))
-    train = rotten_tomatoes.shared_split("train")
+    positions = _shares(resolved, partitioner, int(num_partitions), float(alpha), int(seed))
+    train = resolved.split("train")
     return train.iloc[positions[partition_id]].reset_index(drop=True)
 
 
@@ -107,7 +135,8 @@ class BatchIterator(Iterator[Batch]):
     tokenizing, so a client rebuilt each round can resume where it stopped. With
     ``logit_adjust`` every batch carries ``log(C * p_c)`` of the frame's own label shares
     (Laplace-smoothed: a class the client lacks is strongly suppressed, not ``-inf``), which the
-    training loss adds to the class logits (:func:`fedcybgd.objective.adjusted`).
+    training loss adds to the class logits (:func:`fedcybgd.objective.adjusted`); tasks without
+    classes carry none. ``task`` (default: :func:`default_task`) encodes the rows.
     """
 
     def __init__(
@@ -120,6 +149,7 @@ class BatchIterator(Iterator[Batch]):
         shuffle: bool = True,
         start_step: int = 0,
         logit_adjust: bool = False,
+        task: Task | None = None,
     ) -> None:
         if len(frame) == 0:
             raise ValueError("cannot draw batches from an empty frame")
@@ -127,21 +157,20 @@ class BatchIterator(Iterator[Batch]):
             raise ValueError(f"batch-size must be >= 1, got {batch_size}")
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
-        self._texts = frame["text"].tolist()
-        self._labels = frame["label"].astype(int).tolist()
-        self._encoder = PromptEncoder(tokenizer, max_seq_len)
-        self._log_prior = local_log_prior(self._labels, len(self._encoder.class_token_ids)) \
-            if logit_adjust else None
+        self.task = _task_of(task)
+        self._items: list[Any] = self.task.examples(frame)
+        self.encoder = self.task.encoder(tokenizer, max_seq_len)
+        self._log_prior = self.task.class_log_prior(frame) if logit_adjust else None
         self._batch_size = batch_size
         self._seed = seed
         self._shuffle = shuffle
         self._epoch = -1
-        self._order = np.arange(len(self._texts))
+        self._order = np.arange(len(self._items))
         self.step = start_step
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
-            n = len(self._texts)
+            n = len(self._items)
             self._order = (
                 np.random.default_rng([self._seed, epoch]).permutation(n)
                 if self._shuffle
@@ -151,17 +180,14 @@ class BatchIterator(Iterator[Batch]):
         return self._order
 
     def __next__(self) -> Batch:
-        n = len(self._texts)
+        n = len(self._items)
         start = self.step * self._batch_size
         rows = []
         for position in range(start, start + self._batch_size):
             epoch, offset = divmod(position, n)
             rows.append(int(self._epoch_order(epoch)[offset]))
         self.step += 1
-        return collate(
-            self._encoder([self._texts[r] for r in rows], [self._labels[r] for r in rows]),
-            self._log_prior,
-        )
+        return collate(self.encoder([self._items[r] for r in rows]), self._log_prior, self.task)
 
 
 def local_log_prior(labels: list[int], classes: int) -> torch.Tensor:
@@ -181,10 +207,11 @@ def batches(
     shuffle: bool = True,
     start_step: int = 0,
     logit_adjust: bool = False,
+    task: Task | None = None,
 ) -> BatchIterator:
     """Endless training batches over ``frame`` (see :class:`BatchIterator`)."""
     return BatchIterator(frame, tokenizer, batch_size, max_seq_len, seed, shuffle, start_step,
-                         logit_adjust)
+                         logit_adjust, task)
 
 
 def eval_batches(
@@ -193,19 +220,19 @@ def eval_batches(
     batch_size: int,
     max_seq_len: int,
     limit: int | None = None,
+    task: Task | None = None,
 ) -> Iterator[Batch]:
     """Batches over the first ``limit`` rows (all when ``None``) in order; the last may be short."""
     # Checked here, not in the generator, so bad arguments fail at the call.
     if batch_size < 1:
         raise ValueError(f"batch-size must be >= 1, got {batch_size}")
     rows = frame if limit is None else frame.iloc[: max(limit, 0)]
-    texts = rows["text"].tolist()
-    labels = rows["label"].astype(int).tolist()
-    encoder = PromptEncoder(tokenizer, max_seq_len)
+    resolved = _task_of(task)
+    items = resolved.examples(rows)
+    encoder = resolved.encoder(tokenizer, max_seq_len)
 
     def generate() -> Iterator[Batch]:
-        for start in range(0, len(texts), batch_size):
-            stop = start + batch_size
-            yield collate(encoder(texts[start:stop], labels[start:stop]))
+        for start in range(0, len(items), batch_size):
+            yield collate(encoder(items[start:start + batch_size]), task=resolved)
 
     return generate()

@@ -97,30 +97,38 @@ def check_partition_args(method: str, partition_id: int, num_partitions: int, al
         raise ValueError(f"dirichlet-alpha must be > 0, got {alpha}")
 
 
-def _make_partitioner(method: str, num_partitions: int, alpha: float, seed: int) -> Partitioner:
+def _make_partitioner(method: str, num_partitions: int, alpha: float, seed: int,
+                      column: str) -> Partitioner:
     if method == "iid":
         return IidPartitioner(num_partitions=num_partitions)
     if method == "dirichlet":
         return DirichletPartitioner(
             num_partitions=num_partitions,
-            partition_by="label",
+            partition_by=column,
             alpha=float(alpha),
             min_partition_size=MIN_PARTITION_SIZE,
             seed=seed,
         )
-    return MoviePartitioner(num_partitions=num_partitions, partition_by="movie_name", seed=seed)
+    return MoviePartitioner(num_partitions=num_partitions, partition_by=column, seed=seed)
+
+
+DEFAULT_COLUMNS = {"dirichlet": "label", "movie": "movie_name"}
 
 
 def partition_positions(
-    frame: pd.DataFrame, method: str, num_partitions: int, alpha: float, seed: int
+    frame: pd.DataFrame, method: str, num_partitions: int, alpha: float, seed: int,
+    column: str | None = "",
 ) -> list[np.ndarray]:
     """Row positions of ``frame`` for every client, index = partition id.
+
+    ``column`` is what ``dirichlet`` skews (a label) and ``movie`` groups by (any id column);
+    ``""``: ``label`` and ``movie_name``; ``None``: the task has no such column.
 
     Raises
     ------
     ValueError
-        On an unknown method, bad ``num-partitions``/``dirichlet-alpha``, or when some client
-        would get fewer than ``MIN_PARTITION_SIZE`` rows.
+        On an unknown method, bad ``num-partitions``/``dirichlet-alpha``, a missing column, or
+        when some client would get fewer than ``MIN_PARTITION_SIZE`` rows.
     """
     check_partition_args(method, 0, num_partitions, alpha)
     if len(frame) < num_partitions * MIN_PARTITION_SIZE:
@@ -128,11 +136,25 @@ def partition_positions(
             f"num-partitions={num_partitions} is too many for {len(frame)} training examples: "
             f"each client needs at least {MIN_PARTITION_SIZE}"
         )
-    columns = frame[["label", "movie_name"]].assign(**{_ROW: np.arange(len(frame))})
+    used: list[str] = []
+    by = ""
+    if method != "iid":
+        by = column if column else DEFAULT_COLUMNS[method]
+        if column is None or by not in frame.columns:
+            fields = sorted(c for c in frame.columns if not str(c).startswith("_"))
+            raise ValueError(
+                f"partitioner = {method!r} needs a column to "
+                f"{'skew labels by' if method == 'dirichlet' else 'group by'}"
+                f"{'' if column is None else f'; {by!r} is not one of {fields}'}: set "
+                "partition-by to one, or partitioner = 'iid'")
+        used = [by]
+    columns = frame[used].assign(**{_ROW: np.arange(len(frame))})
+    if by and columns[by].dtype == object:  # flwr-datasets needs scalars: lists become text
+        columns[by] = columns[by].map(lambda v: v if isinstance(v, (str, int, float)) else str(v))
     if method == "iid":
         # IidPartitioner shards contiguously; permute first so the run seed picks the shares.
         columns = columns.iloc[np.random.default_rng(seed).permutation(len(frame))]
-    partitioner = _make_partitioner(method, num_partitions, alpha, seed)
+    partitioner = _make_partitioner(method, num_partitions, alpha, seed, by)
     partitioner.dataset = datasets.Dataset.from_pandas(columns, preserve_index=False)
     try:
         with warnings.catch_warnings():

@@ -34,7 +34,7 @@ from fedcybgd.model.precision import Precision
 from fedcybgd.objective import EvalResult
 from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.server.checkpoint import Checkpointer
-from fedcybgd.server.common import Evaluator, require_nodes, resolve_output_dir
+from fedcybgd.server.common import Evaluator, eval_extras, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.plots import plot_run
@@ -180,7 +180,8 @@ def run_server(
     else:
         initial = evaluator()
         writer.write(RoundRecord(0, eval_loss=initial.loss, eval_accuracy=initial.accuracy,
-                                 eval_examples=initial.examples).to_json())
+                                 eval_examples=initial.examples,
+                                 extra=eval_extras(initial)).to_json())
     log.info("round 0: eval loss %.4f, accuracy %.3f", initial.loss, initial.accuracy)
     last_eval = initial
 
@@ -195,6 +196,7 @@ def run_server(
             eval_start = time.perf_counter()
             last_eval = evaluator()
             record.eval_loss, record.eval_accuracy = last_eval.loss, last_eval.accuracy
+            record.extra.update(eval_extras(last_eval))
             record.eval_s = time.perf_counter() - eval_start
         record.round_s = time.perf_counter() - round_start
         row = record.to_json()

@@ -33,7 +33,7 @@ from fedcybgd.baselines import (
 )
 from fedcybgd.config import RunConfig
 from fedcybgd.model.loading import load_tokenizer
-from fedcybgd.server.common import Evaluator, require_nodes, resolve_output_dir
+from fedcybgd.server.common import Evaluator, eval_extras, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.plots import plot_run
@@ -237,6 +237,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
             server.set(from_record(arrays))
             result = evaluator()
             record.eval_loss, record.eval_accuracy = result.loss, result.accuracy
+            record.extra.update(eval_extras(result))
         now = time.perf_counter()
         record.eval_s = now - began
         if server_round > 0:

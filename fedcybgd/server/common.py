@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 from flwr.serverapp import Grid
 
-from fedcybgd import data
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.devices import to_cpu
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_tokenizer
 from fedcybgd.model.precision import FrozenBlocks, Precision
-from fedcybgd.objective import EvalResult, evaluate
+from fedcybgd.objective import EvalResult
+from fedcybgd.tasks.base import build_task
 
 
 def resolve_output_dir(path: str) -> Path:
@@ -34,7 +34,8 @@ def resolve_output_dir(path: str) -> Path:
 
 
 class Evaluator:
-    """Evaluate the global model on the first ``eval-examples`` rows of ``eval-split``.
+    """Evaluate the global model through the run's task on the first ``eval-examples`` rows
+    of ``eval-dataset`` (the server's own held-out file) or of the dataset's ``eval-split``.
 
     With ``blocks`` given, the evaluation follows the run's ``device`` and ``eval-precision``:
     on the CPU in fp32 it reads the global model itself; otherwise it runs on a copy of it on
@@ -47,7 +48,8 @@ class Evaluator:
                  device: torch.device | None = None) -> None:
         self.stack = stack
         self._master = stack.model
-        self.frame = data.load_split(run.dataset, run.eval_split).head(run.eval_examples)
+        self.task = build_task(run)
+        self.frame = self.task.eval_frame(run.eval_split, run.eval_examples)
         self.tokenizer = load_tokenizer(run.model)
         self.run = run
         self.device = device or torch.device("cpu")
@@ -68,14 +70,16 @@ class Evaluator:
             self.copy.freeze(block, to_cpu(self.blocks.get(self._master, block)))
 
     def __call__(self) -> EvalResult:
-        batches = data.eval_batches(
-            self.frame, self.tokenizer, self.run.eval_batch_size, self.run.max_seq_len
-        )
         if self.copy is not None:
             self._refresh()
-        if self.device.type != "cpu":
-            return evaluate(self.stack, (b.to(self.device) for b in batches))
-        return evaluate(self.stack, batches)
+        # The task's scoring moves each batch to the model's device (fedcybgd.objective).
+        return self.task.evaluate(self.stack, self.tokenizer, self.frame,
+                                  self.run.eval_batch_size, self.run.max_seq_len)
+
+
+def eval_extras(result: EvalResult) -> dict[str, float]:
+    """The task's metrics besides loss and accuracy, as ``metrics.jsonl`` keys."""
+    return {f"eval_{name}": value for name, value in result.metrics.items()}
 
 
 def require_nodes(grid: Grid, wanted: int, wait_s: float) -> int:

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.blocks import EMBED, HEAD
 from fedcybgd.model.layerwise import Hidden, LayerStack
-from fedcybgd.objective import label_loss
+from fedcybgd.objective import batch_loss, scored_logits
 from fedcybgd.rule_options import FoOptions
 from fedcybgd.rules import TrainOutcome, TrainTask
 
@@ -57,8 +57,7 @@ def block_loss(stack: LayerStack, batch: Batch, lowest: int,
             states = checkpoint(_one_layer, stack, hidden, index, hidden.states,
                                 use_reentrant=False)
             hidden = hidden.with_states(states)
-    logits = stack.logits_at(hidden.states, batch.last_index)
-    return label_loss(logits, batch)
+    return batch_loss(scored_logits(stack, hidden.states, batch), batch)
 
 
 def _one_layer(stack: LayerStack, hidden: Hidden, index: int, states: torch.Tensor
@@ -96,7 +95,7 @@ class FirstOrder:
             for _ in range(task.steps):
                 batch = next(task.batches)
                 loss = block_loss(task.stack, batch, lowest, recompute_from)
-                examples += int(batch.labels.shape[0])
+                examples += len(batch)
                 if not math.isfinite(float(loss.detach())):
                     skipped += 1
                     for p in params:

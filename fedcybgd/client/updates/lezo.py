@@ -63,7 +63,7 @@ from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import seedlog
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import Hidden, LayerStack
-from fedcybgd.objective import label_loss
+from fedcybgd.objective import batch_loss, scored_logits
 from fedcybgd.rule_options import LezoOptions, MezoOptions
 from fedcybgd.rules import TrainOutcome, TrainTask
 
@@ -98,8 +98,7 @@ def perturbed_loss(stack: LayerStack, batch: Batch, prefix: Hidden | None, start
     """Task loss from layer ``start`` up, given the frozen prefix (``None``: embed too)."""
     hidden = prefix if prefix is not None else stack.embed(batch.input_ids, batch.attention_mask)
     hidden = stack.run(hidden, start, stack.num_layers)
-    logits = stack.logits_at(hidden.states, batch.last_index)
-    return float(label_loss(logits, batch))
+    return float(batch_loss(scored_logits(stack, hidden.states, batch), batch))
 
 
 def _block_checksum(task: TrainTask) -> str:

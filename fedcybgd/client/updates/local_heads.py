@@ -6,11 +6,13 @@ lens: a residual affine map, identity at initialisation, so a new head starts as
 
 Objectives (the targets never depend on anything the client does not already hold):
 
-* ``label``: cross-entropy of the label's verbalizer token at ``batch.last_index``, the target of
-  :func:`fedcybgd.objective.label_loss`. Only ``B`` rows reach the head, so the logits are
-  ``B x V``; on the last decoder block with ``frozen-lm`` this IS the model's true loss.
-* ``next-token``: the language-model loss of prompt + label word: every real position predicts
-  the next token, the last one the label word (``sum(mask)`` rows).
+* ``label``: the task's own loss at its scored positions (:func:`fedcybgd.objective.batch_loss`:
+  the label's verbalizer token for classification, the response tokens for ``sft``). Only the
+  ``N`` scored rows reach the head, so the logits are ``N x V``; on the last decoder block with
+  ``frozen-lm`` this IS the model's true loss.
+* ``next-token``: the language-model loss of the whole example: every real position predicts
+  the next token; for a classification prompt the last one predicts the label word
+  (``sum(mask)`` rows), otherwise the last real token predicts nothing.
 
 Rows go through the head in slices of ``slice_rows``, each slice's loss backpropagated before the
 next slice is formed, so at most ``slice_rows x V`` logits (and their grad) are alive at once; the
@@ -30,7 +32,7 @@ from torch import nn
 from fedcybgd.choices import ZEROLOCK_OBJECTIVES
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import Hidden, LayerStack
-from fedcybgd.objective import adjusted
+from fedcybgd.objective import batch_loss, loss_sum, scored_states
 
 Objective = Literal["label", "next-token"]
 OBJECTIVES = ZEROLOCK_OBJECTIVES  # zerolock-objective
@@ -71,12 +73,15 @@ def loss_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of ``states`` [B, T, H] that carry a loss, and their target token ids."""
     if objective == "label":
-        rows = states[torch.arange(states.shape[0], device=states.device), batch.last_index]
-        return rows, batch.target_ids
+        return scored_states(states, batch), batch.target_ids
     if objective == "next-token":
         mask = batch.attention_mask.bool()
         nxt = torch.roll(batch.input_ids, -1, dims=1)
-        nxt[torch.arange(nxt.shape[0]), batch.last_index] = batch.target_ids
+        if batch.score_rows is None:  # a classification prompt: the label word comes next
+            nxt[torch.arange(nxt.shape[0]), batch.last_index] = batch.target_ids
+        else:  # the example is all in the input: its last token has nothing to predict
+            mask = mask.clone()
+            mask[torch.arange(mask.shape[0]), batch.last_index] = False
         # Rows in (row, position) order; for right padding positions after last_index are masked.
         return states[mask], nxt[mask]
     raise ValueError(f"zerolock-objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -135,17 +140,22 @@ class LocalHead:
         # head_logits keeps the family's logit scaling/softcap, also with a frozen weight copy
         return self.stack.head_logits(self.stack.final_hidden(rows), self.head_weight)
 
-    def _scored(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Float logits as the loss scores them: label rows logit-adjusted like the global
-        objective's (:func:`fedcybgd.objective.adjusted`), next-token rows as they are."""
-        return adjusted(logits, batch) if self.objective == "label" else logits.float()
+    def _loss_sum(self, logits: torch.Tensor, batch: Batch, targets: torch.Tensor,
+                  part: slice) -> torch.Tensor:
+        """Summed loss of rows ``part``: the task's for ``label``, plain cross-entropy else."""
+        if self.objective == "label":
+            return loss_sum(logits, batch, part)
+        return F.cross_entropy(logits.float(), targets[part], reduction="sum")
 
     def loss(self, hidden: Hidden, batch: Batch) -> torch.Tensor:
         """The local loss as one graph (no slicing): for checks and small batches."""
         if self.aux_layers:
             hidden = self.stack.run(hidden, 0, self.aux_layers)
         rows, targets = loss_rows(hidden.states, batch, self.objective)
-        return F.cross_entropy(self._scored(self.logits(rows), batch), targets)
+        logits = self.logits(rows)
+        if self.objective == "label":
+            return batch_loss(logits, batch)
+        return F.cross_entropy(logits.float(), targets)
 
     def backward(self, hidden: Hidden, batch: Batch) -> float:
         """Compute the local loss slice by slice, backpropagate it, return its value.
@@ -163,8 +173,8 @@ class LocalHead:
         total = 0.0
         for begin in range(0, count, self.slice_rows):
             part = slice(begin, begin + self.slice_rows)
-            logits = self._scored(self.logits(cut[part]), batch)
-            loss = F.cross_entropy(logits, targets[part], reduction="sum") / count
+            logits = self.logits(cut[part])
+            loss = self._loss_sum(logits, batch, targets, part) / count
             if loss.requires_grad:
                 loss.backward()
             total += float(loss.detach())

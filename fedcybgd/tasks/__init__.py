@@ -1,0 +1,28 @@
+"""The task layer: what a run fine-tunes on, and how it is scored.
+
+A :class:`~fedcybgd.tasks.base.Task` owns the data splits, how an example becomes token ids and
+loss positions, the loss over a batch, and the evaluation; the update rules, the local heads,
+the server's evaluator and the FedAvg baselines all go through it (via the batches it makes,
+see :mod:`fedcybgd.objective`). Built-in kinds (``task``): ``classification``, ``sft``,
+``multiple-choice``; one's own: :func:`register_task` in a plug-in module.
+
+Importing this package is light (no torch); :class:`Task` and :func:`build_task` are loaded on
+first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedcybgd.tasks.registry import TASKS, make_task, register_task, task_class, task_names
+
+__all__ = ["TASKS", "Task", "build_task", "make_task", "register_task", "task_class",
+           "task_names"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Task", "build_task"):
+        from fedcybgd.tasks import base
+
+        return getattr(base, name)
+    raise AttributeError(name)

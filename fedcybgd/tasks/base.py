@@ -1,0 +1,201 @@
+"""The :class:`Task` interface: data splits, encoding, loss and evaluation of one kind of task.
+
+What a task decides, and who asks:
+
+* **data** (:meth:`Task.split`, :meth:`Task.local_frame`, :meth:`Task.eval_frame`): the rows of
+  ``dataset`` (a built-in name, a file, a folder), checked and normalised by :meth:`Task.check`
+  (which names the file, the row and the field of a bad row); clients take their partition of
+  the train split, or their own ``data-path`` file; the server evaluates on ``eval-dataset`` or
+  the dataset's ``eval-split``.
+* **encoding** (:meth:`Task.examples`, :meth:`Task.encoder`): a row becomes token ids plus the
+  positions that carry the loss and the token each must predict
+  (:class:`~fedcybgd.data.prompts.EncodedExamples`); batches carry the task
+  (``Batch.task``), so a rule scores any task through :mod:`fedcybgd.objective`.
+* **loss** (:meth:`Task.scores`, :meth:`Task.loss`, :meth:`Task.loss_sum`): by default the
+  mean full-vocabulary cross-entropy of the scored tokens; ``loss_sum`` is its sliced form (the
+  ZeroLock local heads take the head's loss in slices of rows).
+* **evaluation** (:meth:`Task.evaluate`): loss and the task's metric on held-out rows.
+
+A subclass registered with :func:`fedcybgd.tasks.register_task` in a plug-in module is selected
+with ``task = "<name>"``. One instance per process and run config (:func:`build_task`): the
+splits are read and checked once, however many rounds a simulated client plays.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from fedcybgd.data.builtin import builtin_splits
+from fedcybgd.data.prompts import Batch, EncodedExamples
+from fedcybgd.data.sources import DataError, make_splits, read_source
+from fedcybgd.objective import EvalResult
+from fedcybgd.tasks.registry import make_task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fedcybgd.config import RunConfig
+    from fedcybgd.model.layerwise import LayerStack
+
+log = logging.getLogger(__name__)
+
+
+
+class Encoder(Protocol):
+    """Turns a list of examples (as :meth:`Task.examples` lists them) into token ids."""
+
+    @property
+    def cut(self) -> int:
+        """Examples shortened so far to fit max-seq-len."""
+        ...
+
+    def __call__(self, items: Sequence[Any]) -> EncodedExamples:
+        """Encode ``items``."""
+        ...
+
+
+
+class Task(ABC):
+    """One kind of task; see the module docstring.
+
+    Parameters
+    ----------
+    run : RunConfig
+        The run config; a task reads its own keys from it (``dataset``, ``text-field``, ...).
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, run: RunConfig) -> None:
+        self.run = run
+        self._splits: dict[str, pd.DataFrame] | None = None
+        self._checked: dict[str, pd.DataFrame] = {}
+
+    # ---------------------------------------------------------------------------------- data
+
+    def source_splits(self) -> dict[str, pd.DataFrame]:
+        """``train``/``validation``/``test`` of ``dataset`` as read (unchecked, shared)."""
+        if self._splits is None:
+            builtin = builtin_splits(self.run.dataset)
+            self._splits = builtin if builtin is not None else make_splits(
+                read_source(self.run.dataset), self.run.dataset)
+        return self._splits
+
+    def split(self, name: str) -> pd.DataFrame:
+        """The checked rows of split ``name`` of ``dataset`` (cached: do not modify)."""
+        if name not in self._checked:
+            splits = self.source_splits()
+            if name not in splits:
+                raise ValueError(f"unknown split {name!r}; allowed: {', '.join(splits)}")
+            self._checked[name] = self._require(self.check(splits[name]),
+                                                f"dataset = {self.run.dataset!r} [{name}]")
+        return self._checked[name]
+
+    def local_frame(self, path: str) -> pd.DataFrame:
+        """A node's own training rows (node config ``data-path``): the ``train`` split of a
+        folder that has one, else every row. They are read on the node and never sent."""
+        found = read_source(path)
+        frame = found["train"] if "train" in found else pd.concat(list(found.values()),
+                                                                    ignore_index=True)
+        return self._require(self.check(frame), f"data-path = {path!r}")
+
+    def eval_frame(self, split: str, limit: int) -> pd.DataFrame:
+        """The server's held-out rows: all of ``eval-dataset`` (its ``split`` when it has
+        splits) when set, else ``split`` of ``dataset``; the first ``limit`` of them."""
+        if not self.run.eval_dataset:
+            return self.split(split).head(limit)
+        found = read_source(self.run.eval_dataset)
+        frame = found[split] if split in found else pd.concat(list(found.values()),
+                                                              ignore_index=True)
+        checked = self.check(frame)
+        return self._require(checked, f"eval-dataset = {self.run.eval_dataset!r}").head(limit)
+
+    @staticmethod
+    def _require(frame: pd.DataFrame, what: str) -> pd.DataFrame:
+        if len(frame) == 0:
+            raise DataError(f"{what}: no examples")
+        return frame
+
+    @abstractmethod
+    def check(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """Rows checked and normalised to the task's own columns (a new frame).
+
+        Raises
+        ------
+        DataError
+            A missing field, an empty text, a value the task cannot use; the message names
+            the file, the row and the field (:func:`fedcybgd.data.sources.where`).
+        """
+
+    def partition_column(self, method: str) -> str | None:
+        """The column a ``dirichlet`` (label skew) or ``movie`` (whole groups) partition reads;
+        ``partition-by`` when set. ``None``: the task has none (use ``iid``)."""
+        return self.run.partition_by or None
+
+    # ------------------------------------------------------------------------------ encoding
+
+    @abstractmethod
+    def examples(self, frame: pd.DataFrame) -> list[Any]:
+        """The rows of a checked frame as the encoder takes them (one item per row)."""
+
+    @abstractmethod
+    def encoder(self, tokenizer: PreTrainedTokenizerBase, max_seq_len: int) -> Encoder:
+        """A callable turning a list of :meth:`examples` items into token ids and targets."""
+
+    def class_log_prior(self, frame: pd.DataFrame) -> torch.Tensor | None:
+        """``[C]`` prior a label-skewed client's loss adds to its class logits
+        (``logit-adjust``); ``None``: the task has no classes."""
+        return None
+
+    # --------------------------------------------------------------------------------- loss
+
+    def scores(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """``[n, V]`` float logits as the loss scores them (a hook: e.g. logit adjustment)."""
+        return logits.float()
+
+    def loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Mean loss over the ``N`` scored tokens of ``batch`` from their ``[N, V]`` logits."""
+        return F.cross_entropy(self.scores(logits, batch), batch.target_ids)
+
+    def loss_sum(self, logits: torch.Tensor, batch: Batch, part: slice) -> torch.Tensor:
+        """Summed loss of the scored rows ``part`` (``logits`` holds only those rows)."""
+        return F.cross_entropy(self.scores(logits, batch), batch.target_ids[part],
+                               reduction="sum")
+
+    # --------------------------------------------------------------------------- evaluation
+
+    @abstractmethod
+    def evaluate(self, stack: LayerStack, tokenizer: PreTrainedTokenizerBase,
+                 frame: pd.DataFrame, batch_size: int, max_seq_len: int) -> EvalResult:
+        """Loss and the task's metric of the model behind ``stack`` on ``frame`` (no grad)."""
+
+
+_TASKS: dict[str, Task] = {}
+
+
+def build_task(run: RunConfig) -> Task:
+    """The task of ``run`` (``task``), one instance per process and run config."""
+    key = json.dumps(run.to_run_config(), sort_keys=True, default=str)
+    task = _TASKS.get(key)
+    if task is None:
+        task = make_task(run.task, run)
+        if not isinstance(task, Task):
+            raise TypeError(f"task = {run.task!r} made {type(task).__name__}, not a Task")
+        _TASKS.clear()  # one run per process at a time; do not keep old splits alive
+        _TASKS[key] = task
+    return task
+
+
+def warn_cut(what: str, cut: int, total: int, max_seq_len: int, how: str) -> None:
+    """Log, once per call site and round, how many examples were shortened to fit."""
+    if cut:
+        log.warning("%s: %d of %d examples were longer than max-seq-len = %d: %s "
+                    "(raise max-seq-len to keep them whole)", what, cut, total, max_seq_len, how)

@@ -1,0 +1,248 @@
+"""``sft``: instruction / chat fine-tuning, the loss on the response tokens only.
+
+Rows are ``prompt-field`` + ``response-field`` texts, or (``messages-field`` set) chat lists of
+``{"role", "content"}`` messages whose last one is the assistant's response. A tokenizer with a
+chat template formats them with it (the prompt = every message but the last, with the generation
+prompt; the response = what the full conversation adds to it, end-of-turn token included); one
+without gets a plain template (``User: ...\\nAssistant:`` and `` {response}<eos>``). Truncation:
+:mod:`fedcybgd.tasks.sequences` (the response is never cut silently).
+
+Evaluation: response loss (mean over response tokens) and its perplexity; and greedy generation
+of up to ``max-new-tokens`` tokens from each held-out prompt, scored against the reference
+response by exact match (the ``accuracy`` of the run's records) and token F1, SQuAD-style
+(lower case, punctuation and articles dropped, whitespace collapsed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids
+from fedcybgd.data.sources import DataError, where
+from fedcybgd.objective import EvalResult
+from fedcybgd.tasks.base import Task, warn_cut
+from fedcybgd.tasks.classification import check_text
+from fedcybgd.tasks.sequences import Joiner, sequence_nll
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from fedcybgd.model.layerwise import LayerStack
+
+Messages = list[dict[str, str]]
+ROLES = ("system", "user", "assistant")
+
+
+def _messages(value: Any, frame: pd.DataFrame, position: int, field: str) -> Messages:
+    """A checked chat list (DataError naming the row and field otherwise)."""
+    if isinstance(value, np.ndarray):  # Parquet / Arrow lists arrive as arrays
+        value = value.tolist()
+    if isinstance(value, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            value = json.loads(value)
+    at = f"{where(frame, position)}: field {field!r}"
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{at} must be a non-empty list of messages, got {str(value)[:60]!r}")
+    out: Messages = []
+    for number, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
+                or message.get("role") not in ROLES:
+            raise DataError(f"{at}, message {number}: needs 'role' (one of {ROLES}) and "
+                            f"'content' (a text), got {str(message)[:80]!r}")
+        out.append({"role": str(message["role"]), "content": str(message["content"])})
+    if out[-1]["role"] != "assistant" or not out[-1]["content"].strip():
+        raise DataError(f"{at}: the last message must be the assistant's (non-empty) response")
+    if len(out) < 2:
+        raise DataError(f"{at}: needs a prompt message before the assistant's response")
+    return out
+
+
+class ChatFormat:
+    """Prompt and response token ids of a conversation, by chat template or plain text."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self._lead = leading_special_ids(tokenizer)
+        eos = tokenizer.eos_token_id
+        self._eos = [] if eos is None else [int(eos)]
+
+    def _template(self, messages: Messages, generation: bool) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                 add_generation_prompt=generation)
+        ids: Any = out if isinstance(out, list) else out["input_ids"]  # type: ignore[index]
+        return [int(i) for i in ids]
+
+    @staticmethod
+    def plain_prompt(messages: Messages) -> str:
+        """``Role: content`` lines, then ``Assistant:``."""
+        lines = [f"{m['role'].capitalize()}: {m['content']}\n" for m in messages]
+        return "".join(lines) + "Assistant:"
+
+    def prompt(self, messages: Messages) -> list[int]:
+        """Ids of the conversation before its last message, ready for the response."""
+        if self.chat:
+            return self._template(messages[:-1], generation=True)
+        return self._lead + self.tokenizer.encode(self.plain_prompt(messages[:-1]),
+                                                  add_special_tokens=False)
+
+    def split(self, messages: Messages) -> tuple[list[int], list[int]]:
+        """``(prompt ids, response ids)`` of a conversation."""
+        prompt = self.prompt(messages)
+        if self.chat:
+            full = self._template(messages, generation=False)
+            if full[: len(prompt)] == prompt and len(full) > len(prompt):
+                return prompt, full[len(prompt):]
+            # A template whose prompt is not a prefix of the conversation: the response's own
+            # tokens, as the template would not tell them apart.
+        response = self.tokenizer.encode(" " + messages[-1]["content"].strip(),
+                                         add_special_tokens=False) + self._eos
+        return prompt, response
+
+
+class SFTEncoder:
+    """Conversations to ids with the loss on the response; ``cut`` counts the shortened."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_seq_len: int) -> None:
+        self.format = ChatFormat(tokenizer)
+        self.join = Joiner(max_seq_len)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+            else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("the tokenizer has neither a pad token nor an eos token")
+        self.pad_token_id = int(pad)
+
+    @property
+    def cut(self) -> int:
+        """Examples shortened so far."""
+        return self.join.cut
+
+    def __call__(self, items: Sequence[Any]) -> EncodedExamples:
+        joined = [self.join(*self.format.split(messages)) for messages in items]
+        return EncodedExamples(
+            input_ids=[j.input_ids for j in joined], labels=[-1] * len(joined),
+            class_token_ids=(), pad_token_id=self.pad_token_id,
+            score_positions=[j.positions for j in joined], targets=[j.targets for j in joined])
+
+
+class SFTTask(Task):
+    """See the module docstring."""
+
+    name = "sft"
+
+    def check(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """A ``messages`` column of checked chat lists."""
+        if len(frame) == 0:
+            return frame.assign(messages=pd.Series(dtype=object))
+        field = self.run.messages_field
+        if field:
+            if field not in frame.columns:
+                raise DataError(f"{where(frame, 0)}: no field {field!r} (messages-field)")
+            chats = [_messages(v, frame, i, field) for i, v in enumerate(frame[field].tolist())]
+        else:
+            if self.run.prompt_field not in frame.columns and "messages" in frame.columns:
+                raise DataError(f"{where(frame, 0)}: no field {self.run.prompt_field!r} "
+                                "(prompt-field); the rows have 'messages': set "
+                                "messages-field = \"messages\"")
+            prompts = check_text(frame, self.run.prompt_field).tolist()
+            responses = check_text(frame, self.run.response_field).tolist()
+            chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}]
+                     for p, r in zip(prompts, responses, strict=True)]
+        out = frame.copy()
+        out["messages"] = pd.Series(chats, index=frame.index, dtype=object)
+        return out
+
+    def examples(self, frame: pd.DataFrame) -> list[Any]:
+        """The chat lists."""
+        return list(frame["messages"])
+
+    def encoder(self, tokenizer: PreTrainedTokenizerBase, max_seq_len: int) -> SFTEncoder:
+        """An :class:`SFTEncoder`."""
+        return SFTEncoder(tokenizer, max_seq_len)
+
+    def evaluate(self, stack: LayerStack, tokenizer: PreTrainedTokenizerBase,
+                 frame: pd.DataFrame, batch_size: int, max_seq_len: int) -> EvalResult:
+        """Response loss and perplexity; exact match and token F1 of greedy generations."""
+        encode = self.encoder(tokenizer, max_seq_len)
+        items = self.examples(frame)
+        nll = tokens = 0.0
+        exact = f1 = 0.0
+        for start in range(0, len(items), batch_size):
+            part = items[start:start + batch_size]
+            total, count = sequence_nll(stack, collate(encode(part), task=self))
+            nll += float(total.sum())
+            tokens += float(count.sum())
+            prompts = [encode.format.prompt(m)[-max(1, max_seq_len):] for m in part]
+            for messages, text in zip(part, generate(stack, tokenizer, prompts,
+                                                     self.run.max_new_tokens), strict=True):
+                reference = messages[-1]["content"]
+                exact += float(normalize_answer(text) == normalize_answer(reference))
+                f1 += token_f1(text, reference)
+        warn_cut("evaluation", encode.cut, len(items), max_seq_len,
+                 f"{encode.join.prompts_cut} prompts cut from the left, "
+                 f"{encode.join.continuations_cut} responses cut at the end")
+        loss = nll / max(tokens, 1.0)
+        n = len(items)
+        return EvalResult(loss, exact / n, n, {"exact_match": exact / n, "token_f1": f1 / n,
+                                               "perplexity": math.exp(min(loss, 700.0))})
+
+
+@torch.no_grad()
+def generate(stack: LayerStack, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
+             max_new_tokens: int) -> list[str]:
+    """Greedy continuations of ``prompts`` (ids), decoded without special tokens.
+
+    The model's own ``generate`` (with its KV cache: a forward per new token, not per prefix),
+    on left-padded prompts; stops at the tokenizer's end-of-sequence token.
+    """
+    model: Any = stack.model
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), int(pad), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                             temperature=None, top_p=None, top_k=None,
+                             pad_token_id=int(pad), eos_token_id=tokenizer.eos_token_id)
+    finally:
+        model.train(was_training)
+    return [str(tokenizer.decode(row[width:], skip_special_tokens=True)).strip() for row in out]
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, no punctuation or articles, single spaces."""
+    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split())
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD token F1 of two texts after :func:`normalize_answer`."""
+    got, want = normalize_answer(prediction).split(), normalize_answer(reference).split()
+    if not got or not want:
+        return float(got == want)
+    common = sum((Counter(got) & Counter(want)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(got), common / len(want)
+    return 2 * precision * recall / (precision + recall)
