@@ -10,6 +10,7 @@ RSS and peak RSS above the loaded model's RSS. ``full`` is whole-model AdamW fin
     python experiments/bench_updates.py --rules fo,full --blocks bottom,top
     python experiments/bench_updates.py --variants precision --blocks bottom,top
     python experiments/bench_updates.py --task sft --seq 128   # loss on response tokens
+    python experiments/bench_updates.py --variants fo@top,fo/recompute@bottom --jobs 2
 
 Each row also reports the runtime's own RSS (after imports, tokenizer and data, before the
 model), the peak above it, and the memory model's estimate
@@ -19,7 +20,8 @@ model), the peak above it, and the memory model's estimate
 itself (``Repeat this review: ...`` -> the review), so about half of each sequence is scored:
 the LM head then runs on every response token, the classification one on one token per row.
 
-Results: printed, and saved to ``experiments/results/bench_updates.json``.
+Results: printed, and saved to ``experiments/results/bench_updates.json`` (a ``--variants``
+set such as ``precision``: ``bench_updates_<set>.json``; ``--out`` chooses).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -137,17 +140,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for p in model.parameters():
             p.add_(0)
     shape = ModelShape.of(model, blocks)
-    exact_block = blocks.get(model, block)
     if not precision.full:
         # What a client with frozen-dtype/frozen-quant holds: every block but the trained one
-        # frozen, built from the exact fp32 weights.
         # frozen, built from the exact fp32 weights; the trained one rebuilt as fresh fp32 (as
         # ClientModel.train_block does), so no tensor keeps the loader's fp32 buffer alive.
         frozen = FrozenBlocks(model, blocks, precision)
+        # The trained block's fp32 copy is taken only when it is thawed, and dropped after:
+        # held for the whole row it counted as model memory (407 MB for the 30-layer block of
+        # the inference rows).
+        exact_block = blocks.get(model, block) if rule_name != "inference" else None
         for name in blocks.names:
             frozen.freeze(name, blocks.get(model, name))
-        if rule_name != "inference":
+        if exact_block is not None:
             frozen.thaw(block, exact_block)
+        del exact_block
         __import__("gc").collect()
         release_freed()
     loaded_mb = rss_bytes() / 2**20
@@ -228,7 +234,12 @@ def main() -> None:
                         help="the loss: one label token per row, or every response token")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: steadier timings on a shared machine)")
-    parser.add_argument("--out", default=str(RESULTS / "bench_updates.json"))
+    parser.add_argument("--out", default="",
+                        help="default: results/bench_updates.json, or bench_updates_<set>.json "
+                             "for a --variants set, so a set never overwrites the main rows")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="configurations measured at once (each in its own process, so "
+                             "its peak RSS is its own; step times then compete for CPUs)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--where", help=argparse.SUPPRESS)
@@ -242,37 +253,49 @@ def main() -> None:
     from fedcybgd.client.updates import available_rules
 
     rules = set(available_rules()) | {"inference", "full"}
-    rows: list[dict[str, Any]] = []
-    for variant in VARIANT_SETS.get(args.variants, args.variants).split(","):
+    commands: list[tuple[str, str, list[str]]] = []
+    for item in VARIANT_SETS.get(args.variants, args.variants).split(","):
+        variant, _, only = item.partition("@")  # "fo/recompute@bottom": that block only
         if variant not in VARIANTS:
             raise SystemExit(f"unknown variant {variant!r}; known: {list(VARIANTS)}")
         if VARIANTS[variant][0] not in rules:
             print(f"skip {variant}: rule {VARIANTS[variant][0]!r} is not available")
             continue
-        wheres = args.blocks.split(",")
+        wheres = [only] if only else args.blocks.split(",")
         if VARIANTS[variant][0] in ("inference", "full"):
             wheres = ["whole"]
         for where in wheres:
-            command = [
+            commands.append((variant, where, [
                 sys.executable, __file__, "--one", "--variant", variant, "--where", where,
                 "--model", args.model, "--layers-per-block", str(args.layers_per_block),
                 "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
                 "--threads", str(args.threads), "--task", args.task,
                 "--state-dir", str(RESULTS / ".state" / f"{variant}-{where}"),
-            ]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                print(f"FAILED {variant}/{where}:\n{done.stderr[-2000:]}")
-                continue
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(f"{variant:>18} {row['block']:>12}  {row['step_s']:7.3f} s/step  "
-                  f"peak {row['peak_rss_mb']:7.0f} MB  "
-                  f"above model {row['peak_above_loaded_mb']:7.0f} MB  "
-                  f"above runtime ({row['runtime_rss_mb']:4.0f}) "
-                  f"{row['peak_above_runtime_mb']:6.0f} MB  "
-                  f"estimate {row['estimate_mb']:6.0f} MB ({row['estimate_error']:+.0%})",
-                  flush=True)
+            ]))
+    rows: list[dict[str, Any]] = []
+
+    def run_one(job: tuple[str, str, list[str]]) -> dict[str, Any] | None:
+        variant, where, command = job
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            print(f"FAILED {variant}/{where}:\n{done.stderr[-2000:]}", flush=True)
+            return None
+        row: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{variant:>18} {row['block']:>12}  {row['step_s']:7.3f} s/step  "
+              f"peak {row['peak_rss_mb']:7.0f} MB  "
+              f"above model {row['peak_above_loaded_mb']:7.0f} MB  "
+              f"above runtime ({row['runtime_rss_mb']:4.0f}) "
+              f"{row['peak_above_runtime_mb']:6.0f} MB  "
+              f"estimate {row['estimate_mb']:6.0f} MB ({row['estimate_error']:+.0%})",
+              flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        rows = [row for row in pool.map(run_one, commands) if row is not None]
+    if not args.out:
+        name = (f"bench_updates_{args.variants}.json" if args.variants in VARIANT_SETS
+                else "bench_updates.json")
+        args.out = str(RESULTS / name)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -280,6 +303,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "threads": args.threads,
+        "jobs": args.jobs,
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"saved {out}")

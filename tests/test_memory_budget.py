@@ -65,3 +65,53 @@ def test_estimate_is_within_25_percent_of_measured_peak(smollm2_shape, variant, 
     estimate = estimate_peak_mb(shape, whole, rule, block, BATCH, SEQ)
     # Assert
     assert abs(estimate - measured) <= 0.25 * measured, (estimate, measured)
+
+
+RESULTS = BENCH.parent / "results"
+BENCH_FILES = ("bench_updates.json", "bench_updates_precision.json",
+               "bench_updates_precision_bottom.json")
+
+
+def bench_rows() -> list[tuple[str, dict]]:
+    """Every committed bench row the memory model covers (not ``full``: no rule estimates it)."""
+    rows = []
+    for name in BENCH_FILES:
+        for row in json.loads((RESULTS / name).read_text())["rows"]:
+            if row["rule"] != "full":
+                rows.append((f"{name}:{row['variant']}@{row['where']}", row))
+    return rows
+
+
+def row_estimate(row: dict, per_layer: tuple[ModelShape, BlockMap],
+                 whole: tuple[ModelShape, BlockMap]) -> float:
+    """The memory model's estimate for the configuration a bench row measured."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_updates
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    from fedcybgd.model.precision import Precision
+
+    rule, options = bench_updates.VARIANTS[row["variant"]]
+    shape, grouping = whole if row["where"] == "whole" else per_layer
+    block = bench_updates.pick_block(grouping.names,
+                                     "bottom" if row["where"] == "whole" else row["where"])
+    frozen = Precision(*bench_updates.precision_of(row["variant"]))
+    return estimate_peak_mb(shape, grouping, rule, block, row["batch"], row["seq"],
+                            precision=frozen, options=options)
+
+
+def test_estimate_is_within_10_percent_of_every_committed_bench_row(smollm2_shape):
+    # Prepare: the committed measurements (fp32 rows and the frozen bf16/int8/recompute set)
+    # are the out-of-sample check of the constants in fedcybgd.memory.estimate
+    model = load_model("smollm2-135m")
+    whole_blocks = BlockMap(model, 30)
+    whole = ModelShape.of(model, whole_blocks), whole_blocks
+    rows = bench_rows()
+    assert any(row.get("frozen", "float32") != "float32" for _, row in rows)
+    # Execute
+    errors = {key: row_estimate(row, smollm2_shape, whole) / row["peak_rss_mb"] - 1
+              for key, row in rows}
+    # Assert
+    bad = {key: f"{err:+.1%}" for key, err in errors.items() if abs(err) > 0.10}
+    assert not bad, bad
