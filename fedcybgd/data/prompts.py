@@ -124,6 +124,14 @@ def class_token_ids(
     return tuple(ids)
 
 
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id batches are padded with: the pad token, else the end-of-sequence token."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad token nor an eos token")
+    return int(pad)
+
+
 def leading_special_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Special tokens the tokenizer puts before a text (e.g. BOS); trailing ones (EOS) are
     dropped, since the label must be predicted right after the prompt's last token."""
@@ -160,12 +168,7 @@ class PromptEncoder:
         self._tokenizer = tokenizer
         self.class_token_ids = class_token_ids(tokenizer, verbalizer)
         self.cut = 0
-        pad = tokenizer.pad_token_id
-        if pad is None:
-            pad = tokenizer.eos_token_id
-        if pad is None:
-            raise ValueError("the tokenizer has neither a pad token nor an eos token")
-        self.pad_token_id = int(pad)
+        self.pad_token_id = pad_token_id(tokenizer)
         self._head = leading_special_ids(tokenizer) + tokenizer.encode(
             head_core, add_special_tokens=False
         )

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids
+from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids, pad_token_id
 from fedcybgd.data.sources import DataError, where
 from fedcybgd.objective import EvalResult
 from fedcybgd.tasks.base import Task, warn_cut
@@ -78,11 +78,7 @@ class ChoiceEncoder:
         self.tokenizer = tokenizer
         self.join = Joiner(max_seq_len)
         self._lead = leading_special_ids(tokenizer)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
-            else tokenizer.eos_token_id
-        if pad is None:
-            raise ValueError("the tokenizer has neither a pad token nor an eos token")
-        self.pad_token_id = int(pad)
+        self.pad_token_id = pad_token_id(tokenizer)
 
     @property
     def cut(self) -> int:

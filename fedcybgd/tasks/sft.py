@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids
+from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids, pad_token_id
 from fedcybgd.data.sources import DataError, where
 from fedcybgd.objective import EvalResult
 from fedcybgd.tasks.base import Task, warn_cut
@@ -117,11 +117,7 @@ class SFTEncoder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_seq_len: int) -> None:
         self.format = ChatFormat(tokenizer)
         self.join = Joiner(max_seq_len)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
-            else tokenizer.eos_token_id
-        if pad is None:
-            raise ValueError("the tokenizer has neither a pad token nor an eos token")
-        self.pad_token_id = int(pad)
+        self.pad_token_id = pad_token_id(tokenizer)
 
     @property
     def cut(self) -> int:
@@ -207,9 +203,8 @@ def generate(stack: LayerStack, tokenizer: PreTrainedTokenizerBase, prompts: lis
     on left-padded prompts; stops at the tokenizer's end-of-sequence token.
     """
     model: Any = stack.model
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), int(pad), dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_token_id(tokenizer), dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
@@ -221,7 +216,8 @@ def generate(stack: LayerStack, tokenizer: PreTrainedTokenizerBase, prompts: lis
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                              temperature=None, top_p=None, top_k=None,
-                             pad_token_id=int(pad), eos_token_id=tokenizer.eos_token_id)
+                             pad_token_id=pad_token_id(tokenizer),
+                             eos_token_id=tokenizer.eos_token_id)
     finally:
         model.train(was_training)
     return [str(tokenizer.decode(row[width:], skip_special_tokens=True)).strip() for row in out]
