@@ -278,6 +278,20 @@ def test_a_lost_cache_file_is_a_codec_error_not_a_silent_upcast(tmp_path):
     assert cm._loaded["layer.3"] == Holding(2, cm._loaded["layer.3"].checksum)
 
 
+def _two_nodes(config, tmp_path):
+    """A loopback grid of two nodes sharing a cache folder, and a strategy over one-layer
+    blocks of a fresh model (also returned: it holds the server's masters)."""
+    from fedcybgd.checksum import content_checksum
+
+    run = RunConfig.from_run_config(config)
+    grid = LoopbackGrid(client_app, 2, config,
+                        node_config=lambda i: {"cache-dir": str(tmp_path / "cache")})
+    model = load_model(run.model)
+    weights = dict(model.named_parameters())
+    strategy = build_strategy(run, BlockMap(model, 1), weights, "t", content_checksum(weights))
+    return grid, strategy, model
+
+
 @pytest.mark.parametrize("frozen", [{"frozen-dtype": "bfloat16"},
                                     {"frozen-dtype": "bfloat16", "frozen-quant": "int8"}])
 def test_federated_rounds_with_frozen_blocks_sync_by_delta_without_resyncs(
@@ -285,15 +299,7 @@ def test_federated_rounds_with_frozen_blocks_sync_by_delta_without_resyncs(
     # Prepare: two nodes, delta downloads, several rounds so each node gets blocks that
     # changed while it held them frozen
     config = dict(tiny_run_config, **frozen, **{"num-server-rounds": 4})
-    run = RunConfig.from_run_config(config)
-    grid = LoopbackGrid(client_app, 2, config,
-                        node_config=lambda i: {"cache-dir": str(tmp_path / "cache")})
-    model = load_model(run.model)
-    blocks = BlockMap(model, 1)
-    from fedcybgd.checksum import content_checksum
-
-    weights = dict(model.named_parameters())
-    strategy = build_strategy(run, blocks, weights, "t", content_checksum(weights))
+    grid, strategy, model = _two_nodes(config, tmp_path)
     # Execute
     for server_round in range(1, 5):
         messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid)
@@ -310,15 +316,7 @@ def test_lezo_seedlogs_replay_exactly_with_frozen_int8_blocks(tiny_run_config, t
     config = dict(tiny_run_config, **{"update-rule": "lezo", "upload-codec": "seedlog",
                                       "frozen-dtype": "bfloat16", "frozen-quant": "int8",
                                       "local-steps": 3})
-    run = RunConfig.from_run_config(config)
-    grid = LoopbackGrid(client_app, 2, config,
-                        node_config=lambda i: {"cache-dir": str(tmp_path / "cache")})
-    model = load_model(run.model)
-    blocks = BlockMap(model, 1)
-    from fedcybgd.checksum import content_checksum
-
-    weights = dict(model.named_parameters())
-    strategy = build_strategy(run, blocks, weights, "t", content_checksum(weights))
+    grid, strategy, model = _two_nodes(config, tmp_path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for server_round in (1, 2):
         messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid)
@@ -327,6 +325,7 @@ def test_lezo_seedlogs_replay_exactly_with_frozen_int8_blocks(tiny_run_config, t
         assert kinds == ["seedlog", "seedlog"]  # no weights fallback
         strategy.aggregate_train(server_round, replies)
         assert len(strategy.history[-1].accepted or {}) == 2
+    blocks = BlockMap(model, 1)
     changed = {blocks.block_of(n) for n, p in model.named_parameters()
                if not torch.equal(p, before[n])}
     assert len(changed) == 4
