@@ -24,6 +24,7 @@ from typing import Any
 from fedcybgd import plugins, protocol, rules
 from fedcybgd.choices import (
     AGGREGATES,
+    AUTO_TASK,
     DAMPINGS,
     DATASETS,
     EVAL_PRECISIONS,
@@ -36,12 +37,14 @@ from fedcybgd.choices import (
     SCHEDULES,
     SERVER_OPTIMIZERS,
     STRATEGIES,
+    TASKS,
     UPDATE_RULES,
 )
 from fedcybgd.compression import CodecError, parse_spec
 from fedcybgd.config_fields import ConfigError, build, closest, coerce, normalize, setting, settings
 from fedcybgd.model.devices import check_device_name
 from fedcybgd.rules import RuleOptions
+from fedcybgd.tasks.builtin_data import builtin_dataset
 from fedcybgd.tasks.registry import task_class
 
 __all__ = [
@@ -73,7 +76,9 @@ class RunConfig:
     lora_alpha: int = setting(16, ge=1)
     lora_target_modules: str = setting("q_proj,v_proj")  # comma-separated module names
     # The task layer (fedcybgd.tasks): what is fine-tuned, on which data, how it is scored
-    task: str = setting("classification")  # a registered task (built-ins: TASKS), checked
+    # A registered task (built-ins: TASKS), checked; "auto": the built-in dataset's own kind
+    # (classification for files and hub names). The resolved kind: `task_kind`.
+    task: str = setting(AUTO_TASK)
     dataset: str = setting("rotten-tomatoes")  # a built-in name (DATASETS), a path or hub name
     eval_dataset: str = setting("")  # the server's own held-out file; "": dataset's eval-split
     text_field: str = setting("text")  # classification
@@ -200,11 +205,27 @@ class RunConfig:
                               "run-config keys of their own; rename the option(s)")
 
     def _check_task(self) -> None:
-        """``task`` must be registered (plug-in modules are loaded); its text keys parse."""
+        """``task`` must be registered (plug-in modules are loaded); its text keys parse; a
+        built-in ``dataset`` takes its own task kind and fields."""
         try:
-            task_class(self.task)
+            task_class(self.task_kind)
         except ConfigError as err:
             raise ConfigError(f"{err}") from None
+        builtin = builtin_dataset(self.dataset)
+        if builtin is not None:
+            # A plug-in task may read a built-in set its own way; a built-in kind cannot.
+            if self.task != AUTO_TASK and self.task in TASKS and self.task != builtin.task:
+                raise ConfigError(f"dataset = {self.dataset!r} is built for task = "
+                                  f"{builtin.task!r}, not {self.task!r}: set task = "
+                                  f"{builtin.task!r} (or {AUTO_TASK!r}), or give the rows as "
+                                  "a file")
+            known = settings(type(self))
+            for key, column in builtin.fields.items():
+                value = getattr(self, known[key].name)
+                if value != column:
+                    raise ConfigError(f"dataset = {self.dataset!r} has the field {key} = "
+                                      f"{column!r}, got {value!r}: leave {key} at "
+                                      f"{column!r} for the built-in dataset")
         words = [w.strip() for w in self.label_words.split(",")]
         if len(words) < 2 or not all(words) or len(set(words)) != len(words):
             raise ConfigError(f"label-words must be two or more distinct comma-separated words, "
@@ -214,6 +235,15 @@ class RunConfig:
                               f"{self.prompt_template!r}")
         if not self.dataset:
             raise ConfigError("dataset must name a built-in dataset, a file or a folder")
+
+    @property
+    def task_kind(self) -> str:
+        """The task that runs: ``task``, or for ``auto`` the built-in dataset's own kind
+        (``classification`` for files, folders and hub names)."""
+        if self.task != AUTO_TASK:
+            return self.task
+        builtin = builtin_dataset(self.dataset)
+        return builtin.task if builtin is not None else "classification"
 
     @property
     def lora_modules(self) -> list[str]:
