@@ -154,6 +154,12 @@ class Task(ABC):
     def encoder(self, tokenizer: PreTrainedTokenizerBase, max_seq_len: int) -> Encoder:
         """A callable turning a list of :meth:`examples` items into token ids and targets."""
 
+    def max_scored_tokens(self, batch_size: int, max_seq_len: int) -> int:
+        """The most positions of a training batch that reach the LM head: the rows of the
+        logits the memory estimate counts (:mod:`fedcybgd.memory.estimate`). One a row by
+        default (a label token)."""
+        return batch_size
+
     def class_log_prior(self, frame: pd.DataFrame) -> torch.Tensor | None:
         """``[C]`` prior a label-skewed client's loss adds to its class logits
         (``logit-adjust``); ``None``: the task has no classes."""
