@@ -218,6 +218,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "estimate_mb": estimate,
         "estimate_error": estimate / mem.peak_mb - 1,
         "estimate_at_task_bound_mb": estimate_bound,
+        "scored_tokens_max": scored,
         "scored_tokens_bound": bound,
         "batch": args.batch,
         "seq": args.seq,
