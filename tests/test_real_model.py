@@ -131,8 +131,9 @@ def test_sft_training_on_the_builtin_tomi_lowers_the_held_out_response_loss(smol
     blocks = BlockMap(model, layers_per_block=1)
     task = build_task(RunConfig(dataset="tomi", max_seq_len=160))
     assert task.name == "sft"
-    held_out = list(data.batches(task.split("validation").head(32), tokenizer, 16, 160,
-                                 seed=0, shuffle=False, task=task))[:2]
+    held_out = list(itertools.islice(data.batches(task.split("validation").head(32),
+                                                  tokenizer, 16, 160, seed=0, shuffle=False,
+                                                  task=task), 2))
     train = data.batches(task.split("train"), tokenizer, 8, 160, seed=0, task=task)
     before = _response_loss(stack, held_out)
     start = blocks.get(model, "layer.29")
