@@ -161,3 +161,23 @@ def test_a_built_in_dataset_refuses_another_built_in_kind_or_other_fields():
     # a file's task kind is the task key's, classification by default
     assert RunConfig(dataset="/data/x.csv").task_kind == "classification"
     assert RunConfig(dataset="/data/x.jsonl", task="sft").task_kind == "sft"
+
+
+@needs_evals
+def test_a_tomi_batch_scores_its_response_tokens_within_the_memory_bound():
+    # Prepare
+    import itertools
+
+    from fedcybgd.model.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny-llama")
+    task = build_task(RunConfig(dataset="tomi"))
+    frame = task.split("train").head(16)
+    # Execute
+    batches = list(itertools.islice(data.batches(frame, tokenizer, 8, 160, seed=0, task=task),
+                                    2))
+    # Assert: every response token (a word, the end-of-turn mark) is scored, never more than
+    # the bound the memory estimate uses; classification scores one token a row
+    assert all(8 < b.num_scored <= task.max_scored_tokens(8, 160) for b in batches)
+    assert task.max_scored_tokens(8, 160) == 8 * 159
+    assert build_task(RunConfig()).max_scored_tokens(8, 160) == 8
