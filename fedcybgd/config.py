@@ -37,7 +37,6 @@ from fedcybgd.choices import (
     SCHEDULES,
     SERVER_OPTIMIZERS,
     STRATEGIES,
-    TASKS,
     UPDATE_RULES,
 )
 from fedcybgd.compression import CodecError, parse_spec
@@ -205,27 +204,12 @@ class RunConfig:
                               "run-config keys of their own; rename the option(s)")
 
     def _check_task(self) -> None:
-        """``task`` must be registered (plug-in modules are loaded); its text keys parse; a
-        built-in ``dataset`` takes its own task kind and fields."""
+        """``task`` (``auto`` resolved) must be registered (plug-in modules are loaded); its
+        text keys parse."""
         try:
             task_class(self.task_kind)
         except ConfigError as err:
             raise ConfigError(f"{err}") from None
-        builtin = builtin_dataset(self.dataset)
-        if builtin is not None:
-            # A plug-in task may read a built-in set its own way; a built-in kind cannot.
-            if self.task != AUTO_TASK and self.task in TASKS and self.task != builtin.task:
-                raise ConfigError(f"dataset = {self.dataset!r} is built for task = "
-                                  f"{builtin.task!r}, not {self.task!r}: set task = "
-                                  f"{builtin.task!r} (or {AUTO_TASK!r}), or give the rows as "
-                                  "a file")
-            known = settings(type(self))
-            for key, column in builtin.fields.items():
-                value = getattr(self, known[key].name)
-                if value != column:
-                    raise ConfigError(f"dataset = {self.dataset!r} has the field {key} = "
-                                      f"{column!r}, got {value!r}: leave {key} at "
-                                      f"{column!r} for the built-in dataset")
         words = [w.strip() for w in self.label_words.split(",")]
         if len(words) < 2 or not all(words) or len(set(words)) != len(words):
             raise ConfigError(f"label-words must be two or more distinct comma-separated words, "

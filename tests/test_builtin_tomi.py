@@ -10,7 +10,7 @@ import pytest
 
 from fedcybgd import data
 from fedcybgd.choices import DATASETS as CHOICE_DATASETS
-from fedcybgd.config import ConfigError, RunConfig
+from fedcybgd.config import RunConfig
 from fedcybgd.data import tomi
 from fedcybgd.data.builtin import BUILTIN_DATASETS, builtin_splits
 from fedcybgd.tasks import build_task
@@ -148,19 +148,32 @@ def test_partitions_of_tomi_need_no_partition_by():
     assert np.abs(counts.reindex(overall.index, fill_value=0) - overall).max() > 0.02
 
 
-def test_a_built_in_dataset_refuses_another_built_in_kind_or_other_fields():
-    with pytest.raises(ConfigError, match=r"'tomi' is built for task = 'sft', not "
-                                          r"'classification'"):
-        RunConfig(dataset="tomi", task="classification")
-    with pytest.raises(ConfigError, match=r"'tomi' has the field prompt-field = 'prompt', "
-                                          r"got 'question'"):
-        RunConfig(dataset="tomi", prompt_field="question")
-    with pytest.raises(ConfigError, match=r"'rotten-tomatoes' is built for task = "
-                                          r"'classification'"):
-        RunConfig(task="multiple-choice")
+def test_a_built_in_datasets_fields_are_its_task_kinds_defaults():
+    # dataset = <name> alone: task auto resolves to its kind, whose default fields name the
+    # built-in's columns
+    from fedcybgd.config_fields import settings
+
+    known = settings(RunConfig)
+    for name, spec in BUILTIN_DATASETS.items():
+        run = RunConfig(dataset=name)
+        assert run.task_kind == spec.task
+        assert {key: getattr(run, known[key].name) for key in spec.fields} == dict(spec.fields)
     # a file's task kind is the task key's, classification by default
     assert RunConfig(dataset="/data/x.csv").task_kind == "classification"
     assert RunConfig(dataset="/data/x.jsonl", task="sft").task_kind == "sft"
+
+
+@needs_evals
+def test_another_task_kind_can_read_the_built_in_rows_by_its_own_fields():
+    # Prepare: classification of the question type from the question (its other columns)
+    run = RunConfig(dataset="tomi", task="classification", text_field="question",
+                    label_field="question_type",
+                    label_words="reality,memory,first-order,second-order")
+    # Execute
+    test = build_task(run).split("test")
+    # Assert
+    assert run.task_kind == "classification"
+    assert sorted(test["label"].value_counts().tolist()) == [200, 200, 400, 400]
 
 
 @needs_evals

@@ -31,7 +31,8 @@ class BuiltinDataset:
     task : str
         Its task kind (``task = "auto"`` resolves to it).
     fields : Mapping[str, str]
-        Run-config field keys and the column each must name (the rows have those columns).
+        Run-config field keys and the column each names: the task kind's defaults (a test
+        checks), so ``dataset`` alone needs no field keys; the rows may have more columns.
     partition_columns : Mapping[str, str]
         Partitioner -> the column it reads when ``partition-by`` is empty.
     module : str
