@@ -29,8 +29,9 @@ SETTINGS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"),
             "int8": ("bfloat16", "int8")}
 
 
-def run_one(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """One federated run with frozen blocks held as ``SETTINGS[name]``; its eval figures."""
+def run_one(name: str, seed: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """One federated run (``seed``) with frozen blocks held as ``SETTINGS[name]``; its eval
+    figures."""
     import torch
 
     from fedcybgd.client.app import app as client_app
@@ -38,32 +39,56 @@ def run_one(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from fedcybgd.harness.loopback import LoopbackGrid
     from fedcybgd.server.app import run_server
 
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     dtype, quant = SETTINGS[name]
+    root = root / f"{name}-seed{seed}"
     config: dict[str, Any] = {
         "model": args.model, "partitioner": "iid", "num-server-rounds": args.rounds,
         "clients-per-round": args.nodes, "update-rule": args.rule,
         "local-steps": args.local_steps, "batch-size": args.batch,
         "max-seq-len": args.seq, "lr": args.lr, "eval-every": 0,
         "eval-examples": args.eval_examples, "eval-split": "validation",
-        "seed": args.seed, "frozen-dtype": dtype, "frozen-quant": quant,
-        "output-dir": str(root / name / "out"),
+        "seed": seed, "frozen-dtype": dtype, "frozen-quant": quant,
+        "output-dir": str(root / "out"),
     }
     grid = LoopbackGrid(client_app, args.nodes, config, keep_sent=1,
-                        node_config=lambda i: {"cache-dir": str(root / name / f"cache{i}")})
+                        node_config=lambda i: {"cache-dir": str(root / f"cache{i}")})
     started = time.perf_counter()
     run_server(grid, RunConfig.from_run_config(config), node_wait_s=5.0)
     rows = [json.loads(line) for line in
-            (root / name / "out" / "metrics.jsonl").read_text().splitlines()]
+            (root / "out" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r.get("eval_loss") is not None]
     trained = [r for r in rows if r.get("round", 0) > 0]
     return {
-        "setting": name, "frozen-dtype": dtype, "frozen-quant": quant,
+        "setting": name, "seed": seed, "frozen-dtype": dtype, "frozen-quant": quant,
         "eval_loss_start": evals[0]["eval_loss"], "eval_accuracy_start": evals[0]["eval_accuracy"],
         "eval_loss": evals[-1]["eval_loss"], "eval_accuracy": evals[-1]["eval_accuracy"],
         "failed_blocks": sum(len(r.get("failed_blocks") or []) for r in trained),
         "rounds": len(trained), "wall_s": time.perf_counter() - started,
     }
+
+
+def spread(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per setting: the final eval loss's mean, min and max over seeds, and the largest gap to
+    fp32 at the same seed (what the comparison is judged on against fp32's own seed spread)."""
+    out: dict[str, dict[str, float]] = {}
+    fp32 = {r["seed"]: r["eval_loss"] for r in rows if r["setting"] == "fp32"}
+    for name in dict.fromkeys(r["setting"] for r in rows):
+        losses = {r["seed"]: r["eval_loss"] for r in rows if r["setting"] == name}
+        values = list(losses.values())
+        gaps = [abs(v - fp32[s]) for s, v in losses.items() if s in fp32]
+        out[name] = {"mean": sum(values) / len(values), "min": min(values), "max": max(values),
+                     "seed_spread": max(values) - min(values),
+                     "max_gap_to_fp32_same_seed": max(gaps) if gaps else float("nan")}
+    return out
+
+
+def spread_table(rows: list[dict[str, Any]]) -> str:
+    """:func:`spread` as lines of text."""
+    return "\n".join(
+        f"{name:>5}: final eval loss mean {s['mean']:.4f} (min {s['min']:.4f}, max "
+        f"{s['max']:.4f}, spread {s['seed_spread']:.4f}); largest gap to fp32 at the same seed "
+        f"{s['max_gap_to_fp32_same_seed']:.4f}" for name, s in spread(rows).items())
 
 
 def main() -> None:
@@ -80,7 +105,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=48)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--eval-examples", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0,1",
+                        help="comma-separated; every setting runs with each (the seed spread)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "precision_quality.json"))
     args = parser.parse_args()
@@ -90,18 +116,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory(prefix="precision-quality-") as tmp:
-        for name in args.settings.split(","):
-            row = run_one(name, args, Path(tmp))
-            rows.append(row)
-            print(f"{name:>5}: eval loss {row['eval_loss_start']:.4f} -> {row['eval_loss']:.4f}"
-                  f", accuracy {row['eval_accuracy_start']:.3f} -> {row['eval_accuracy']:.3f}"
-                  f", failed blocks {row['failed_blocks']}, {row['wall_s']:.0f} s", flush=True)
+        for seed in [int(x) for x in args.seeds.split(",")]:
+            for name in args.settings.split(","):
+                row = run_one(name, seed, args, Path(tmp))
+                rows.append(row)
+                print(f"{name:>5} seed {seed}: eval loss {row['eval_loss_start']:.4f} -> "
+                      f"{row['eval_loss']:.4f}"
+                      f", accuracy {row['eval_accuracy_start']:.3f} -> "
+                      f"{row['eval_accuracy']:.3f}, failed blocks {row['failed_blocks']}, "
+                      f"{row['wall_s']:.0f} s", flush=True)
+    print(spread_table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python experiments/precision_quality.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": spread(rows)}, indent=1))
     print(f"saved {out}")
 
 

@@ -28,10 +28,13 @@ from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
 from fedcybgd.protocol import Holding
 from fedcybgd.strategies import FedCyBGD, RoundRecord, Schedule, Upload, run_totals
+from fedcybgd.strategies.aggregate import weighted_mean
 from fedcybgd.strategies.downloads import DownloadPlanner, stale_blocks
+from fedcybgd.strategies.installing import BlockInstaller
 from fedcybgd.strategies.matching import Assignment, match
-from fedcybgd.strategies.reader import NodeBook, ReplyReader
-from fedcybgd.strategies.replies import BAD_PAYLOAD, NOT_TRAINED, Dropped
+from fedcybgd.strategies.reader import BlockUpload, NodeBook, ReplyReader
+from fedcybgd.strategies.record import RoundInFlight
+from fedcybgd.strategies.replies import BAD_PAYLOAD, NON_FINITE, NOT_TRAINED, DropLog, Dropped
 from fedcybgd.strategies.schedule import (
     BlockSchedule,
     build_schedule,
@@ -39,6 +42,8 @@ from fedcybgd.strategies.schedule import (
     schedule_names,
     unregister_schedule,
 )
+from fedcybgd.strategies.screen import UpdateScreen
+from fedcybgd.strategies.server_step import ServerStep
 from fedcybgd.strategies.versions import BlockVersions
 
 LAYERS = ["layer.0", "layer.1", "layer.2", "layer.3"]
@@ -384,6 +389,64 @@ def test_nodes_needing_the_same_payload_share_one_encoding(tiny):
     b = plan.plan(2, node=2, assigned="layer.0", held={}, payloads=cache)
     # Assert
     assert len(cache) == 1 and a.bytes == b.bytes
+
+
+# ----------------------------------------------------------------------------- installing
+def installer_round(versions: BlockVersions, blocks: list[str]) -> tuple[BlockInstaller,
+                                                                          RoundInFlight]:
+    """An installer over ``versions`` and round 3 in flight on ``blocks``, nodes 1, 2, 3..."""
+    schedule = BlockSchedule(list(versions.versions), "ascending")
+    installer = BlockInstaller(versions, schedule, UpdateScreen(), ServerStep(), weighted_mean)
+    record = RoundRecord.training(3, "fo")
+    record.blocks = list(blocks)
+    pairs = [Assignment(i + 1, b, "fo") for i, b in enumerate(blocks)]
+    live = RoundInFlight(record, pairs, seeds={a.node: 100 + a.node for a in pairs})
+    live.sent = [Message(RecordDict(), dst_node_id=a.node, message_type=MessageType.TRAIN)
+                 for a in pairs]
+    return installer, live
+
+
+def upload(tensors: dict[str, torch.Tensor], examples: float, loss: float) -> BlockUpload:
+    return BlockUpload(examples, tensors, {"train_loss": loss, "peak_mem_mb": 10.0,
+                                           "train_s": 1.0}, "fo")
+
+
+def test_installer_installs_finite_merges_and_requeues_the_rest(tiny):
+    # Prepare: layer.0 gets an upload, layer.1 none, layer.2 a non-finite one
+    versions = fresh(tiny)
+    installer, live = installer_round(versions, ["layer.0", "layer.1", "layer.2"])
+    good = moved(versions, "layer.0", 0.5)
+    bad = {k: torch.full_like(v, float("nan")) for k, v in versions.tensors("layer.2").items()}
+    arrived = [("layer.2", (3, upload(bad, 8, 9.0), 1.0)),
+               ("layer.0", (1, upload(good, 8, 1.0), 1.0))]
+    drops = DropLog(3)
+    # Execute
+    installer.close(live, arrived, drops)
+    # Assert
+    record = live.record
+    assert versions.versions["layer.0"] == 3 and versions.versions["layer.1"] == 0
+    assert all(torch.equal(versions.tensors("layer.0")[k], v) for k, v in good.items())
+    assert record.accepted == {"layer.0": [1]}
+    assert record.failed_blocks == ["layer.1", "layer.2"]
+    assert record.dropped == {NON_FINITE: 1}
+    assert installer.retry_seeds == {"layer.1": 102, "layer.2": 103}
+    assert installer.schedule.take(2) == ["layer.1", "layer.2"]  # re-queued first
+    assert record.train_loss == pytest.approx(5.0)  # both losses, weighted by examples
+
+
+def test_installer_merges_in_the_order_instructions_went_out(tiny):
+    # Prepare: two nodes share layer.0 and their replies arrive in reverse order
+    versions = fresh(tiny)
+    installer, live = installer_round(versions, ["layer.0", "layer.0"])
+    live.record.blocks = ["layer.0"]
+    a, b = moved(versions, "layer.0", 0.1), moved(versions, "layer.0", 0.3)
+    arrived = [("layer.0", (2, upload(b, 2, 1.0), 1.0)), ("layer.0", (1, upload(a, 6, 1.0), 1.0))]
+    # Execute
+    installer.close(live, arrived, DropLog(3))
+    # Assert: the accepted list follows the instructions; the merge is the weighted mean
+    assert live.record.accepted == {"layer.0": [1, 2]}
+    for k, v in versions.tensors("layer.0").items():
+        assert torch.allclose(v, 0.75 * a[k] + 0.25 * b[k], atol=1e-6)
 
 
 # -------------------------------------------------------------------------------- reader

@@ -5,81 +5,29 @@ same seed. ``iid`` and ``dirichlet`` are Flower Datasets partitioners; ``movie``
 :class:`~flwr_datasets.partitioner.Partitioner`, because flwr-datasets' grouped natural-id
 partitioner groups a fixed number of ids per client, neither hitting an exact client count nor
 balancing rows.
+
+``datasets`` and ``flwr_datasets`` are imported when a frame is partitioned, not with this
+module: together with pyarrow they are ~60 MB of a client's resident memory, and a node that
+trains on its own ``data-path`` file never partitions.
 """
 
 from __future__ import annotations
 
-import heapq
 import warnings
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import pandas as pd
-from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Partitioner
 
 from fedcybgd.choices import PARTITIONERS
+
+if TYPE_CHECKING:
+    from flwr_datasets.partitioner import Partitioner
 
 # A client needs at least one batch's worth of data to train on; below this the split is
 # refused instead of handing a client a nearly empty (or empty) share.
 MIN_PARTITION_SIZE = 8
 _ROW = "_row"
-
-
-class MoviePartitioner(Partitioner):
-    """Whole groups (movies) per client, groups dealt so client sizes are close.
-
-    Groups are shuffled by ``seed``, then dealt largest first to the client with the fewest
-    rows so far (longest-processing-time rule): sizes differ by at most one group.
-
-    Parameters
-    ----------
-    num_partitions : int
-        Number of clients.
-    partition_by : str
-        Column naming each row's group.
-    seed : int
-        Seeds the order in which equal-sized groups are dealt.
-    """
-
-    def __init__(self, num_partitions: int, partition_by: str = "movie_name", seed: int = 0):
-        super().__init__()
-        if num_partitions < 1:
-            raise ValueError(f"num-partitions must be >= 1, got {num_partitions}")
-        self._num_partitions = num_partitions
-        self._partition_by = partition_by
-        self._seed = seed
-        self._indices: list[np.ndarray] | None = None
-
-    @property
-    def num_partitions(self) -> int:
-        """Total number of partitions."""
-        return self._num_partitions
-
-    def load_partition(self, partition_id: int) -> datasets.Dataset:
-        """Rows of every group dealt to ``partition_id``."""
-        if self._indices is None:
-            self._indices = self._deal()
-        return self.dataset.select(self._indices[partition_id])
-
-    def _deal(self) -> list[np.ndarray]:
-        groups = np.asarray(self.dataset[self._partition_by])
-        # Sorted unique names: the deal does not depend on the row order of the data.
-        names, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
-        if len(names) < self._num_partitions:
-            raise ValueError(
-                f"num-partitions={self._num_partitions} exceeds the {len(names)} distinct "
-                f"'{self._partition_by}' values; every client needs a whole group"
-            )
-        order = np.random.default_rng(self._seed).permutation(len(names))
-        order = order[np.argsort(-counts[order], kind="stable")]
-        loads = [(0, pid) for pid in range(self._num_partitions)]
-        owner = np.empty(len(names), dtype=np.int64)
-        for group in order:
-            load, pid = heapq.heappop(loads)
-            owner[group] = pid
-            heapq.heappush(loads, (load + int(counts[group]), pid))
-        row_owner = owner[inverse]
-        return [np.flatnonzero(row_owner == pid) for pid in range(self._num_partitions)]
 
 
 def check_partition_args(method: str, partition_id: int, num_partitions: int, alpha: float) -> None:
@@ -99,6 +47,10 @@ def check_partition_args(method: str, partition_id: int, num_partitions: int, al
 
 def _make_partitioner(method: str, num_partitions: int, alpha: float, seed: int,
                       column: str) -> Partitioner:
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+
+    from fedcybgd.data.movie_partitioner import MoviePartitioner
+
     if method == "iid":
         return IidPartitioner(num_partitions=num_partitions)
     if method == "dirichlet":
@@ -154,6 +106,8 @@ def partition_positions(
     if method == "iid":
         # IidPartitioner shards contiguously; permute first so the run seed picks the shares.
         columns = columns.iloc[np.random.default_rng(seed).permutation(len(frame))]
+    import datasets
+
     partitioner = _make_partitioner(method, num_partitions, alpha, seed, by)
     partitioner.dataset = datasets.Dataset.from_pandas(columns, preserve_index=False)
     try:

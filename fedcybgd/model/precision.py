@@ -51,7 +51,7 @@ from fedcybgd.model.blocks import BlockMap
 FROZEN_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
 }
-DEQUANT_CHUNK = 1 << 22  # weight elements dequantized at once (16 MB as fp32)
+DEQUANT_CHUNK = 1 << 20  # weight elements dequantized at once (4 MB as fp32)
 
 
 @dataclass(frozen=True)

@@ -24,23 +24,22 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedcybgd.compression import raw_fp32_bytes
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
 from fedcybgd.strategies.downloads import DownloadPlanner, PayloadCache
+from fedcybgd.strategies.installing import Admitted, BlockInstaller
 from fedcybgd.strategies.instructions import RunTerms, train_message
 from fedcybgd.strategies.matching import RuleForBudget, match
-from fedcybgd.strategies.reader import BlockUpload, NodeBook, ReplyReader
+from fedcybgd.strategies.reader import NodeBook, ReplyReader
 from fedcybgd.strategies.record import RoundInFlight, RoundRecord
-from fedcybgd.strategies.replies import NO_REPLY, NON_FINITE, DropLog, Dropped, guarded
+from fedcybgd.strategies.replies import NO_REPLY, DropLog, Dropped, guarded
 from fedcybgd.strategies.sampling import NodeSampler
-from fedcybgd.strategies.schedule import ObservingSchedule, Schedule, build_schedule
-from fedcybgd.strategies.screen import UpdateScreen, update_rms
-from fedcybgd.strategies.server_step import ServerStep, merge_block
+from fedcybgd.strategies.schedule import Schedule, build_schedule
+from fedcybgd.strategies.screen import UpdateScreen
+from fedcybgd.strategies.server_step import ServerStep
 from fedcybgd.strategies.versions import BlockVersions, Tensors
 
 log = logging.getLogger(__name__)
-Admitted = tuple[int, BlockUpload, float]  # (node, its upload, the update's RMS)
 SERVER_STATE = "server-opt."  # checkpoint entries of the server optimizer's per-block state
 
 
@@ -158,10 +157,10 @@ class FedCyBGD(Strategy):
                                   max_steps=local_steps, max_examples=local_steps * batch_size,
                                   max_payload_bytes=max_payload_bytes, device=device)
         self.device = device
+        self.installer = BlockInstaller(self.blocks, self.schedule, self.screen, self.step,
+                                        self.aggregate)
         self.history: list[RoundRecord] = []
         self.round: RoundInFlight | None = None
-        # A re-queued block keeps its seed, so a client can resume its in-round checkpoint.
-        self._retry_seeds: dict[str, int] = {}
 
     # What tests and the ServerApp read directly.
     versions = property(lambda self: self.blocks.versions, doc="Block -> version (round).")
@@ -218,7 +217,8 @@ class FedCyBGD(Strategy):
         for assignment in pairs:
             node, block = assignment.node, assignment.block
             live.awaiting[node] = block
-            retry = self._retry_seeds.pop(block, None) if self.clients_per_block == 1 else None
+            retries = self.installer.retry_seeds
+            retry = retries.pop(block, None) if self.clients_per_block == 1 else None
             seed = live.seeds[node] = (retry if retry is not None
                                        else self.sampler.seed_of(server_round, node))
             down = self.downloads.plan(server_round, node, block,
@@ -269,62 +269,12 @@ class FedCyBGD(Strategy):
         for node, block in live.awaiting.items():
             drops.add(node, f"upload of block {block}", Dropped(NO_REPLY, "timeout or lost"))
         live.awaiting = {}
-        # Merge in the order the instructions went out, not the order replies arrived: float
-        # sums depend on their order, and the same seed must give the same run.
-        sent_order = {m.metadata.dst_node_id: i for i, m in enumerate(live.sent)}
-        arrived.sort(key=lambda item: sent_order[item[1][0]])
-        admitted: dict[str, list[Admitted]] = {}
-        losses: list[tuple[float, float]] = []
-        for block, (node, got, rms) in arrived:
-            admitted.setdefault(block, []).append((node, got, rms))
-            losses.append((got.weight, got.metrics["train_loss"]))
-            record.count_upload(got.weight, raw_fp32_bytes(got.tensors), got.rule,
-                                got.metrics["peak_mem_mb"], got.metrics["train_s"])
-        self._finish(live, admitted, losses, drops)
+        self.installer.close(live, arrived, drops)
+        self.history.append(record)
         if not record.accepted or not self.return_arrays:
             return None, record.to_metric_record()
         live.returned = ArrayRecord({k: v.detach().clone() for k, v in self.weights.items()})
         return live.returned, record.to_metric_record()
-
-    def _finish(self, live: RoundInFlight, admitted: dict[str, list[Admitted]],
-                losses: list[tuple[float, float]], drops: DropLog) -> None:
-        """Merge each block's admitted uploads, take the server's step and install it; re-queue
-        a block with none, or whose result is not finite in the model's dtypes; close the
-        record."""
-        record = live.record
-        block_seed = {a.block: live.seeds[a.node] for a in live.pairs}
-        for block in record.blocks or []:
-            uploads = admitted.get(block, [])
-            merged = merge_block(
-                self.aggregate, self.step, block, self.blocks.tensors(block),
-                [(got.weight, got.tensors) for _, got, _ in uploads], len(admitted)
-            ) if uploads else None
-            if merged is not None:
-                # Only a schedule that asks is told the step's size (it costs a pass over it).
-                observer = self.schedule if isinstance(self.schedule, ObservingSchedule) else None
-                moved = (0.0 if observer is None
-                         else update_rms(merged.tensors, self.blocks.tensors(block)))
-                self.blocks.install(block, merged.tensors, record.round)
-                self.step.commit(block, merged)
-                if observer is not None:
-                    observer.observe(block, moved)
-                for _, _, rms in uploads:
-                    self.screen.accepted(block, rms)
-                record.accepted[block] = [node for node, _, _ in uploads]  # type: ignore[index]
-                continue
-            if uploads:
-                drops.counts[NON_FINITE] += len(uploads)
-                log.warning("block %s: the merged update is not finite in the model's dtypes; "
-                            "nothing installed", block)
-            self.schedule.requeue(block)
-            if block in block_seed:
-                self._retry_seeds[block] = block_seed[block]
-            record.failed_blocks.append(block)  # type: ignore[union-attr]
-        finite = [(w, loss) for w, loss in losses if loss == loss]
-        if finite:
-            record.train_loss = sum(w * x for w, x in finite) / sum(w for w, _ in finite)
-        record.dropped = drops.as_dict()
-        self.history.append(record)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -351,7 +301,7 @@ class FedCyBGD(Strategy):
         nodes = self.nodes.state()
         return {**self.blocks.state(), "schedule": self.schedule.state(),
                 "holdings": nodes["holdings"], "excluded": nodes["excluded"],
-                "budgets": nodes["budgets"], "retry_seeds": dict(self._retry_seeds),
+                "budgets": nodes["budgets"], "retry_seeds": dict(self.installer.retry_seeds),
                 "update_sizes": self.screen.state(), "node_keys": self.sampler.state(),
                 "server_steps": self.step.state()}
 
@@ -360,7 +310,8 @@ class FedCyBGD(Strategy):
         self.blocks.load_state(state)
         self.schedule.load_state(state["schedule"])
         self.nodes.load_state(state)
-        self._retry_seeds = {str(b): int(s) for b, s in state.get("retry_seeds", {}).items()}
+        self.installer.retry_seeds = {str(b): int(s)
+                                      for b, s in state.get("retry_seeds", {}).items()}
         self.screen.load_state(state.get("update_sizes", {}))
         self.sampler.load_state(state.get("node_keys", {}))
         self.step.load_state(state.get("server_steps", {}))

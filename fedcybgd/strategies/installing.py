@@ -1,0 +1,90 @@
+"""Closing a FedCyBGD round: merge each block's admitted uploads, take the server's step,
+install the result at a new version, re-queue the blocks that brought nothing usable.
+
+Kept apart from the strategy so the Flower choreography (:mod:`~fedcybgd.strategies.fedcybgd`)
+stays readable and this bookkeeping can be tested on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from fedcybgd.compression import raw_fp32_bytes
+from fedcybgd.strategies.aggregate import Aggregator
+from fedcybgd.strategies.reader import BlockUpload
+from fedcybgd.strategies.record import RoundInFlight
+from fedcybgd.strategies.replies import NON_FINITE, DropLog
+from fedcybgd.strategies.schedule import ObservingSchedule, Schedule
+from fedcybgd.strategies.screen import UpdateScreen, update_rms
+from fedcybgd.strategies.server_step import ServerStep, merge_block
+from fedcybgd.strategies.versions import BlockVersions
+
+log = logging.getLogger(__name__)
+Admitted = tuple[int, BlockUpload, float]  # (node, its upload, the update's RMS)
+
+
+@dataclass
+class BlockInstaller:
+    """Installs a round's merged blocks into ``blocks``.
+
+    ``retry_seeds`` keeps the seed of each re-queued block, so the node that next trains it
+    (alone) can resume its in-round checkpoint.
+    """
+
+    blocks: BlockVersions
+    schedule: Schedule
+    screen: UpdateScreen
+    step: ServerStep
+    aggregate: Aggregator
+    retry_seeds: dict[str, int] = field(default_factory=dict)
+
+    def close(self, live: RoundInFlight, arrived: list[tuple[str, Admitted]],
+              drops: DropLog) -> None:
+        """Install every block of ``live`` whose admitted uploads (``(block, admitted)`` as they
+        arrived) merge to a finite result; re-queue the others; count the uploads and fill the
+        record's ``accepted``, ``failed_blocks``, ``train_loss`` (example-weighted over finite
+        losses) and ``dropped``."""
+        record = live.record
+        # Merge in the order the instructions went out, not the order replies arrived: float
+        # sums depend on their order, and the same seed must give the same run.
+        sent_order = {m.metadata.dst_node_id: i for i, m in enumerate(live.sent)}
+        admitted: dict[str, list[Admitted]] = {}
+        losses: list[tuple[float, float]] = []
+        for block, (node, got, rms) in sorted(arrived, key=lambda a: sent_order[a[1][0]]):
+            admitted.setdefault(block, []).append((node, got, rms))
+            losses.append((got.weight, got.metrics["train_loss"]))
+            record.count_upload(got.weight, raw_fp32_bytes(got.tensors), got.rule,
+                                got.metrics["peak_mem_mb"], got.metrics["train_s"])
+        block_seed = {a.block: live.seeds[a.node] for a in live.pairs}
+        # Only a schedule that asks is told the step's size (it costs a pass over the block).
+        observer = self.schedule if isinstance(self.schedule, ObservingSchedule) else None
+        for block in record.blocks or []:
+            uploads = admitted.get(block, [])
+            merged = merge_block(
+                self.aggregate, self.step, block, self.blocks.tensors(block),
+                [(got.weight, got.tensors) for _, got, _ in uploads], len(admitted)
+            ) if uploads else None
+            if merged is not None:
+                moved = (0.0 if observer is None
+                         else update_rms(merged.tensors, self.blocks.tensors(block)))
+                self.blocks.install(block, merged.tensors, record.round)
+                self.step.commit(block, merged)
+                if observer is not None:
+                    observer.observe(block, moved)
+                for _, _, rms in uploads:
+                    self.screen.accepted(block, rms)
+                record.accepted[block] = [node for node, _, _ in uploads]  # type: ignore[index]
+                continue
+            if uploads:
+                drops.counts[NON_FINITE] += len(uploads)
+                log.warning("block %s: the merged update is not finite in the model's dtypes; "
+                            "nothing installed", block)
+            self.schedule.requeue(block)
+            if block in block_seed:
+                self.retry_seeds[block] = block_seed[block]
+            record.failed_blocks.append(block)  # type: ignore[union-attr]
+        finite = [(w, loss) for w, loss in losses if loss == loss]
+        if finite:
+            record.train_loss = sum(w * x for w, x in finite) / sum(w for w, _ in finite)
+        record.dropped = drops.as_dict()
