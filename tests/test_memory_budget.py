@@ -78,7 +78,8 @@ def bench_rows() -> list[tuple[str, dict]]:
     for name in BENCH_FILES:
         for row in json.loads((RESULTS / name).read_text())["rows"]:
             if row["rule"] != "full":
-                rows.append((f"{name}:{row['variant']}@{row['where']}", row))
+                task = f"/{row['task']}" if "task" in row else ""  # the tasks file: both
+                rows.append((f"{name}:{row['variant']}@{row['where']}{task}", row))
     return rows
 
 
