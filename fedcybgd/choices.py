@@ -10,8 +10,9 @@ from __future__ import annotations
 UPDATE_RULES: tuple[str, ...] = ("fo", "zerolock", "lezo", "mezo")  # update-rule
 SCHEDULES: tuple[str, ...] = ("ascending", "descending", "random", "spread")  # block-schedule
 PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "movie")  # partitioner
-DATASETS: tuple[str, ...] = ("rotten-tomatoes",)  # dataset (built-in names; or a path)
+DATASETS: tuple[str, ...] = ("rotten-tomatoes", "tomi")  # dataset (built-in names; or a path)
 TASKS: tuple[str, ...] = ("classification", "sft", "multiple-choice")  # task (built-ins)
+AUTO_TASK = "auto"  # task: the built-in dataset's own kind; classification for other data
 STRATEGIES: tuple[str, ...] = ("fedcybgd", "fedavg")  # strategy (fedavg: Flower's own FedAvg)
 FEDAVG_PARAMS: tuple[str, ...] = ("full", "lora")  # fedavg-params
 AGGREGATES: tuple[str, ...] = ("mean", "median", "trimmed-mean")  # aggregate

@@ -24,6 +24,7 @@ from typing import Any
 from fedcybgd import plugins, protocol, rules
 from fedcybgd.choices import (
     AGGREGATES,
+    AUTO_TASK,
     DAMPINGS,
     DATASETS,
     EVAL_PRECISIONS,
@@ -42,6 +43,7 @@ from fedcybgd.compression import CodecError, parse_spec
 from fedcybgd.config_fields import ConfigError, build, closest, coerce, normalize, setting, settings
 from fedcybgd.model.devices import check_device_name
 from fedcybgd.rules import RuleOptions
+from fedcybgd.tasks.builtin_data import builtin_dataset
 from fedcybgd.tasks.registry import task_class
 
 __all__ = [
@@ -73,7 +75,9 @@ class RunConfig:
     lora_alpha: int = setting(16, ge=1)
     lora_target_modules: str = setting("q_proj,v_proj")  # comma-separated module names
     # The task layer (fedcybgd.tasks): what is fine-tuned, on which data, how it is scored
-    task: str = setting("classification")  # a registered task (built-ins: TASKS), checked
+    # A registered task (built-ins: TASKS), checked; "auto": the built-in dataset's own kind
+    # (classification for files and hub names). The resolved kind: `task_kind`.
+    task: str = setting(AUTO_TASK)
     dataset: str = setting("rotten-tomatoes")  # a built-in name (DATASETS), a path or hub name
     eval_dataset: str = setting("")  # the server's own held-out file; "": dataset's eval-split
     text_field: str = setting("text")  # classification
@@ -200,9 +204,10 @@ class RunConfig:
                               "run-config keys of their own; rename the option(s)")
 
     def _check_task(self) -> None:
-        """``task`` must be registered (plug-in modules are loaded); its text keys parse."""
+        """``task`` (``auto`` resolved) must be registered (plug-in modules are loaded); its
+        text keys parse."""
         try:
-            task_class(self.task)
+            task_class(self.task_kind)
         except ConfigError as err:
             raise ConfigError(f"{err}") from None
         words = [w.strip() for w in self.label_words.split(",")]
@@ -214,6 +219,15 @@ class RunConfig:
                               f"{self.prompt_template!r}")
         if not self.dataset:
             raise ConfigError("dataset must name a built-in dataset, a file or a folder")
+
+    @property
+    def task_kind(self) -> str:
+        """The task that runs: ``task``, or for ``auto`` the built-in dataset's own kind
+        (``classification`` for files, folders and hub names)."""
+        if self.task != AUTO_TASK:
+            return self.task
+        builtin = builtin_dataset(self.dataset)
+        return builtin.task if builtin is not None else "classification"
 
     @property
     def lora_modules(self) -> list[str]:

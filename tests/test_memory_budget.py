@@ -69,7 +69,7 @@ def test_estimate_is_within_25_percent_of_measured_peak(smollm2_shape, variant, 
 
 RESULTS = BENCH.parent / "results"
 BENCH_FILES = ("bench_updates.json", "bench_updates_precision.json",
-               "bench_updates_precision_bottom.json")
+               "bench_updates_precision_bottom.json", "bench_updates_tasks.json")
 
 
 def bench_rows() -> list[tuple[str, dict]]:
@@ -78,7 +78,8 @@ def bench_rows() -> list[tuple[str, dict]]:
     for name in BENCH_FILES:
         for row in json.loads((RESULTS / name).read_text())["rows"]:
             if row["rule"] != "full":
-                rows.append((f"{name}:{row['variant']}@{row['where']}", row))
+                task = f"/{row['task']}" if "task" in row else ""  # the tasks file: both
+                rows.append((f"{name}:{row['variant']}@{row['where']}{task}", row))
     return rows
 
 
@@ -97,8 +98,10 @@ def row_estimate(row: dict, per_layer: tuple[ModelShape, BlockMap],
     block = bench_updates.pick_block(grouping.names,
                                      "bottom" if row["where"] == "whole" else row["where"])
     frozen = Precision(*bench_updates.precision_of(row["variant"]))
+    # sft rows score every response token: the estimate at the row's largest batch
     return estimate_peak_mb(shape, grouping, rule, block, row["batch"], row["seq"],
-                            precision=frozen, options=options)
+                            precision=frozen, options=options,
+                            scored_tokens=row.get("scored_tokens_max"))
 
 
 def test_estimate_is_within_10_percent_of_every_committed_bench_row(smollm2_shape):

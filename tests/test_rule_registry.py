@@ -120,18 +120,24 @@ def test_builtin_rules_are_declared_for_both_sides():
     assert [n for n, s in specs.items() if s.step_log] == ["lezo", "mezo"]
 
 
-def test_builtin_estimates_are_unchanged():
+@pytest.mark.parametrize("scored", [None, 100, 600])
+def test_builtin_estimates_are_unchanged(scored):
     # The estimate before the per-rule branch moved into the rules, written out (since issue
-    # 14b: gradients and kept activations count as the larger of the two).
+    # 14b: gradients and kept activations count as the larger of the two; since issue 15 the
+    # logits are those of the scored positions, one a row unless given, in the copies the
+    # loss keeps, zerolock's at most zerolock-slice = 256 rows at a time).
+    from fedcybgd.rules.builtin import BACKWARD_LOGIT_COPIES, FORWARD_LOGIT_COPIES
+
     model = load_model("tiny-llama")
     blocks = BlockMap(model, layers_per_block=2)
     shape = ModelShape.of(model, blocks)
     batch, seq = 4, 48
+    rows = batch if scored is None else scored
     for block in blocks.names:
         info = blocks.info(block)
         block_bytes = info.numel * 4
         acts = batch * seq * shape.hidden_size * ACT_FLOATS_PER_TOKEN_PER_LAYER * 4 / MB
-        logits = batch * shape.vocab_size * 4 / MB
+        logits = rows * shape.vocab_size * 4 / MB
         optimizer = 3 * block_bytes / MB + (block_bytes / MB if shape.bytes_per_param != 4 else 0)
         if info.layers is None:
             lowest = 0 if block == "embed" else shape.num_layers
@@ -139,16 +145,19 @@ def test_builtin_estimates_are_unchanged():
         else:
             lowest, own = info.layers[0], info.layers[1] - info.layers[0] + 1
         grads = block_bytes / MB  # produced as backward frees activations: the larger counts
+        back, forward = BACKWARD_LOGIT_COPIES * logits, FORWARD_LOGIT_COPIES * logits
         extra = {
-            "fo": optimizer - grads + max(grads, (shape.num_layers - lowest) * acts) + logits,
-            "zerolock": optimizer - grads + max(grads, max(own, 1) * acts) + logits,
-            "lezo": 20.0 + 0.05 * block_bytes / MB + acts,
-            "mezo": 20.0 + 0.05 * block_bytes / MB + acts,
+            "fo": optimizer - grads + max(grads, (shape.num_layers - lowest) * acts) + back,
+            "zerolock": optimizer - grads + max(grads, max(own, 1) * acts)
+            + back * min(1.0, 256 / rows),
+            "lezo": 20.0 + 0.05 * block_bytes / MB + acts + forward,
+            "mezo": 20.0 + 0.05 * block_bytes / MB + acts + forward,
             "inference": acts + logits,
         }
         for rule, added in extra.items():
             expected = RUNTIME_MB + shape.param_bytes / MB + added
-            assert estimate_peak_mb(shape, blocks, rule, block, batch, seq) == expected, rule
+            got = estimate_peak_mb(shape, blocks, rule, block, batch, seq, scored_tokens=scored)
+            assert got == pytest.approx(expected, rel=1e-12), rule
 
 
 # --------------------------------------------------------------------- selecting a plug-in

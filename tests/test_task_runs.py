@@ -87,6 +87,38 @@ def test_every_rule_and_baseline_trains_every_task(kind, rule, tiny_run_config, 
         assert "eval_exact_match" not in rows[1]
 
 
+def test_the_builtin_tomi_dataset_alone_trains_sft_on_dirichlet_shares(tiny_run_config,
+                                                                       tmp_path):
+    # Prepare: dataset = "tomi" and nothing else of the task (task = auto -> sft, its fields,
+    # dirichlet over its question types)
+    import importlib.metadata
+
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.config import RunConfig
+    from fedcybgd.harness.loopback import LoopbackGrid
+    from fedcybgd.server.app import RUNNERS
+
+    try:
+        importlib.metadata.distribution("evals")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the 'evals' package (tomi's data) is not installed: make install")
+    config = {**tiny_run_config, "dataset": "tomi", "partitioner": "dirichlet",
+              "num-server-rounds": 1, "eval-examples": 4, "max-new-tokens": 3,
+              "max-seq-len": 160}
+    run = RunConfig.from_run_config(config)
+    grid = LoopbackGrid(client_app, 2, config,
+                        node_config=lambda i: {"cache-dir": str(tmp_path / "cache")})
+    # Execute
+    summary = RUNNERS[run.strategy](grid, run)
+    # Assert
+    rows = [json.loads(x) for x in (Path(config["output-dir"]) / "metrics.jsonl")
+            .read_text().splitlines()]
+    assert run.task_kind == "sft" and [r["round"] for r in rows] == [0, 1]
+    assert rows[1]["train_loss"] is not None and rows[1]["bytes_up"] > 0
+    assert {"eval_exact_match", "eval_token_f1", "eval_perplexity"} <= set(rows[1])
+    assert summary["final_eval_loss"] != summary["initial_eval_loss"]
+
+
 @pytest.mark.slow
 def test_flwr_run_trains_sft_from_a_file(tmp_path: Path, private_flower: Path):
     # Prepare: a private Flower home and ports (the fixture), so the managed SuperLink is ours

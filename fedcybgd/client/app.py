@@ -46,7 +46,7 @@ from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
 from fedcybgd.protocol import Holding
 from fedcybgd.rules import rule_spec
-from fedcybgd.tasks.base import warn_cut
+from fedcybgd.tasks.base import build_task, warn_cut
 
 log = logging.getLogger(__name__)
 app = ClientApp()
@@ -168,11 +168,13 @@ def train(msg: Message, context: Context) -> Message:
         return _reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")
     if node.memory_budget_mb:
         shape = cm.shape
+        # An sft batch scores every response token, not one per row (an upper bound here)
+        scored = build_task(run).max_scored_tokens(run.batch_size, run.max_seq_len)
         fit = fitting_rule(shape, cm.blocks, block, node.memory_budget_mb, run.batch_size,
-                           run.max_seq_len, rule_name, precision, run.options)
+                           run.max_seq_len, rule_name, precision, run.options, scored)
         if fit is None:
             need = estimate_peak_mb(shape, cm.blocks, "lezo", block, run.batch_size,
-                                    run.max_seq_len, precision, run.options)
+                                    run.max_seq_len, precision, run.options, scored)
             return _reply(
                 msg, protocol.REJECTED, None,
                 f"memory-budget-mb = {node.memory_budget_mb:.0f} fits no update rule for "

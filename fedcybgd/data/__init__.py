@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from fedcybgd.data import rotten_tomatoes
-from fedcybgd.data.builtin import builtin_splits
+from fedcybgd.data.builtin import BUILTIN_DATASETS, builtin_splits
 from fedcybgd.data.partition import PARTITIONERS, check_partition_args, partition_positions
 from fedcybgd.data.prompts import (
     TEMPLATE,
@@ -55,7 +55,7 @@ __all__ = [
     "load_split",
 ]
 
-DATASETS = ("rotten-tomatoes",)  # built-in datasets; `dataset` also takes a path
+DATASETS = tuple(BUILTIN_DATASETS)  # built-in datasets; `dataset` also takes a path
 SPLITS = rotten_tomatoes.SPLITS
 
 
@@ -65,9 +65,14 @@ def _check_dataset(dataset: str) -> None:
 
 
 def load_split(dataset: str, split: str) -> pd.DataFrame:
-    """Columns ``text``, ``label``, ``movie_name`` of a built-in dataset's ``split``."""
+    """A private copy of a built-in dataset's ``split`` (Rotten Tomatoes: columns ``text``,
+    ``label``, ``movie_name``; the others: :mod:`fedcybgd.tasks.builtin_data`)."""
     _check_dataset(dataset)
-    return rotten_tomatoes.load_split(split)
+    splits = builtin_splits(dataset)
+    assert splits is not None  # a built-in name
+    if split not in splits:
+        raise ValueError(f"unknown split '{split}'; allowed: {', '.join(splits)}")
+    return splits[split].copy()
 
 
 def default_task() -> Task:
@@ -79,12 +84,15 @@ def default_task() -> Task:
 
 
 def _task_of(task: Task | str | None) -> Task:
-    """A task object for callers that name a built-in dataset (the default task's)."""
+    """A task object for callers that name a built-in dataset (its own task, defaults)."""
     if task is None:
         return default_task()
     if isinstance(task, str):
         _check_dataset(task)
-        return default_task()
+        from fedcybgd.config import RunConfig
+        from fedcybgd.tasks.base import build_task
+
+        return build_task(RunConfig(dataset=task))  # the dataset's own kind (task = auto)
     return task
 
 

@@ -1,15 +1,24 @@
-"""The built-in datasets: names ``dataset`` accepts besides paths and hub names."""
+"""The rows of the built-in datasets (the table of them, with their task kinds and fields:
+:mod:`fedcybgd.tasks.builtin_data`)."""
 
 from __future__ import annotations
 
-import pandas as pd
+import importlib
+from typing import TYPE_CHECKING
 
-from fedcybgd.data import rotten_tomatoes
+from fedcybgd.tasks.builtin_data import BUILTIN_DATASETS, BuiltinDataset, builtin_dataset
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["BUILTIN_DATASETS", "BuiltinDataset", "builtin_dataset", "builtin_splits"]
 
 
 def builtin_splits(dataset: str) -> dict[str, pd.DataFrame] | None:
     """``train``/``validation``/``test`` of the built-in ``dataset`` (shared frames: do not
     modify), ``None`` when ``dataset`` is not a built-in name (a path or hub name)."""
-    if dataset == "rotten-tomatoes":
-        return {split: rotten_tomatoes.shared_split(split) for split in rotten_tomatoes.SPLITS}
-    return None
+    spec = builtin_dataset(dataset)
+    if spec is None:
+        return None
+    module = importlib.import_module(spec.module)
+    return {split: module.shared_split(split) for split in spec.splits}

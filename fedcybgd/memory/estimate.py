@@ -116,14 +116,19 @@ def weights_mb(shape: ModelShape, blocks: BlockMap, trained: str | None,
 def memory_needs(
     shape: ModelShape, blocks: BlockMap, block: str, batch_size: int, seq_len: int,
     precision: Precision | None = None, options: Mapping[str, Any] | None = None,
-    trained: bool = True,
+    trained: bool = True, scored_tokens: int | None = None,
 ) -> MemoryNeeds:
     """What one client-round on ``block`` costs, before a rule's own additions.
 
     ``precision``: how frozen blocks are held; ``options``: the run's rule options (a rule's
     estimate reads its own, e.g. ``fo-recompute``); ``trained = False``: no block is held in
-    fp32 (the inference floor).
+    fp32 (the inference floor); ``scored_tokens``: the positions of a batch that reach the LM
+    head (:meth:`fedcybgd.tasks.base.Task.max_scored_tokens`; ``None``: one a row, as
+    classification scores).
     """
+    scored = batch_size if scored_tokens is None else int(scored_tokens)
+    if scored < 0:
+        raise ValueError(f"scored_tokens must be >= 0, got {scored_tokens}")
     info = blocks.info(block)
     block_bytes = info.numel * 4
     tokens = batch_size * seq_len
@@ -143,13 +148,14 @@ def memory_needs(
             block_bytes / MB if shape.bytes_per_param != 4 else 0),
         layer_activations_mb=tokens * shape.hidden_size * 4 / MB * (
             ACT_FLOATS_LOW_PRECISION if low else ACT_FLOATS_PER_TOKEN_PER_LAYER),
-        logits_mb=batch_size * shape.vocab_size * 4 / MB,
+        logits_mb=scored * shape.vocab_size * 4 / MB,
         layers_from_block=shape.num_layers - lowest,
         own_layers=own_layers,
         num_layers=shape.num_layers,
         options=dict(options or {}),
         layer_input_mb=tokens * shape.hidden_size * 4 / MB,
         frozen_transient_mb=DEQUANT_TRANSIENT_MB if int8 else 0.0,
+        scored_rows=scored,
     )
 
 
@@ -162,12 +168,14 @@ def estimate_peak_mb(
     seq_len: int,
     precision: Precision | None = None,
     options: Mapping[str, Any] | None = None,
+    scored_tokens: int | None = None,
 ) -> float:
     """Estimated peak resident memory, in MiB, of one client-round (see the module docstring).
 
     ``rule`` is a registered update rule, or ``"inference"``; ``precision`` how the client
     holds its frozen blocks (``frozen-dtype``, ``frozen-quant``), ``options`` the run's rule
-    options (``fo-recompute``).
+    options (``fo-recompute``), ``scored_tokens`` the positions of a batch the LM head scores
+    (``None``: one a row; an sft batch scores every response token).
 
     Raises
     ------
@@ -177,7 +185,7 @@ def estimate_peak_mb(
         The rule's estimate is not a finite number >= 0.
     """
     needs = memory_needs(shape, blocks, block, batch_size, seq_len, precision, options,
-                         trained=rule != INFERENCE)
+                         trained=rule != INFERENCE, scored_tokens=scored_tokens)
     if rule == INFERENCE:
         extra = needs.layer_activations_mb + needs.logits_mb + needs.frozen_transient_mb
     else:
@@ -199,6 +207,7 @@ def fitting_rule(
     preferred: str,
     precision: Precision | None = None,
     options: Mapping[str, Any] | None = None,
+    scored_tokens: int | None = None,
 ) -> str | None:
     """``preferred`` if it fits ``budget_mb``, else the first rule in :data:`RULE_ORDER` after it
     (after ``preferred`` not in that order, such as a plug-in rule: all of it) that fits;
@@ -210,6 +219,6 @@ def fitting_rule(
         order = list(RULE_ORDER[RULE_ORDER.index(preferred):])
     for rule in order:
         if estimate_peak_mb(shape, blocks, rule, block, batch_size, seq_len, precision,
-                            options) <= budget_mb:
+                            options, scored_tokens) <= budget_mb:
             return rule
     return None

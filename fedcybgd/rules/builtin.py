@@ -23,6 +23,12 @@ from fedcybgd.rules.registry import declare_rule
 
 # Fitted on bench_updates.py (SmolLM2-135M fp32, batch 16 x 32 tokens, 1 thread, 2026-11-30).
 ZO_WORKSPACE_MB = 20.0  # LeZO's fixed perturbation workspace
+# Copies of the scored positions' [N, V] logits alive at the loss's peak. Backward: the logits,
+# the log-softmax cross-entropy keeps, and the gradients of both; a no-grad forward (LeZO):
+# the logits and the log-softmax. Fitted on bench_updates_tasks.json (SmolLM2, sft vs
+# classification, fo and lezo-0.25 on layer.29, batch 8 x 128): see that file's rows.
+BACKWARD_LOGIT_COPIES = 4.0
+FORWARD_LOGIT_COPIES = 2.0
 ZO_PATCH_FRACTION = 0.05  # share of a unit's elements saved for an exact restore
 
 
@@ -39,7 +45,8 @@ def first_order_memory(needs: MemoryNeeds) -> float:
                 + (2 * needs.layer_activations_mb if above > 0 else 0.0))
     else:
         kept = needs.layers_from_block * needs.layer_activations_mb
-    return _with_gradients(needs, kept) + needs.logits_mb + needs.frozen_transient_mb
+    return (_with_gradients(needs, kept) + BACKWARD_LOGIT_COPIES * needs.logits_mb
+            + needs.frozen_transient_mb)
 
 
 def _with_gradients(needs: MemoryNeeds, kept_mb: float) -> float:
@@ -53,14 +60,19 @@ def _with_gradients(needs: MemoryNeeds, kept_mb: float) -> float:
 def zerolock_memory(needs: MemoryNeeds) -> float:
     """``zerolock``: optimizer state, the block's own activations (at least one layer's, for
     the embeddings and the head), the local head's logits."""
+    rows = needs.scored_rows
+    # the local head scores at most zerolock-slice rows at a time
+    sliced = min(1.0, ZeroLockOptions.from_options(needs.options).slice / rows) if rows else 1.0
     return (_with_gradients(needs, max(needs.own_layers, 1) * needs.layer_activations_mb)
-            + needs.logits_mb + needs.frozen_transient_mb)
+            + BACKWARD_LOGIT_COPIES * sliced * needs.logits_mb + needs.frozen_transient_mb)
 
 
 def zeroth_order_memory(needs: MemoryNeeds) -> float:
-    """``lezo`` / ``mezo``: workspace, saved restore elements, one layer's activations."""
+    """``lezo`` / ``mezo``: workspace, saved restore elements, one layer's activations, the
+    scored positions' logits of a forward."""
     return (ZO_WORKSPACE_MB + ZO_PATCH_FRACTION * needs.block_mb
-            + needs.layer_activations_mb + needs.frozen_transient_mb)
+            + needs.layer_activations_mb + FORWARD_LOGIT_COPIES * needs.logits_mb
+            + needs.frozen_transient_mb)
 
 
 UPDATES = "fedcybgd.client.updates"

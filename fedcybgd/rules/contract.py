@@ -117,7 +117,8 @@ class MemoryNeeds:
         What autograd keeps of one decoder layer's activations at the run's batch size and
         sequence length (also the transient activations of an inference forward).
     logits_mb : float
-        The LM head's fp32 logits at the label positions.
+        One copy of the LM head's fp32 logits at the scored positions (``scored_rows`` x
+        vocabulary: one row per example for classification, every response token for sft).
     layers_from_block : int
         Decoder layers from the block's lowest layer to the top: how deep backprop from the
         task loss goes (0 for the head, every layer for the embeddings).
@@ -133,6 +134,8 @@ class MemoryNeeds:
     frozen_transient_mb : float
         What a forward through a frozen block holds besides activations (an int8 layer's
         dequantized weight chunk); 0 when frozen blocks are fp32 or bf16.
+    scored_rows : int
+        The positions of a batch the LM head scores (``logits_mb``'s rows); 0: not given.
     """
 
     weights_mb: float
@@ -146,6 +149,7 @@ class MemoryNeeds:
     options: dict[str, Any] = field(default_factory=dict)
     layer_input_mb: float = 0.0
     frozen_transient_mb: float = 0.0
+    scored_rows: int = 0
 
 
 # A rule's memory estimate: MiB it adds on top of runtime + weights for one client-round.

@@ -43,6 +43,7 @@ from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.lr_schedule import build_lr_schedule
 from fedcybgd.strategies.plugins import check_names
 from fedcybgd.strategies.record import RoundRecord
+from fedcybgd.tasks.base import build_task
 
 log = logging.getLogger(__name__)
 app = ServerApp()
@@ -64,11 +65,14 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
     """The FedCyBGD strategy for ``run`` (``shape`` enables memory-aware assignment; step logs
     are replayed on ``device``)."""
 
+    # the task's scored positions a batch: the LM head's rows (every sft response token)
+    scored = build_task(run).max_scored_tokens(run.batch_size, run.max_seq_len)
+
     def rule_for_budget(preferred: str, block: str, budget_mb: float) -> str | None:
         assert shape is not None
         return fitting_rule(shape, blocks, block, budget_mb, run.batch_size, run.max_seq_len,
                             preferred, Precision(run.frozen_dtype, run.frozen_quant),
-                            run.options)
+                            run.options, scored)
 
     return FedCyBGD(
         block_map=blocks,

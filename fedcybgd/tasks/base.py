@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from fedcybgd.data.builtin import builtin_splits
+from fedcybgd.data.builtin import builtin_dataset, builtin_splits
 from fedcybgd.data.prompts import Batch, EncodedExamples
 from fedcybgd.data.sources import DataError, make_splits, read_source
 from fedcybgd.objective import EvalResult
@@ -137,8 +137,12 @@ class Task(ABC):
 
     def partition_column(self, method: str) -> str | None:
         """The column a ``dirichlet`` (label skew) or ``movie`` (whole groups) partition reads;
-        ``partition-by`` when set. ``None``: the task has none (use ``iid``)."""
-        return self.run.partition_by or None
+        ``partition-by`` when set, else a built-in dataset's own. ``None``: the task has none
+        (use ``iid``)."""
+        if self.run.partition_by:
+            return str(self.run.partition_by)
+        builtin = builtin_dataset(self.run.dataset)
+        return builtin.partition_columns.get(method) if builtin is not None else None
 
     # ------------------------------------------------------------------------------ encoding
 
@@ -149,6 +153,12 @@ class Task(ABC):
     @abstractmethod
     def encoder(self, tokenizer: PreTrainedTokenizerBase, max_seq_len: int) -> Encoder:
         """A callable turning a list of :meth:`examples` items into token ids and targets."""
+
+    def max_scored_tokens(self, batch_size: int, max_seq_len: int) -> int:
+        """The most positions of a training batch that reach the LM head: the rows of the
+        logits the memory estimate counts (:mod:`fedcybgd.memory.estimate`). One a row by
+        default (a label token)."""
+        return batch_size
 
     def class_log_prior(self, frame: pd.DataFrame) -> torch.Tensor | None:
         """``[C]`` prior a label-skewed client's loss adds to its class logits
@@ -186,9 +196,9 @@ def build_task(run: RunConfig) -> Task:
     key = json.dumps(run.to_run_config(), sort_keys=True, default=str)
     task = _TASKS.get(key)
     if task is None:
-        task = make_task(run.task, run)
+        task = make_task(run.task_kind, run)
         if not isinstance(task, Task):
-            raise TypeError(f"task = {run.task!r} made {type(task).__name__}, not a Task")
+            raise TypeError(f"task = {run.task_kind!r} made {type(task).__name__}, not a Task")
         _TASKS.clear()  # one run per process at a time; do not keep old splits alive
         _TASKS[key] = task
     return task

@@ -140,6 +140,11 @@ class MultipleChoiceTask(Task):
         return list(zip(frame["question"].tolist(), frame["options"].tolist(),
                         frame["answer"].astype(int).tolist(), strict=True))
 
+    def max_scored_tokens(self, batch_size: int, max_seq_len: int) -> int:
+        """Every correct option token is scored: at most all but a row's first token (an upper
+        bound; short correct options score far fewer)."""
+        return batch_size * (max_seq_len - 1)
+
     def encoder(self, tokenizer: PreTrainedTokenizerBase, max_seq_len: int) -> ChoiceEncoder:
         """A :class:`ChoiceEncoder` (training: the correct option only)."""
         return ChoiceEncoder(tokenizer, max_seq_len)

@@ -163,6 +163,11 @@ class SFTTask(Task):
         """The chat lists."""
         return list(frame["messages"])
 
+    def max_scored_tokens(self, batch_size: int, max_seq_len: int) -> int:
+        """Every response token is scored: at most all but a row's first token (an upper
+        bound; short responses score far fewer)."""
+        return batch_size * (max_seq_len - 1)
+
     def encoder(self, tokenizer: PreTrainedTokenizerBase, max_seq_len: int) -> SFTEncoder:
         """An :class:`SFTEncoder`."""
         return SFTEncoder(tokenizer, max_seq_len)
