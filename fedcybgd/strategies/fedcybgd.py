@@ -24,8 +24,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import raw_fp32_bytes
 from fedcybgd.model.blocks import BlockMap
+from fedcybgd.selfsync import Promotion, sgd_step
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
 from fedcybgd.strategies.downloads import DownloadPlanner, PayloadCache
 from fedcybgd.strategies.instructions import RunTerms, train_message
@@ -80,6 +82,10 @@ class FedCyBGD(Strategy):
     server_lr, parallel_damping, server_optimizer, server_beta1, server_beta2, server_eps
         :class:`~fedcybgd.strategies.server_step.ServerStep` (its state per block is
         checkpointed through :meth:`checkpoint_tensors`).
+    self_sync : bool
+        A node that trained a block alone keeps its decoded upload and, when the installed block
+        is what it can compute from it (``sgd`` server step, no clipping: checked here by
+        checksum), holds that version without it being sent (:mod:`fedcybgd.selfsync`).
     return_arrays : bool
         Return the global weights from :meth:`aggregate_train` (``Strategy.start`` needs it).
     device : str
@@ -125,6 +131,7 @@ class FedCyBGD(Strategy):
         server_eps: float = 1e-8,
         client_lr: Callable[[int], float] | None = None,
         device: str = "cpu",
+        self_sync: bool = False,
     ) -> None:
         if clients_per_round < 1 or clients_per_block < 1 or clients_per_round % clients_per_block:
             raise ValueError(f"clients-per-round ({clients_per_round}) must be a multiple of "
@@ -158,6 +165,8 @@ class FedCyBGD(Strategy):
                                   max_steps=local_steps, max_examples=local_steps * batch_size,
                                   max_payload_bytes=max_payload_bytes, device=device)
         self.device = device
+        # Self-sync needs one node per block and a server step the node can reproduce.
+        self.self_sync = self_sync and clients_per_block == 1 and server_optimizer == "sgd"
         self.history: list[RoundRecord] = []
         self.round: RoundInFlight | None = None
         # A re-queued block keeps its seed, so a client can resume its in-round checkpoint.
@@ -213,7 +222,7 @@ class FedCyBGD(Strategy):
         live = self.round = RoundInFlight(record, pairs)
         payloads: PayloadCache = {}
         terms = RunTerms(self.lineage, self.base_hash, self.upload_codec, self.local_steps,
-                         self.seedlog_fallback, self.device)
+                         self.seedlog_fallback, self.device, self.self_sync)
         lr = None if self.client_lr is None else self.client_lr(server_round)
         for assignment in pairs:
             node, block = assignment.node, assignment.block
@@ -226,7 +235,7 @@ class FedCyBGD(Strategy):
             record.bytes_down += down.bytes
             record.bytes_down_raw += down.raw_bytes
             live.sent.append(train_message(server_round, assignment, seed, down, terms, config,
-                                           lr))
+                                           lr, self.nodes.promised.get(node)))
         for block in blocks:
             if block not in live.awaiting.values():
                 log.info("round %d: no sampled node can fit block %s; re-queued",
@@ -304,7 +313,10 @@ class FedCyBGD(Strategy):
                 observer = self.schedule if isinstance(self.schedule, ObservingSchedule) else None
                 moved = (0.0 if observer is None
                          else update_rms(merged.tensors, self.blocks.tensors(block)))
+                synced = self._self_synced(block, uploads, len(admitted))
                 self.blocks.install(block, merged.tensors, record.round)
+                if synced is not None:
+                    self._credit(uploads[0][0], block, *synced)
                 self.step.commit(block, merged)
                 if observer is not None:
                     observer.observe(block, moved)
@@ -325,6 +337,29 @@ class FedCyBGD(Strategy):
             record.train_loss = sum(w * x for w, x in finite) / sum(w for w, _ in finite)
         record.dropped = drops.as_dict()
         self.history.append(record)
+
+    def _self_synced(self, block: str, uploads: list[Admitted], parallel: int
+                     ) -> tuple[str, float] | None:
+        """``(checksum, step size)`` of what the node of ``block``'s only upload will compute
+        from its pending copy (called before the block is installed: it needs the start), or
+        ``None`` when self-sync does not apply."""
+        if not self.self_sync or len(uploads) != 1 or not uploads[0][1].pending:
+            return None
+        size = self.step.size(parallel)
+        expected = sgd_step(self.blocks.tensors(block), uploads[0][1].decoded, size)
+        return content_checksum(expected), size
+
+    def _credit(self, node: int, block: str, checksum: str, size: float) -> None:
+        """Record that ``node`` holds the installed ``block`` by self-sync, if what it computes
+        (``checksum``) is what was installed; it is told in its next instruction."""
+        current = self.blocks.current(block)
+        if current is None or current.checksum != checksum:
+            log.info("block %s: the installed version is not what node %d can compute from its "
+                     "upload (clipped, or another aggregate); it will be sent", block, node)
+            return
+        self.nodes.holdings.setdefault(node, {})[block] = current
+        self.nodes.promised.setdefault(node, {})[block] = Promotion(current.version,
+                                                                   checksum, size)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -351,7 +386,8 @@ class FedCyBGD(Strategy):
         nodes = self.nodes.state()
         return {**self.blocks.state(), "schedule": self.schedule.state(),
                 "holdings": nodes["holdings"], "excluded": nodes["excluded"],
-                "budgets": nodes["budgets"], "retry_seeds": dict(self._retry_seeds),
+                "budgets": nodes["budgets"], "promised": nodes["promised"],
+                "retry_seeds": dict(self._retry_seeds),
                 "update_sizes": self.screen.state(), "node_keys": self.sampler.state(),
                 "server_steps": self.step.state()}
 
