@@ -28,6 +28,7 @@ from flwr.clientapp import ClientApp
 from fedcybgd import protocol, selfsync
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
+from fedcybgd.client.feedback import encode_upload
 from fedcybgd.client.local_data import training_batches
 from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
 from fedcybgd.client.runtime import ClientModel, client_model
@@ -36,7 +37,6 @@ from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_
 from fedcybgd.compression import (
     CodecError,
     decode,
-    encode,
     parse_spec,
     payload_from_array,
     payload_to_array,
@@ -256,28 +256,17 @@ def train(msg: Message, context: Context) -> Message:
         upload_codec = protocol.get_str(cfg, protocol.SEEDLOG_FALLBACK)
     pending = ""
     if kind == protocol.WEIGHTS:
-        lossy = not parse_spec(upload_codec).lossless
-        feedback = run.error_feedback and lossy
-        sent = with_residual(trained, store.residual(block)) if feedback else trained
-        payload = encode(
-            sent,
-            upload_codec,
-            block=block,
-            target_version=server_round,
-            base_version=start_holding.version,
-            base=start if uses_base(upload_codec) else None,
-        )
-        keep = cfg.get(protocol.SELF_SYNC) is True
-        if feedback or keep:
-            # what the server will install from this upload (it decodes the same bytes)
-            decoded = (decode(payload, base=start if uses_base(upload_codec) else None,
-                              expect_block=block, max_bytes=len(payload)).tensors
-                       if lossy else trained)
-            if feedback:
-                store.put_residual(block, {n: sent[n].float() - decoded[n].float()
-                                           for n in sent})
-            if keep:
-                pending = store.put_pending(block, decoded, start_holding)
+        keep = cfg.get(protocol.SELF_SYNC) is True  # the server asks for the pending copy
+        feedback = run.error_feedback and not parse_spec(upload_codec).lossless
+        up = encode_upload(trained, start, upload_codec, block=block, version=server_round,
+                           base_version=start_holding.version,
+                           residual=store.residual(block) if feedback else None,
+                           feedback=feedback, want_decoded=keep)
+        payload = up.payload
+        if up.residual is not None:
+            store.put_residual(block, up.residual)
+        if up.decoded is not None:
+            pending = store.put_pending(block, up.decoded, start_holding)
     assert payload is not None
 
     metrics = MetricRecord(
@@ -303,16 +292,6 @@ def train(msg: Message, context: Context) -> Message:
     reply.content.config_records[protocol.STATE][protocol.UPLOAD_KIND] = kind
     reply.content.config_records[protocol.STATE][protocol.SELF_SYNC_CHECKSUM] = pending
     return reply
-
-
-def with_residual(trained: dict[str, torch.Tensor], residual: dict[str, torch.Tensor] | None
-                  ) -> dict[str, torch.Tensor]:
-    """``trained + residual`` (error feedback), or ``trained`` when no usable residual is kept
-    (none yet, or one of other names/shapes: the model changed under the cache)."""
-    if residual is None or set(residual) != set(trained) or any(
-            residual[n].shape != t.shape for n, t in trained.items()):
-        return trained
-    return {n: (t.float() + residual[n].float()).to(t.dtype) for n, t in trained.items()}
 
 
 def self_sync_blocks(cm: ClientModel, store: BlockStore,
