@@ -4,7 +4,8 @@ Loopback runs of the real ServerApp strategy and ClientApp on a tiny random Llam
 trained a block alone holds the installed version bit for bit without it being sent; a wrong
 self-synced copy is never held; a client's self-sync claim cannot credit anything but its own
 upload; with error feedback the installed updates of a lossy upload codec add up to what the
-uncompressed run installs, without it they do not.
+uncompressed run installs, without it they do not; the traffic recorded is the serialised
+messages, for FedCyBGD and both FedAvg baselines.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.common.serde import message_to_proto
 
 from fedcybgd import protocol, selfsync
 from fedcybgd.checksum import content_checksum
@@ -24,10 +26,12 @@ from fedcybgd.client.paths import node_dirs
 from fedcybgd.client.store import BlockStore
 from fedcybgd.config import RunConfig
 from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.message_size import message_bytes
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
 from fedcybgd.protocol import Holding
 from fedcybgd.server.app import build_strategy
+from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.strategies.replies import MALFORMED, NOT_TRAINED
 
 LINEAGE = "traffic"
@@ -263,3 +267,36 @@ def test_error_feedback_bounds_the_cumulative_compression_error(codec, most):
     # Assert: the installed total is off by at most the last residual with feedback (measured
     # top-k 0.19, int4 0.006), by the accumulated drops without it (0.66, 0.044)
     assert error[True] < most * error[False], error
+
+
+def test_wire_bytes_are_the_serialised_messages_both_ways(tiny_run_config, tmp_path):
+    # Prepare
+    grid, strategy = setup(tiny_run_config, tmp_path)
+    play(strategy, grid, 1)
+    got: list[Message] = []
+    # Execute
+    sent = play(strategy, grid, 2, tamper_replies=got.extend)
+    # Assert: the record counts what an independent serialisation (the whole proto) gives,
+    # config and holdings included, which the payload bytes leave out
+    record = strategy.history[-1]
+    down = sum(len(message_to_proto(m).SerializeToString()) for m in sent)
+    up = sum(len(message_to_proto(m).SerializeToString()) for m in got)
+    assert record.wire_bytes_down > record.bytes_down and record.wire_bytes_up > record.bytes_up
+    assert abs(record.wire_bytes_down - down) <= 0.02 * down + 512 * len(sent)
+    assert abs(record.wire_bytes_up - up) <= 0.02 * up + 512 * len(got)
+    assert record.wire_bytes_up == sum(message_bytes(m) for m in got)
+
+
+@pytest.mark.parametrize("params", ["full", "lora"])
+def test_fedavg_baselines_count_wire_bytes_the_same_way(tiny_run_config, tmp_path, params):
+    # Prepare
+    config = dict(tiny_run_config, **{"strategy": "fedavg", "fedavg-params": params,
+                                      "num-server-rounds": 1, "eval-every": 0})
+    grid = LoopbackGrid(client_app, 2, config,
+                        node_config=lambda i: {"cache-dir": str(tmp_path / "cache")})
+    # Execute
+    summary = run_fedavg(grid, RunConfig.from_run_config(config))
+    # Assert: the messages carry the arrays plus their metadata, both ways
+    assert summary["bytes_down"] < summary["wire_bytes_down"] <= (
+        1.02 * summary["bytes_down"] + 8192 * 2)
+    assert summary["bytes_up"] < summary["wire_bytes_up"] <= 1.02 * summary["bytes_up"] + 8192 * 2

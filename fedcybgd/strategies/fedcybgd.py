@@ -26,6 +26,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import raw_fp32_bytes
+from fedcybgd.message_size import message_bytes
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.selfsync import Promotion, sgd_step
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
@@ -236,6 +237,7 @@ class FedCyBGD(Strategy):
             record.bytes_down_raw += down.raw_bytes
             live.sent.append(train_message(server_round, assignment, seed, down, terms, config,
                                            lr, self.nodes.promised.get(node)))
+            record.wire_bytes_down += message_bytes(live.sent[-1])
         for block in blocks:
             if block not in live.awaiting.values():
                 log.info("round %d: no sampled node can fit block %s; re-queued",
@@ -260,6 +262,7 @@ class FedCyBGD(Strategy):
         # reply to an earlier round must not pass for this round's upload.
         by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in live.sent}
         for reply in replies:
+            record.wire_bytes_up += message_bytes(reply)  # late or forged ones came too
             node = by_id.get(reply.metadata.reply_to_message_id)
             block = live.awaiting.pop(node, None) if node is not None else None
             if node is None or block is None:
