@@ -296,7 +296,11 @@ def test_fedavg_baselines_count_wire_bytes_the_same_way(tiny_run_config, tmp_pat
                         node_config=lambda i: {"cache-dir": str(tmp_path / "cache")})
     # Execute
     summary = run_fedavg(grid, RunConfig.from_run_config(config))
-    # Assert: the messages carry the arrays plus their metadata, both ways
-    assert summary["bytes_down"] < summary["wire_bytes_down"] <= (
-        1.02 * summary["bytes_down"] + 8192 * 2)
-    assert summary["bytes_up"] < summary["wire_bytes_up"] <= 1.02 * summary["bytes_up"] + 8192 * 2
+    # Assert: the messages carry the arrays plus their metadata, both ways. Flower sends an
+    # object once per message: LoRA's zero-initialised B matrices are one object, so there the
+    # wire can carry less than the arrays' bytes
+    for way in ("down", "up"):
+        payload, wire = summary[f"bytes_{way}"], summary[f"wire_bytes_{way}"]
+        assert 0 < wire <= 1.02 * payload + 8192 * 2, (way, wire, payload)
+        if params == "full":
+            assert wire > payload, (way, wire, payload)
