@@ -183,7 +183,8 @@ def test_store_keeps_pending_copies_and_residuals_across_restarts(tmp_path):
     store = BlockStore(tmp_path / "s", "base")
     tensors = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
     checksum = store.put_pending("layer.0", tensors, Holding(0, ""))
-    store.put_residual("layer.0", {"w": torch.full((2, 3), 0.5)})
+    store.put_residual("layer.0", 3, {"w": torch.full((2, 3), 0.25)})
+    store.put_residual("layer.0", 5, {"w": torch.full((2, 3), 0.5)})
     # Execute
     again = BlockStore(tmp_path / "s", "base")
     # Assert
@@ -191,8 +192,14 @@ def test_store_keeps_pending_copies_and_residuals_across_restarts(tmp_path):
     assert entry is not None and entry.checksum == checksum == content_checksum(tensors)
     pending = again.pending_tensors("layer.0")
     assert pending is not None and torch.equal(pending["w"], tensors["w"])
-    residual = again.residual("layer.0")
+    residual = again.residual("layer.0", 6)
     assert residual is not None and torch.equal(residual["w"], torch.full((2, 3), 0.5))
+    # a redone round 5 (the server resumed from before it) gets what round 5 got first
+    redone = again.residual("layer.0", 5)
+    assert redone is not None and torch.equal(redone["w"], torch.full((2, 3), 0.25))
+    assert again.residual("layer.0", 3) is None
+    again.put_residual("layer.0", 5, {"w": torch.full((2, 3), 0.75)})  # the redo's own
+    assert len(list((tmp_path / "s").glob("*@residual-*"))) == 2
     assert "layer.0" not in again.holdings  # pending is not held
     again.discard_pending()
     assert BlockStore(tmp_path / "s", "base").load_pending("layer.0") is None

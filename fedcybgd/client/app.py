@@ -260,11 +260,11 @@ def train(msg: Message, context: Context) -> Message:
         feedback = run.error_feedback and not parse_spec(upload_codec).lossless
         up = encode_upload(trained, start, upload_codec, block=block, version=server_round,
                            base_version=start_holding.version,
-                           residual=store.residual(block) if feedback else None,
+                           residual=store.residual(block, server_round) if feedback else None,
                            feedback=feedback, want_decoded=keep)
         payload = up.payload
         if up.residual is not None:
-            store.put_residual(block, up.residual)
+            store.put_residual(block, server_round, up.residual)
         if up.decoded is not None:
             pending = store.put_pending(block, up.decoded, start_holding)
     assert payload is not None

@@ -10,9 +10,11 @@ Besides the blocks it holds, the store keeps two kinds of per-block state (issue
 - a *pending* copy (self-sync, :mod:`fedcybgd.selfsync`): the node's own decoded upload of the
   block it just trained, with the holding it trained from. It is held only once the server's
   next instruction says the installed version is what the node can compute from it
-  (:meth:`promote`); until then it is not in :attr:`holdings`, so nothing trains on it.
+  (:meth:`put` of the computed block); until then it is not in :attr:`holdings`, so nothing
+  trains on it.
 - a *residual* (error feedback): what a lossy upload codec dropped of the node's last update of
-  the block, added to its next upload of that block.
+  the block, added to its next upload of that block; kept by the round that made it, so a
+  redone round uses the residual of before it, as the first attempt did.
 
 The store's folder comes checked from :func:`fedcybgd.client.paths.node_dirs`; the file names
 in it are the store's own, and a manifest naming any other path is discarded.
@@ -40,7 +42,10 @@ log = logging.getLogger(__name__)
 _MANIFEST = "manifest.json"
 _FILE = re.compile(r"[A-Za-z0-9._-]+@v[0-9]+-[0-9a-f]{12}\.safetensors")  # put()'s names
 _PENDING = re.compile(r"[A-Za-z0-9._-]+@pending-[0-9a-f]{12}\.safetensors")
-_RESIDUAL = re.compile(r"[A-Za-z0-9._-]+@residual-[0-9a-f]{12}\.safetensors")
+_RESIDUAL = re.compile(r"[A-Za-z0-9._-]+@residual-r[0-9]+-[0-9a-f]{12}\.safetensors")
+# Residuals kept per block: the newest, and the one it was made from, so that a round the
+# server redoes (it resumed from the checkpoint before it) gets the residual it got first.
+_RESIDUAL_GENERATIONS = 2
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,8 @@ class BlockStore:
         self.holdings: dict[str, Holding] = {}
         self._files: dict[str, str] = {}
         self.pending: dict[str, Pending] = {}
-        self._residuals: dict[str, tuple[str, str]] = {}  # block -> (checksum, file)
+        # block -> [(round, checksum, file)], oldest first
+        self._residuals: dict[str, list[tuple[int, str, str]]] = {}
         self._load_manifest()
 
     def _load_manifest(self) -> None:
@@ -93,11 +99,15 @@ class BlockStore:
                     raise ValueError(f"pending {name[:80]!r}: {file[:80]!r} is not a cache file")
                 start = Holding(int(entry["start"][0]), str(entry["start"][1]))
                 self.pending[name] = Pending(str(entry["checksum"]), file, start)
-            for name, entry in manifest.get("residuals", {}).items():
-                file = str(entry["file"])
-                if not _RESIDUAL.fullmatch(file):
-                    raise ValueError(f"residual {name[:80]!r}: {file[:80]!r} is not a cache file")
-                self._residuals[name] = (str(entry["checksum"]), file)
+            for name, entries in manifest.get("residuals", {}).items():
+                kept = []
+                for entry in entries:
+                    file = str(entry["file"])
+                    if not _RESIDUAL.fullmatch(file):
+                        raise ValueError(f"residual {name[:80]!r}: {file[:80]!r} is not a "
+                                         "cache file")
+                    kept.append((int(entry["round"]), str(entry["checksum"]), file))
+                self._residuals[name] = kept
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             log.warning("client cache %s is unusable (%s); starting a fresh one", self.root, err)
             self.clear()
@@ -110,7 +120,8 @@ class BlockStore:
         pending = {name: {"checksum": p.checksum, "file": p.file,
                           "start": [p.start.version, p.start.checksum]}
                    for name, p in self.pending.items()}
-        residuals = {name: {"checksum": c, "file": f} for name, (c, f) in self._residuals.items()}
+        residuals = {name: [{"round": r, "checksum": c, "file": f} for r, c, f in entries]
+                     for name, entries in self._residuals.items()}
         body = json.dumps({"base_hash": self.base_hash, "blocks": blocks, "pending": pending,
                            "residuals": residuals}, indent=1)
         write_bytes(self.root / _MANIFEST, body.encode())
@@ -220,31 +231,44 @@ class BlockStore:
             (self.root / file).unlink(missing_ok=True)
 
     # Error feedback: what lossy uploads dropped.
-    def put_residual(self, block: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Keep ``tensors`` as the residual of ``block`` (replacing the earlier one)."""
+    def put_residual(self, block: str, server_round: int, tensors: dict[str, torch.Tensor]
+                     ) -> None:
+        """Keep ``tensors`` as the residual ``block``'s upload of ``server_round`` left (one of
+        that round or later, from an attempt the server did not keep, is replaced)."""
         checksum = content_checksum(tensors)
-        name = f"{block_name(block)}@residual-{checksum[:12]}.safetensors"
+        name = f"{block_name(block)}@residual-r{int(server_round)}-{checksum[:12]}.safetensors"
         save_tensors(self.root / name, tensors)
-        old = self._residuals.get(block)
-        self._residuals[block] = (checksum, name)
+        entries = [e for e in self._residuals.get(block, []) if e[0] < server_round]
+        entries.append((int(server_round), checksum, name))
+        gone = entries[:-_RESIDUAL_GENERATIONS]
+        self._residuals[block] = entries[-_RESIDUAL_GENERATIONS:]
         self._write_manifest()
-        if old and old[1] != name:
-            (self.root / old[1]).unlink(missing_ok=True)
+        live = {f for _, _, f in self._residuals[block]}
+        for old in [e for e in self._residual_files(block) if e not in live] + [
+                f for _, _, f in gone]:
+            (self.root / old).unlink(missing_ok=True)
 
-    def residual(self, block: str) -> dict[str, torch.Tensor] | None:
-        """The residual of ``block``, or ``None`` (none kept, or unreadable: then forgotten,
-        which only costs the compression error it held)."""
-        entry = self._residuals.get(block)
-        if entry is None:
+    def _residual_files(self, block: str) -> list[str]:
+        prefix = f"{block_name(block)}@residual-"
+        return [p.name for p in self.root.glob(f"{prefix}*.safetensors")]
+
+    def residual(self, block: str, before_round: int) -> dict[str, torch.Tensor] | None:
+        """The residual to add to ``block``'s upload of ``before_round``: the newest one made
+        before that round, or ``None`` (none kept, or unreadable: then forgotten, which only
+        costs the compression error it held)."""
+        entries = [e for e in self._residuals.get(block, []) if e[0] < before_round]
+        if not entries:
             return None
-        tensors = self._read(entry[1], entry[0], f"residual of block {block}")
+        _, checksum, file = entries[-1]
+        tensors = self._read(file, checksum, f"residual of block {block}")
         if tensors is None:
             self.drop_residual(block)
         return tensors
 
     def drop_residual(self, block: str) -> None:
-        """Forget the residual of ``block``."""
-        entry = self._residuals.pop(block, None)
-        if entry is not None:
+        """Forget the residuals of ``block``."""
+        entries = self._residuals.pop(block, None)
+        if entries:
             self._write_manifest()
-            (self.root / entry[1]).unlink(missing_ok=True)
+            for _, _, file in entries:
+                (self.root / file).unlink(missing_ok=True)
