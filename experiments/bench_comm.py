@@ -136,8 +136,9 @@ def profile_main(args: argparse.Namespace) -> None:
     paper's scheme and both FedAvg baselines, same seeds; bytes are serialised messages."""
     base, rounds = profile_base(args.profile, args.quick)
     names = args.variants.split(",") if args.variants else list(FEATURES)
-    stem = f"bench_comm_{args.profile}" + ("_quick" if args.quick else "")
-    work = Path(args.out) / stem
+    # results: bench_comm_<profile>[_tiny].json/.png; each run's outputs under comm-* (ignored)
+    stem = f"bench_comm_{args.profile}" + ("_tiny" if args.quick else "")
+    work = Path(args.out) / f"comm-{args.profile}" / ("tiny" if args.quick else "smollm2")
     runs = []
     for name in names:
         print(f"--- {name}", flush=True)
