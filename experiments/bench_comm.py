@@ -9,6 +9,20 @@ model's size, and its accuracy is not reported.
 
     python experiments/bench_comm.py                 # SmolLM2, 30 rounds, 8 clients, 4 per round
     python experiments/bench_comm.py --quick         # tiny random model, a smoke test
+    python experiments/bench_comm.py --profile defaults --quick   # issue 16: the app's defaults
+    python experiments/bench_comm.py --profile demo --quick       # ... and the demo's settings
+
+``--profile paper`` (the default) is the one-layer-block, one-step setting of the paper's
+comparison. ``defaults`` is the app's own run config (``[tool.flwr.app.config]``: 4-layer
+blocks, all of a round's nodes on one block, 5 local steps, int8 codecs; with ``--quick`` the
+4-layer tiny model gets 1-layer blocks so that a cycle has 4 blocks), ``defaults-c1`` the same
+with one node per block, ``demo`` the defaults plus ``make demo``'s settings
+(``fedcybgd.demo.DEMO_RUN_CONFIG``). Those profiles run two full cycles and compare the traffic
+features of issue 16 (``self-sync``, ``error-feedback``) off ("before") and on, against
+uncompressed fp32 FedCyBGD and both FedAvg baselines (run, not counted, on the tiny model).
+
+Bytes are what crosses the wire: the serialised messages (``wire_bytes_down``/``_up`` of the
+rows, :mod:`fedcybgd.message_size`), metadata included; the payload share is kept beside them.
 
 Results: printed; JSON and a PNG plot under ``experiments/results/``.
 """
@@ -19,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,23 +55,164 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_variant(name: str, base: dict[str, Any], out: Path, nodes: int) -> dict[str, Any]:
-    """One FedCyBGD run; returns its per-round records and summary."""
+# Issue 16's feature variants (profiles other than "paper"): "before" is the traffic as it was.
+FEATURES: dict[str, dict[str, Any]] = {
+    "fp32-uncompressed": {"upload-codec": "fp32", "download-codec": "fp32",
+                          "self-sync": False, "error-feedback": False},
+    "before": {"self-sync": False, "error-feedback": False},
+    "self-sync": {"self-sync": True, "error-feedback": False},
+    "error-feedback": {"self-sync": False, "error-feedback": True},
+    "after": {"self-sync": True, "error-feedback": True},
+    "paper-drop-0.5": {"upload-codec": "fp16", "download-codec": "fp16",
+                       "download-fraction": 0.5, "self-sync": False, "error-feedback": False},
+    "fedavg-full": {"strategy": "fedavg", "fedavg-params": "full"},
+    "fedavg-lora": {"strategy": "fedavg", "fedavg-params": "lora"},
+}
+
+
+def run_variant(name: str, base: dict[str, Any], out: Path, nodes: int,
+                variants: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One run (FedCyBGD, or a FedAvg baseline); returns its per-round records and summary."""
     from fedcybgd.client.app import app as client_app
     from fedcybgd.config import RunConfig
     from fedcybgd.harness.loopback import LoopbackGrid
-    from fedcybgd.server.app import run_server
+    from fedcybgd.server.app import RUNNERS
 
     # a rerun replaces the variant's outputs; the client cache lives beside them
-    config = dict(base, **VARIANTS[name], **{"output-dir": str(out / name), "overwrite": True})
+    config = dict(base, **(variants or VARIANTS)[name],
+                  **{"output-dir": str(out / name), "overwrite": True})
     cache = out / f"{name}-client-cache"
+    shutil.rmtree(cache, ignore_errors=True)  # a node's cache is of one run
     grid = LoopbackGrid(client_app, nodes, config, keep_sent=0,
                         node_config=lambda i: {"cache-dir": str(cache)})
     started = time.perf_counter()
-    summary = run_server(grid, RunConfig.from_run_config(config))
+    run = RunConfig.from_run_config(config)
+    summary = RUNNERS[run.strategy](grid, run)
     records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
     return {"name": name, "config": config, "summary": summary, "records": records,
             "wall_s": time.perf_counter() - started}
+
+
+def profile_base(profile: str, quick: bool) -> tuple[dict[str, Any], int]:
+    """The run config of ``profile`` (see the module docstring) and its rounds: two cycles
+    (``defaults-c1``: four, a cycle there is one round or two)."""
+    import math
+
+    from fedcybgd.config import RunConfig
+    from fedcybgd.demo import DEMO_RUN_CONFIG
+    from fedcybgd.model.blocks import BlockMap
+    from fedcybgd.model.loading import load_model
+
+    base: dict[str, Any] = {"model": "tiny-llama" if quick else "smollm2-135m"}
+    if quick:
+        base["layers-per-block"] = 1  # 4 layers: a cycle of 4 blocks, not 1
+    if profile == "defaults-c1":
+        base["clients-per-block"] = 1
+    if profile == "demo":
+        for item in DEMO_RUN_CONFIG.split():
+            key, _, value = item.partition("=")
+            text = value.strip("'")
+            try:
+                base[key] = int(text)
+            except ValueError:
+                try:
+                    base[key] = float(text)
+                except ValueError:
+                    base[key] = text
+    run = RunConfig.from_run_config(base)
+    cycle = BlockMap(load_model(run.model), run.layers_per_block).cycle(run.train_embeddings,
+                                                                          run.train_head)
+    per_round = run.clients_per_round // run.per_block
+    rounds = (4 if profile == "defaults-c1" else 2) * math.ceil(len(cycle) / per_round)
+    base["num-server-rounds"] = rounds
+    base["eval-every"] = 0  # before and after only: the same evaluation for every variant
+    if quick:
+        base["eval-examples"] = 64
+    return base, rounds
+
+
+def profile_main(args: argparse.Namespace) -> None:
+    """Issue 16's comparison on one profile: the traffic features off and on, fp32, the
+    paper's scheme and both FedAvg baselines, same seeds; bytes are serialised messages."""
+    base, rounds = profile_base(args.profile, args.quick)
+    names = args.variants.split(",") if args.variants else list(FEATURES)
+    # results: bench_comm_<profile>[_tiny].json/.png; each run's outputs under comm-* (ignored)
+    stem = f"bench_comm_{args.profile}" + ("_tiny" if args.quick else "")
+    work = Path(args.out) / f"comm-{args.profile}" / ("tiny" if args.quick else "smollm2")
+    runs = []
+    for name in names:
+        print(f"--- {name}", flush=True)
+        runs.append(run_variant(name, base, work, args.nodes, FEATURES))
+    table = []
+    curves: dict[str, list[tuple[float, float | None]]] = {}
+    for run in runs:
+        trained = [r for r in run["records"] if r["round"] > 0]
+        client_rounds = sum(len(r["clients"]) for r in trained)
+        wire_down = sum(r["wire_bytes_down"] for r in trained)
+        wire_up = sum(r["wire_bytes_up"] for r in trained)
+        evals = [(0.0, r["eval_loss"]) for r in run["records"] if r["round"] == 0]
+        acc = 0
+        for r in trained:
+            acc += r["wire_bytes_down"] + r["wire_bytes_up"]
+            if r.get("eval_loss") is not None:
+                evals.append((acc, r["eval_loss"]))
+        curves[run["name"]] = evals
+        table.append({
+            "variant": run["name"],
+            "client_rounds": client_rounds,
+            "wire_down_per_client_round": wire_down / max(client_rounds, 1),
+            "wire_up_per_client_round": wire_up / max(client_rounds, 1),
+            "wire_per_client_round": (wire_down + wire_up) / max(client_rounds, 1),
+            "payload_down_per_client_round": sum(r["bytes_down"] for r in trained)
+            / max(client_rounds, 1),
+            "payload_up_per_client_round": sum(r["bytes_up"] for r in trained)
+            / max(client_rounds, 1),
+            "dropped": run["summary"]["dropped"],
+            "initial_eval_loss": run["summary"]["initial_eval_loss"],
+            "final_eval_loss": run["summary"]["final_eval_loss"],
+            "final_eval_accuracy": run["summary"]["final_eval_accuracy"],
+            "wall_s": run["wall_s"],
+        })
+    by_name = {row["variant"]: row for row in table}
+    print(f"\n{base['model']}, profile {args.profile}: {rounds} rounds, {args.nodes} nodes")
+    print(f"{'variant':<20}{'kB down/cr':>12}{'kB up/cr':>10}{'x fedavg':>10}"
+          f"{'final loss':>12}{'acc':>7}")
+    full = by_name.get("fedavg-full", {}).get("wire_per_client_round")
+    for row in table:
+        ratio = full / row["wire_per_client_round"] if full else float("nan")
+        row["fedavg_full_over_this"] = ratio
+        print(f"{row['variant']:<20}{row['wire_down_per_client_round'] / 1e3:>12.1f}"
+              f"{row['wire_up_per_client_round'] / 1e3:>10.1f}{ratio:>10.1f}"
+              f"{row['final_eval_loss']:>12.4f}{row['final_eval_accuracy']:>7.3f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "base_config": base, "rounds": rounds,
+            "nodes": args.nodes,
+            "bytes": "wire_*: serialised messages (fedcybgd.message_size), per client-round "
+                     "(an instruction and its reply); payload_*: the encoded blocks alone"}
+    (out / f"{stem}.json").write_text(json.dumps(
+        {"meta": meta, "table": table, "loss_vs_bytes": curves,
+         "rounds": {r["name"]: r["records"] for r in runs}}, indent=1))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in curves.items():
+        xs = [max(b, 1.0) / 2**20 for b, _ in points]
+        ax.plot(xs, [loss for _, loss in points], marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("cumulative MB on the wire (down + up)")
+    ax.set_ylabel("eval loss")
+    ax.set_title(f"{base['model']}, {args.profile}: {rounds} rounds, {args.nodes} nodes")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=120)
+    print(f"saved {out / (stem + '.json')} and {out / (stem + '.png')}")
 
 
 def main() -> None:
@@ -64,13 +220,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model, 6 rounds")
+    parser.add_argument("--profile", default="paper",
+                        choices=["paper", "defaults", "defaults-c1", "demo"])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--clients-per-round", type=int, default=4)
-    parser.add_argument("--variants",
-                        default="fedcybgd-fp32,paper-drop-0.5,ours-int8,ours-topk-int8")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated (paper: fedcybgd-fp32,paper-drop-0.5,ours-int8,"
+                             "ours-topk-int8; other profiles: all of FEATURES)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+    if args.profile != "paper":
+        profile_main(args)
+        return
+    args.variants = args.variants or "fedcybgd-fp32,paper-drop-0.5,ours-int8,ours-topk-int8"
 
     from fedcybgd.model.loading import load_model
 

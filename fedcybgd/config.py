@@ -126,6 +126,10 @@ class RunConfig:
     download_codec: str = setting("delta+int8+zstd")  # frozen blocks; the trained one is exact
     download_fraction: float = setting(1.0, gt=0, le=1)  # the paper's random dropping
     version_history: int = setting(2, ge=0)  # past exact block versions kept for deltas
+    # a node that trained a block alone computes the installed version itself (not re-sent)
+    self_sync: bool = setting(True)
+    # lossy uploads: a node adds what the codec dropped of its last update of a block
+    error_feedback: bool = setting(True)
     max_payload_mb: float = setting(2048.0, gt=0)
     max_update_norm: float = setting(0.0, ge=0)  # clip a node's block delta (L2); 0 = off
     outlier_factor: float = setting(10.0, ge=0)  # refuse a delta > factor x median; 0 = off

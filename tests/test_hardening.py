@@ -95,6 +95,8 @@ EXPECTED = {
     "status not a string": "malformed",
     "budget NaN": "malformed",
     "unknown upload kind": "malformed",
+    "self-sync claim not a string": "malformed",
+    "self-sync claim 100 kB": "malformed",
     "oversized header": "bad-payload",
     "not a payload array": "bad-payload",
     "finite huge weights": "outlier",  # no history yet: larger than the block itself

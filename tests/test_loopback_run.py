@@ -149,19 +149,30 @@ def test_delta_sync_downloads_only_changed_blocks(tiny_run_config, tmp_path):
     run = RunConfig.from_run_config(config)
     grid = make_grid(config, tmp_path)
     _, strategy, _ = make_strategy(run)
-    # Execute: round 1 changes 4 blocks; round 2 each node needs exactly those
+    # Execute: round 1 changes 4 blocks; round 2 each node needs exactly those, but the one it
+    # trained itself (self-sync: it computed that block and holds it)
     play_round(strategy, grid, 1)
     play_round(strategy, grid, 2)
+
+    def own(server_round: int, node: int) -> set[str]:
+        accepted = strategy.history[server_round - 1].accepted
+        return {block for block, nodes in accepted.items() if node in nodes}
+
     # Assert
     assert strategy.history[0].bytes_down == 0  # everyone starts from the pretrained model
     round2 = [m for m in grid.sent if m.content["config"]["server-round"] == 2]
     for message in round2:
-        assert sorted(message.content["download"].keys()) == sorted(strategy.history[0].blocks)
-    # and a node that already holds everything downloads nothing in round 3
+        node = message.metadata.dst_node_id
+        assert own(1, node)
+        assert sorted(message.content["download"].keys()) == sorted(
+            set(strategy.history[0].blocks) - own(1, node))
+    # and a node that already holds everything downloads only what changed in round 2
     play_round(strategy, grid, 3)
     round3 = [m for m in grid.sent if m.content["config"]["server-round"] == 3]
     for message in round3:
-        assert sorted(message.content["download"].keys()) == sorted(strategy.history[1].blocks)
+        node = message.metadata.dst_node_id
+        assert sorted(message.content["download"].keys()) == sorted(
+            set(strategy.history[1].blocks) - own(2, node))
 
 
 def test_resume_gives_the_same_next_round(tiny_run_config, tmp_path):

@@ -508,7 +508,8 @@ def test_reader_excludes_a_node_that_rejects_and_counts_oversized_uploads(tiny):
 FEDCYBGD_ROW = {
     "round": 2, "blocks": ["layer.1"], "clients": ["1001", "1002"], "update_rule": ["fo"],
     "failed_blocks": [], "bytes_down": 10, "bytes_up": 4, "bytes_down_raw": 40,
-    "bytes_up_raw": 16, "train_loss": None, "client_peak_mem_mb": 512.0,
+    "bytes_up_raw": 16, "wire_bytes_down": 900, "wire_bytes_up": 600, "train_loss": None,
+    "client_peak_mem_mb": 512.0,
     "client_train_s": 0.5, "examples": 16, "dropped": {"no-reply": 1},
     "accepted": {"layer.1": ["1001"]}, "eval_loss": 2.0, "eval_accuracy": 0.5, "eval_s": 0.1,
     "round_s": 1.0,
@@ -516,7 +517,8 @@ FEDCYBGD_ROW = {
 FEDAVG_ROW = {
     "round": 1, "clients": ["5"], "update_rule": ["fedavg-full"], "dropped_uploads": 0,
     "dropped": {}, "bytes_down": 100, "bytes_up": 100, "bytes_down_raw": 100,
-    "bytes_up_raw": 100, "client_peak_mem_mb": 900.0, "client_train_s": 2.0, "examples": 8,
+    "bytes_up_raw": 100, "wire_bytes_down": 700, "wire_bytes_up": 400,
+    "client_peak_mem_mb": 900.0, "client_train_s": 2.0, "examples": 8,
     "train_loss": 1.25, "eval_s": 0.0, "round_s": 3.0,
 }
 
@@ -535,6 +537,7 @@ def test_record_row_has_the_metrics_contract_keys():
     # Assert: the README's "Outputs" keys, node ids as text, the rule set
     assert list(row) == ["round", "blocks", "clients", "update_rule", "failed_blocks",
                          "bytes_down", "bytes_up", "bytes_down_raw", "bytes_up_raw",
+                         "wire_bytes_down", "wire_bytes_up",
                          "train_loss", "client_peak_mem_mb", "client_train_s", "examples",
                          "dropped", "accepted", "round_s"]
     assert row["clients"] == ["1001", "1002"] and row["accepted"] == {"layer.0": ["1001"]}
@@ -561,8 +564,10 @@ def test_metric_record_and_totals_come_from_the_record():
     # Assert
     assert dict(metrics) == {"blocks_trained": 1, "blocks_failed": 0, "bytes_down": 10,
                              "bytes_up": 4, "bytes_down_raw": 40, "bytes_up_raw": 16,
+                             "wire_bytes_down": 900, "wire_bytes_up": 600,
                              "client_peak_mem_mb": 512.0, "dropped": 1, "train_loss": 1.75}
     assert totals["bytes_down"] == 20 and totals["dropped"] == {"no-reply": 2}
+    assert totals["wire_bytes_down"] == 1800 and totals["wire_bytes_up"] == 1200
     assert totals["initial_eval_accuracy"] == 0.25 and totals["final_eval_loss"] == 2.0
     assert totals["best_eval_accuracy"] == 0.5 and totals["mean_round_s"] == 1.0
     assert run_totals([])["mean_round_s"] is None

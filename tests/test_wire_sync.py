@@ -57,8 +57,9 @@ def test_compressed_run_keeps_server_and_client_records_in_step(tiny_run_config,
 
 
 def test_trained_block_arrives_exact_even_after_a_lossy_copy(tiny_run_config, tmp_path):
-    # Prepare: one node; every other block reaches it lossy first
-    config = dict(tiny_run_config, **COMPRESSED, **{"clients-per-round": 1})
+    # Prepare: one node; every other block reaches it lossy first (without self-sync: with it
+    # the node holds every block it trained exactly, see tests/test_traffic.py)
+    config = dict(tiny_run_config, **COMPRESSED, **{"clients-per-round": 1, "self-sync": False})
     grid, strategy, _ = setup(config, tmp_path, nodes=1)
     for server_round in range(1, 5):  # trains layer.0..3 in turn
         play(strategy, grid, server_round)
@@ -106,8 +107,9 @@ def test_corrupted_upload_is_dropped_and_block_requeued(tiny_run_config, tmp_pat
 
 
 def test_corrupted_download_makes_the_client_resync(tiny_run_config, tmp_path):
-    # Prepare: one node, 2 rounds so that round 3 carries downloads
-    config = dict(tiny_run_config, **{"clients-per-round": 1})
+    # Prepare: one node, 2 rounds so that round 3 carries downloads (without self-sync the
+    # node is sent back the blocks it trained)
+    config = dict(tiny_run_config, **{"clients-per-round": 1, "self-sync": False})
     grid, strategy, _ = setup(config, tmp_path, nodes=1)
     play(strategy, grid, 1)
     play(strategy, grid, 2)
@@ -148,9 +150,10 @@ def test_damaged_client_cache_costs_one_resync(tiny_run_config, tmp_path):
 
 def test_paper_random_dropping_sends_a_fraction_of_stale_blocks(tiny_run_config, tmp_path):
     # Prepare: 4 blocks change in round 1; with fraction 0.5 a node then gets 2 of the 3 stale
-    # frozen blocks it lacks (ceil(0.5 * 3)) plus its own block exact
+    # frozen blocks it lacks (ceil(0.5 * 3)) plus its own block exact (the paper's scheme: no
+    # self-sync, which would leave the node holding the block it trained)
     config = dict(tiny_run_config, **{"clients-per-round": 4, "download-fraction": 0.5,
-                                      "download-codec": "fp16"})
+                                      "download-codec": "fp16", "self-sync": False})
     grid, strategy, _ = setup(config, tmp_path, nodes=4)
     play(strategy, grid, 1)
     # Execute

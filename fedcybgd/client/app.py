@@ -3,6 +3,12 @@
 One train message = one assignment: the block to train, the update rule, the round's seed and
 the blocks to download (only those whose version the node's cache lacks). The reply carries the
 encoded new block, the metrics and what the node now holds, so the server never has to guess.
+
+Self-sync (:mod:`fedcybgd.selfsync`): asked to, the node keeps its own decoded upload as a
+pending copy; when the server's next instruction says it installed that block from it, the node
+computes the installed version itself, checks it against the server's checksum and holds it, so
+the block is not sent back. Error feedback (``error-feedback``): with a lossy upload codec, what
+the codec dropped of the node's update is kept per block and added to its next upload of it.
 Messages from Flower's own FedAvg (the baselines) go to :mod:`fedcybgd.client.baselines`.
 """
 
@@ -19,8 +25,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcybgd import protocol
+from fedcybgd import protocol, selfsync
+from fedcybgd.checksum import content_checksum
 from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
+from fedcybgd.client.feedback import encode_upload
 from fedcybgd.client.local_data import training_batches
 from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
 from fedcybgd.client.runtime import ClientModel, client_model
@@ -29,7 +37,7 @@ from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_
 from fedcybgd.compression import (
     CodecError,
     decode,
-    encode,
+    parse_spec,
     payload_from_array,
     payload_to_array,
     raw_fp32_bytes,
@@ -157,10 +165,12 @@ def train(msg: Message, context: Context) -> Message:
         )
     cache_dir = Path(node.cache_dir) if node.cache_dir else cache_root()
     downloads = msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord())
+    promotions = (selfsync.load_promotions(protocol.get_str(cfg, protocol.PROMOTE))
+                  if protocol.PROMOTE in cfg else {})
     try:
         # Names the server sends become paths: checked before anything is touched.
         dirs = node_dirs(cache_dir, lineage, context.node_id)
-        for name in (block, *downloads.keys()):
+        for name in (block, *downloads.keys(), *promotions):
             if block_name(name) not in cm.blocks.names:
                 raise UnsafeName(f"block {name!r} is not one of this model's {cm.blocks.names}")
     except UnsafeName as err:
@@ -184,6 +194,8 @@ def train(msg: Message, context: Context) -> Message:
         rule_name = fit
     store = BlockStore(dirs.store, cm.base_hash)
     cm.sync(store)
+    # before the downloads: a block sent as a delta may be one against a self-synced version
+    self_sync_blocks(cm, store, promotions)
 
     try:
         bytes_down = apply_downloads(cm, store, downloads, max_bytes)
@@ -244,15 +256,19 @@ def train(msg: Message, context: Context) -> Message:
         payload, note = _seedlog_payload(rule_name, outcome, cfg)
         kind = protocol.SEEDLOG if payload is not None else protocol.WEIGHTS
         upload_codec = protocol.get_str(cfg, protocol.SEEDLOG_FALLBACK)
+    pending = ""
     if kind == protocol.WEIGHTS:
-        payload = encode(
-            trained,
-            upload_codec,
-            block=block,
-            target_version=server_round,
-            base_version=start_holding.version,
-            base=start if uses_base(upload_codec) else None,
-        )
+        keep = cfg.get(protocol.SELF_SYNC) is True  # the server asks for the pending copy
+        feedback = run.error_feedback and not parse_spec(upload_codec).lossless
+        up = encode_upload(trained, start, upload_codec, block=block, version=server_round,
+                           base_version=start_holding.version,
+                           residual=store.residual(block, server_round) if feedback else None,
+                           feedback=feedback, want_decoded=keep)
+        payload = up.payload
+        if up.residual is not None:
+            store.put_residual(block, server_round, up.residual)
+        if up.decoded is not None:
+            pending = store.put_pending(block, up.decoded, start_holding)
     assert payload is not None
 
     metrics = MetricRecord(
@@ -276,7 +292,48 @@ def train(msg: Message, context: Context) -> Message:
         **{protocol.UPLOAD: upload, protocol.METRICS: metrics},
     )
     reply.content.config_records[protocol.STATE][protocol.UPLOAD_KIND] = kind
+    reply.content.config_records[protocol.STATE][protocol.SELF_SYNC_CHECKSUM] = pending
     return reply
+
+
+def self_sync_blocks(cm: ClientModel, store: BlockStore,
+                     promotions: dict[str, selfsync.Promotion]) -> list[str]:
+    """Hold each block the server installed from this node's pending copy, computed here and
+    checked against the server's checksum; returns the blocks now held that way.
+
+    A block whose result cannot be computed or differs is left as it was and logged: the
+    instruction's expected holdings then differ, the node asks for a resync and is sent the
+    block. Pending copies not named are dropped (the server credited none of them).
+    """
+    done: list[str] = []
+    for block, promotion in promotions.items():
+        want = Holding(promotion.version, promotion.checksum)
+        if store.holdings.get(block) == want:
+            continue  # promoted already (the reply that said so was lost)
+        entry = store.load_pending(block)
+        tensors = store.pending_tensors(block)
+        if entry is None or tensors is None:
+            log.warning("self-sync of block %s: no pending copy here; it will be re-sent", block)
+            continue
+        if promotion.size != 1.0:
+            if store.holdings.get(block, Holding(0, "")) != entry.start:
+                log.warning("self-sync of block %s: the copy it was trained from is gone; it "
+                            "will be re-sent", block)
+                continue
+            try:
+                tensors = selfsync.sgd_step(cm.exact(block, store), tensors, promotion.size)
+            except CodecError as err:
+                log.warning("self-sync of block %s: %s; it will be re-sent", block, err)
+                continue
+        if content_checksum(tensors) != promotion.checksum:
+            log.warning("self-sync of block %s: the computed block differs from the server's "
+                        "installed version %d; it will be re-sent", block, promotion.version)
+            continue
+        holding = store.put(block, promotion.version, tensors)
+        cm.set_block(block, tensors, holding)
+        done.append(block)
+    store.discard_pending()
+    return done
 
 
 def _round_lr(cfg: ConfigRecord, default: float) -> float:

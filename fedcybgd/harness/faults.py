@@ -155,7 +155,7 @@ def _fuzz_fields(reply: Message, rng: random.Random) -> None:
 
 # Cases a server may accept: the example count is capped, and fuzzed fields may happen to be
 # in range (the upload itself is honest); every other case must be dropped.
-SANITIZED = frozenset({"num-examples 1e30", "fuzzed fields"})
+SANITIZED = frozenset({"num-examples 1e30", "fuzzed fields", "self-sync claim forged"})
 
 HOSTILE: dict[str, Tamper] = {
     "num-examples NaN": _metric(protocol.NUM_EXAMPLES, math.nan),
@@ -168,6 +168,10 @@ HOSTILE: dict[str, Tamper] = {
     "status not a string": _state(protocol.STATUS, 3),
     "budget NaN": _state(protocol.MEMORY_BUDGET, math.nan),
     "unknown upload kind": _state(protocol.UPLOAD_KIND, "pickle"),
+    "self-sync claim not a string": _state(protocol.SELF_SYNC_CHECKSUM, 7),
+    "self-sync claim 100 kB": _state(protocol.SELF_SYNC_CHECKSUM, "a" * 100_000),
+    # well formed but not the upload's checksum: accepted, credited with nothing
+    "self-sync claim forged": _state(protocol.SELF_SYNC_CHECKSUM, "0" * 64),
     "oversized header": _huge_header,
     "not a payload array": _not_a_payload,
     "finite huge weights": _huge_weights,

@@ -109,6 +109,7 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
         client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
                                     run.warmup_rounds),
         device=device,
+        self_sync=run.self_sync,
     )
 
 

@@ -32,6 +32,7 @@ from fedcybgd.baselines import (
     to_record,
 )
 from fedcybgd.config import RunConfig
+from fedcybgd.message_size import message_bytes
 from fedcybgd.model.loading import load_tokenizer
 from fedcybgd.server.common import Evaluator, eval_extras, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
@@ -88,6 +89,7 @@ class CheckedFedAvg(FedAvg):
         self.last_dropped: list[Message] = []
         self.last_drops: dict[str, int] = {}  # reason -> count, last round
         self.last_sent_bytes = 0
+        self.last_sent_wire_bytes = 0  # the serialised messages (fedcybgd.message_size)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -103,6 +105,7 @@ class CheckedFedAvg(FedAvg):
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         messages = list(self._construct_messages(record, nodes, MessageType.TRAIN))
         self.last_sent_bytes = payload_bytes(arrays) * len(messages)
+        self.last_sent_wire_bytes = sum(message_bytes(m) for m in messages)
         return messages
 
     def sample(self, grid: Grid, server_round: int, size: int) -> list[int]:
@@ -192,6 +195,8 @@ def _train_record(strategy: CheckedFedAvg, run: RunConfig, server_round: int) ->
         dropped_uploads=len(strategy.last_dropped),
         dropped=strategy.last_drops,
         bytes_down=down, bytes_up=up, bytes_down_raw=down, bytes_up_raw=up,
+        wire_bytes_down=strategy.last_sent_wire_bytes,
+        wire_bytes_up=sum(message_bytes(r) for r in kept + strategy.last_dropped),
         client_peak_mem_mb=max([m.get("peak_mem_mb", 0.0) for m in metrics] or [0.0]),
         client_train_s=max([m.get("train_s", 0.0) for m in metrics] or [0.0]),
         examples=int(examples),

@@ -24,6 +24,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedcybgd.message_size import message_bytes
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
 from fedcybgd.strategies.downloads import DownloadPlanner, PayloadCache
@@ -79,6 +80,10 @@ class FedCyBGD(Strategy):
     server_lr, parallel_damping, server_optimizer, server_beta1, server_beta2, server_eps
         :class:`~fedcybgd.strategies.server_step.ServerStep` (its state per block is
         checkpointed through :meth:`checkpoint_tensors`).
+    self_sync : bool
+        A node that trained a block alone keeps its decoded upload and, when the installed block
+        is what it can compute from it (``sgd`` server step, no clipping: checked here by
+        checksum), holds that version without it being sent (:mod:`fedcybgd.selfsync`).
     return_arrays : bool
         Return the global weights from :meth:`aggregate_train` (``Strategy.start`` needs it).
     device : str
@@ -124,6 +129,7 @@ class FedCyBGD(Strategy):
         server_eps: float = 1e-8,
         client_lr: Callable[[int], float] | None = None,
         device: str = "cpu",
+        self_sync: bool = False,
     ) -> None:
         if clients_per_round < 1 or clients_per_block < 1 or clients_per_round % clients_per_block:
             raise ValueError(f"clients-per-round ({clients_per_round}) must be a multiple of "
@@ -157,8 +163,10 @@ class FedCyBGD(Strategy):
                                   max_steps=local_steps, max_examples=local_steps * batch_size,
                                   max_payload_bytes=max_payload_bytes, device=device)
         self.device = device
+        # Self-sync needs one node per block and a server step the node can reproduce.
+        self.self_sync = self_sync and clients_per_block == 1 and server_optimizer == "sgd"
         self.installer = BlockInstaller(self.blocks, self.schedule, self.screen, self.step,
-                                        self.aggregate)
+                                        self.aggregate, self.nodes if self.self_sync else None)
         self.history: list[RoundRecord] = []
         self.round: RoundInFlight | None = None
 
@@ -212,7 +220,7 @@ class FedCyBGD(Strategy):
         live = self.round = RoundInFlight(record, pairs)
         payloads: PayloadCache = {}
         terms = RunTerms(self.lineage, self.base_hash, self.upload_codec, self.local_steps,
-                         self.seedlog_fallback, self.device)
+                         self.seedlog_fallback, self.device, self.self_sync)
         lr = None if self.client_lr is None else self.client_lr(server_round)
         for assignment in pairs:
             node, block = assignment.node, assignment.block
@@ -226,7 +234,8 @@ class FedCyBGD(Strategy):
             record.bytes_down += down.bytes
             record.bytes_down_raw += down.raw_bytes
             live.sent.append(train_message(server_round, assignment, seed, down, terms, config,
-                                           lr))
+                                           lr, self.nodes.promised.get(node)))
+            record.wire_bytes_down += message_bytes(live.sent[-1])
         for block in blocks:
             if block not in live.awaiting.values():
                 log.info("round %d: no sampled node can fit block %s; re-queued",
@@ -251,6 +260,7 @@ class FedCyBGD(Strategy):
         # reply to an earlier round must not pass for this round's upload.
         by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in live.sent}
         for reply in replies:
+            record.wire_bytes_up += message_bytes(reply)  # late or forged ones came too
             node = by_id.get(reply.metadata.reply_to_message_id)
             block = live.awaiting.pop(node, None) if node is not None else None
             if node is None or block is None:
@@ -301,7 +311,8 @@ class FedCyBGD(Strategy):
         nodes = self.nodes.state()
         return {**self.blocks.state(), "schedule": self.schedule.state(),
                 "holdings": nodes["holdings"], "excluded": nodes["excluded"],
-                "budgets": nodes["budgets"], "retry_seeds": dict(self.installer.retry_seeds),
+                "budgets": nodes["budgets"], "promised": nodes["promised"],
+                "retry_seeds": dict(self.installer.retry_seeds),
                 "update_sizes": self.screen.state(), "node_keys": self.sampler.state(),
                 "server_steps": self.step.state()}
 

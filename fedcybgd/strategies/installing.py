@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import raw_fp32_bytes
+from fedcybgd.selfsync import Promotion, sgd_step
 from fedcybgd.strategies.aggregate import Aggregator
-from fedcybgd.strategies.reader import BlockUpload
+from fedcybgd.strategies.reader import BlockUpload, NodeBook
 from fedcybgd.strategies.record import RoundInFlight
 from fedcybgd.strategies.replies import NON_FINITE, DropLog
 from fedcybgd.strategies.schedule import ObservingSchedule, Schedule
@@ -29,7 +31,9 @@ class BlockInstaller:
     """Installs a round's merged blocks into ``blocks``.
 
     ``retry_seeds`` keeps the seed of each re-queued block, so the node that next trains it
-    (alone) can resume its in-round checkpoint.
+    (alone) can resume its in-round checkpoint. With ``self_sync_book`` (the strategy's node book),
+    the node that trained a block alone is credited with the installed version when it can
+    compute it from its own upload (:mod:`fedcybgd.selfsync`).
     """
 
     blocks: BlockVersions
@@ -37,6 +41,7 @@ class BlockInstaller:
     screen: UpdateScreen
     step: ServerStep
     aggregate: Aggregator
+    self_sync_book: NodeBook | None = None
     retry_seeds: dict[str, int] = field(default_factory=dict)
 
     def close(self, live: RoundInFlight, arrived: list[tuple[str, Admitted]],
@@ -68,7 +73,10 @@ class BlockInstaller:
             if merged is not None:
                 moved = (0.0 if observer is None
                          else update_rms(merged.tensors, self.blocks.tensors(block)))
+                synced = self._self_synced(block, uploads, len(admitted))
                 self.blocks.install(block, merged.tensors, record.round)
+                if synced is not None:
+                    self._credit(uploads[0][0], block, *synced)
                 self.step.commit(block, merged)
                 if observer is not None:
                     observer.observe(block, moved)
@@ -88,3 +96,26 @@ class BlockInstaller:
         if finite:
             record.train_loss = sum(w * x for w, x in finite) / sum(w for w, _ in finite)
         record.dropped = drops.as_dict()
+
+    def _self_synced(self, block: str, uploads: list[Admitted], parallel: int
+                     ) -> tuple[str, float] | None:
+        """``(checksum, step size)`` of what the node of ``block``'s only upload will compute
+        from its pending copy (called before the block is installed: it needs the start), or
+        ``None`` when self-sync does not apply."""
+        if self.self_sync_book is None or len(uploads) != 1 or not uploads[0][1].pending:
+            return None
+        size = self.step.size(parallel)
+        expected = sgd_step(self.blocks.tensors(block), uploads[0][1].decoded, size)
+        return content_checksum(expected), size
+
+    def _credit(self, node: int, block: str, checksum: str, size: float) -> None:
+        """Record that ``node`` holds the installed ``block`` by self-sync, if what it computes
+        (``checksum``) is what was installed; it is told in its next instruction."""
+        current = self.blocks.current(block)
+        if self.self_sync_book is None or current is None or current.checksum != checksum:
+            log.info("block %s: the installed version is not what node %d can compute from its "
+                     "upload (clipped, or another aggregate); it will be sent", block, node)
+            return
+        self.self_sync_book.holdings.setdefault(node, {})[block] = current
+        self.self_sync_book.promised.setdefault(node, {})[block] = Promotion(current.version,
+                                                                       checksum, size)

@@ -6,12 +6,13 @@ The inverse of :mod:`fedcybgd.strategies.reader`: the node's ClientApp reads the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedcybgd import protocol, zeroth_order
+from fedcybgd import protocol, selfsync, zeroth_order
 from fedcybgd.strategies.downloads import Download
 from fedcybgd.strategies.matching import Assignment
 
@@ -26,13 +27,15 @@ class RunTerms:
     local_steps: int
     seedlog_fallback: str  # weights codec of a node that cannot send a replayable step log
     device: str = "cpu"  # where the server replays step logs (its z fingerprint is for it)
+    self_sync: bool = False  # ask nodes to keep their decoded upload (fedcybgd.selfsync)
 
 
 def train_message(server_round: int, assignment: Assignment, seed: int, download: Download,
-                  terms: RunTerms, config: ConfigRecord, lr: float | None = None) -> Message:
+                  terms: RunTerms, config: ConfigRecord, lr: float | None = None,
+                  promotions: Mapping[str, selfsync.Promotion] | None = None) -> Message:
     """The instruction for ``assignment``: the caller's ``config`` plus the round, block,
-    rule, seed, the holdings to expect after ``download``, the run's terms and ``lr`` (when
-    the server sets the clients' rate)."""
+    rule, seed, the holdings to expect after ``download``, the run's terms, ``lr`` (when
+    the server sets the clients' rate) and the blocks the node self-syncs (``promotions``)."""
     cfg = ConfigRecord(dict(config))
     cfg.update({
         protocol.ROUND: server_round,
@@ -47,6 +50,10 @@ def train_message(server_round: int, assignment: Assignment, seed: int, download
     })
     if lr is not None:
         cfg[protocol.LR] = float(lr)
+    if terms.self_sync:
+        cfg[protocol.SELF_SYNC] = True
+    if promotions:
+        cfg[protocol.PROMOTE] = selfsync.dump_promotions(promotions)
     if terms.upload_codec == protocol.SEEDLOG:
         # the node replays only if its generator and torch match the server's
         cfg.update({protocol.ZO_FINGERPRINT: zeroth_order.z_fingerprint(terms.device),

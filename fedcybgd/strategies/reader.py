@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from flwr.app import Message
 
-from fedcybgd import protocol, zeroth_order
+from fedcybgd import protocol, selfsync, zeroth_order
 from fedcybgd.compression import (
     decode,
     payload_from_array,
@@ -59,6 +59,8 @@ class NodeBook:
     holdings: dict[int, dict[str, Holding]] = field(default_factory=dict)  # node -> held
     budgets: dict[int, float] = field(default_factory=dict)  # node -> memory budget (MB)
     excluded: dict[int, str] = field(default_factory=dict)  # node -> why it takes no part
+    # node -> blocks it self-syncs (credited in ``holdings``; told in its next instruction)
+    promised: dict[int, dict[str, selfsync.Promotion]] = field(default_factory=dict)
 
     def state(self) -> dict[str, Any]:
         """JSON-able state (node ids as strings)."""
@@ -66,6 +68,7 @@ class NodeBook:
             "holdings": {str(n): protocol.dump_holdings(h) for n, h in self.holdings.items()},
             "excluded": {str(n): why for n, why in self.excluded.items()},
             "budgets": {str(n): mb for n, mb in self.budgets.items()},
+            "promised": {str(n): selfsync.dump_promotions(p) for n, p in self.promised.items()},
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -73,6 +76,8 @@ class NodeBook:
         self.holdings = {int(n): protocol.load_holdings(t) for n, t in state["holdings"].items()}
         self.excluded = {int(n): str(why) for n, why in state["excluded"].items()}
         self.budgets = {int(n): float(mb) for n, mb in state.get("budgets", {}).items()}
+        self.promised = {int(n): selfsync.load_promotions(t)
+                         for n, t in state.get("promised", {}).items()}
 
 
 @dataclass
@@ -83,6 +88,10 @@ class BlockUpload:
     tensors: dict[str, torch.Tensor]
     metrics: dict[str, float]  # train_loss (may be NaN), peak_mem_mb, train_s, ...
     rule: str  # the update rule the node used
+    # what the upload decodes to (before the screen may clip it) and, when the node kept it as
+    # a pending self-sync copy (its reported checksum matches the decoded one), that checksum
+    decoded: dict[str, torch.Tensor] = field(default_factory=dict)
+    pending: str = ""
 
 
 class ReplyReader:
@@ -131,6 +140,8 @@ class ReplyReader:
 
     def note_state(self, node: int, state: Mapping[str, Any]) -> str:
         """Take what the node says it holds and its budget; return its status."""
+        # what it holds is what it says now: an earlier self-sync promise is settled
+        self.nodes.promised.pop(node, None)
         try:
             self.nodes.holdings[node] = protocol.load_holdings(
                 text(state, protocol.HOLDINGS, max_len=1 << 20))
@@ -178,10 +189,16 @@ class ReplyReader:
                                        f"limit of {limit}")
         kind = text(state, protocol.UPLOAD_KIND, default=protocol.WEIGHTS, max_len=16)
         tensors = self._decode(payload, kind, block, limit)
+        # A node's claim to keep a pending copy counts only for the very upload decoded here
+        # (a weights payload: its header checksum is what ``decode`` verified).
+        claim = text(state, protocol.SELF_SYNC_CHECKSUM, default="", max_len=64)
+        pending = (claim if claim and kind == protocol.WEIGHTS
+                   and claim == read_header(payload, max_bytes=limit).checksum else "")
         if reason:
             log.info("node %d: %s", node, reason[:500])
         return BlockUpload(weight, tensors, metrics,
-                      text(state, protocol.RULE, default="", max_len=64))
+                           text(state, protocol.RULE, default="", max_len=64),
+                           decoded=tensors, pending=pending)
 
     def _decode(self, payload: bytes, kind: str, block: str, limit: int
                 ) -> dict[str, torch.Tensor]:

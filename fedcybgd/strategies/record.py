@@ -26,7 +26,8 @@ from fedcybgd.strategies.matching import Assignment
 # evaluation's keys. A training round has every key but the optional ones that are ``None``;
 # ``train_loss`` is always there (``null`` when no loss was defined).
 _KEYS = ("round", "blocks", "clients", "update_rule", "failed_blocks", "dropped_uploads",
-         "bytes_down", "bytes_up", "bytes_down_raw", "bytes_up_raw", "train_loss",
+         "bytes_down", "bytes_up", "bytes_down_raw", "bytes_up_raw", "wire_bytes_down",
+         "wire_bytes_up", "train_loss",
          "client_peak_mem_mb", "client_train_s", "examples", "dropped", "accepted")
 _OPTIONAL = {"blocks", "failed_blocks", "dropped_uploads", "accepted"}
 _EVAL_KEYS = ("eval_loss", "eval_accuracy", "eval_examples", "eval_s", "round_s")
@@ -54,6 +55,10 @@ class RoundRecord:
     bytes_up: int = 0
     bytes_down_raw: int = 0
     bytes_up_raw: int = 0
+    # what crossed the wire: the serialised messages, metadata and config included
+    # (fedcybgd.message_size), instructions down and replies up
+    wire_bytes_down: int = 0
+    wire_bytes_up: int = 0
     train_loss: float | None = None
     client_peak_mem_mb: float = 0.0
     client_train_s: float = 0.0
@@ -126,6 +131,8 @@ class RoundRecord:
             "bytes_up": self.bytes_up,
             "bytes_down_raw": self.bytes_down_raw,
             "bytes_up_raw": self.bytes_up_raw,
+            "wire_bytes_down": self.wire_bytes_down,
+            "wire_bytes_up": self.wire_bytes_up,
             "client_peak_mem_mb": self.client_peak_mem_mb,
             "dropped": sum(self.dropped.values()),
         })
@@ -160,7 +167,8 @@ def run_totals(records: Iterable[RoundRecord | Mapping[str, Any]]) -> dict[str, 
         "final_eval_accuracy": evals[-1].eval_accuracy,
         "best_eval_accuracy": max((r.eval_accuracy or 0.0) for r in evals),
         **{key: sum(getattr(r, key) or 0 for r in trained)
-           for key in ("bytes_down", "bytes_up", "bytes_down_raw", "bytes_up_raw")},
+           for key in ("bytes_down", "bytes_up", "bytes_down_raw", "bytes_up_raw",
+                       "wire_bytes_down", "wire_bytes_up")},
         "client_peak_mem_mb": max([r.client_peak_mem_mb or 0.0 for r in trained] or [0]),
         "mean_round_s": (sum(r.round_s for r in trained)  # type: ignore[misc]
                          / len(trained)) if trained else None,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedcybgd.choices import DAMPINGS, SERVER_OPTIMIZERS
+from fedcybgd.selfsync import sgd_step
 from fedcybgd.strategies.replies import guarded
 from fedcybgd.strategies.screen import all_finite
 
@@ -99,10 +100,8 @@ class ServerStep:
         until :meth:`commit`)."""
         size = self.size(parallel)
         if self.optimizer == "sgd":
-            if size == 1.0:
-                return Proposal(merged)
-            return Proposal({name: (start[name].float() + size * (t.float() - start[name].float()))
-                             .to(t.dtype) for name, t in merged.items()})
+            # the one function a self-syncing node runs too (bit for bit the same block)
+            return Proposal(sgd_step(start, merged, size))
         old = self.moments.get(block, {})
         steps = self.steps.get(block, 0) + 1
         m: Tensors = {}
