@@ -154,13 +154,16 @@ def main() -> None:
     fitted: dict[tuple[str, int], Translator | None] = {}
     fitted_kl: dict[tuple[str, int], float] = {}
     costs["ls_s"] = costs["kl_s"] = costs["tuned_s"] = 0.0
+    needed = {(parsed[c][0], reads[(k, c)]) for k in layers for c in constructions}
     for j in sources:
         ls = None
-        if "calibrated-ls" in bases or "calibrated-kl" in bases:
+        if any((h, j) in needed for h in ("calibrated-ls", "calibrated-kl")):
             t0 = time.perf_counter()
             ls = fit_least_squares(rows.sources[j], rows.target, ridge=args.ridge, seed=j)
             costs["ls_s"] += time.perf_counter() - t0
         for h in bases:
+            if (h, j) not in needed:
+                continue
             translator: Translator | None = None
             if h == "calibrated-ls":
                 translator = ls
@@ -193,7 +196,7 @@ def main() -> None:
             fitted_kl[(h, j)] = lens_kl(stack, translator, held_rows.scored_sources[j],
                                         held_rows.scored_target)
         print(f"fitted layer {j}: " + "  ".join(f"{h} KL {fitted_kl[(h, j)]:.3f}"
-                                                for h in bases), flush=True)
+                                                for h in bases if (h, j) in needed), flush=True)
     heads = {c: {k: fitted[(parsed[c][0], reads[(k, c)])] for k in layers}
              for c in constructions}
     kl = {c: {k: fitted_kl[(parsed[c][0], reads[(k, c)])] for k in layers}

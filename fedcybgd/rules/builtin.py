@@ -52,9 +52,14 @@ def _with_gradients(needs: MemoryNeeds, kept_mb: float) -> float:
 
 def zerolock_memory(needs: MemoryNeeds) -> float:
     """``zerolock``: optimizer state, the block's own activations (at least one layer's, for
-    the embeddings and the head), the local head's logits."""
-    return (_with_gradients(needs, max(needs.own_layers, 1) * needs.layer_activations_mb)
-            + needs.logits_mb + needs.frozen_transient_mb)
+    the embeddings and the head) and those of its head's ``zerolock-aux-layers`` (a layer
+    block's), the local head's logits."""
+    aux = 0
+    if needs.own_layers > 0:
+        aux = min(ZeroLockOptions.from_options(needs.options).aux_layers,
+                  needs.layers_from_block - needs.own_layers)
+    kept = (max(needs.own_layers, 1) + aux) * needs.layer_activations_mb
+    return _with_gradients(needs, kept) + needs.logits_mb + needs.frozen_transient_mb
 
 
 def zeroth_order_memory(needs: MemoryNeeds) -> float:

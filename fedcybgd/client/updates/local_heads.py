@@ -134,9 +134,10 @@ class LocalHead:
         self.slice_rows = slice_rows
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The head's own trainable parameters (the translator's, if any)."""
+        """The head's own trainable parameters (a tuned translator's; a calibrated one is
+        frozen)."""
         if self.translator is not None:
-            yield from self.translator.parameters()
+            yield from (p for p in self.translator.parameters() if p.requires_grad)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` hidden rows to ``[N, V]`` logits."""

@@ -60,6 +60,7 @@ from that step; the checkpoint is deleted when the round completes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -77,6 +78,7 @@ from torch import nn
 
 from fedcybgd.atomic import save_tensors
 from fedcybgd.client.paths import block_name
+from fedcybgd.client.updates.calibration import CalibrationReport, calibrated_translators
 from fedcybgd.client.updates.local_heads import LocalHead, Translator
 from fedcybgd.data import BatchIterator
 from fedcybgd.data.prompts import Batch
@@ -451,6 +453,38 @@ class ZeroLock:
         if kind != "top" and live_head is not None and any(p is live_head for p in params):
             head_weight = live_head.detach().clone()
 
+        # Where each chunk's head reads: its own output, or (the block's last chunk, with
+        # zerolock-aux-layers) the output of that many frozen layers above the block.
+        aux = (min(opts.aux_layers, stack.num_layers - ranges[-1][1]) if kind == "layers"
+               else 0)
+        embed_layers = min(opts.embed_layers, stack.num_layers)
+        reads = [
+            (b - 1 + (aux if i == len(ranges) - 1 else 0)) if kind == "layers"
+            else embed_layers - 1  # the embed block's head reads its aux layers' output
+            for i, (_, b) in enumerate(ranges)
+        ]
+        batches: Iterator[Batch] = task.batches
+        calibration: dict[int, Translator | None] = {}
+        calib_report: CalibrationReport | None = None
+        if opts.head == "calibrated" and kind != "top":
+            peeked: list[Batch] = []
+
+            def take() -> list[Batch]:
+                # the round's own first batches, put back: training still sees all of them
+                if isinstance(task.batches, BatchIterator):
+                    at = task.batches.step
+                    got = [next(task.batches) for _ in range(opts.calib_batches)]
+                    task.batches.step = at
+                    return got
+                peeked.extend(next(task.batches) for _ in range(opts.calib_batches))
+                return list(peeked)
+
+            calibration, calib_report = calibrated_translators(
+                stack, reads, take, task.state_dir, opts.calib_ridge, opts.calib_refit,
+                opts.calib_batches)
+            if peeked:
+                batches = itertools.chain(peeked, task.batches)
+
         saved_maps = self._load_maps(task, opts) if kind != "top" else {}
         by_name = dict(model.named_parameters())
         hidden_size = int(getattr(model.config, "hidden_size", 0) or live_hidden_size(stack))
@@ -469,13 +503,22 @@ class ZeroLock:
             if opts.head == "tuned" and kind != "top":
                 translator = Translator(hidden_size, opts.head_rank, seed=task.seed + index)
                 self._apply_map(translator, saved_maps, key)
+            elif opts.head == "calibrated" and kind != "top":
+                translator = calibration[reads[index]]  # frozen; None on the last layer
+            if kind == "embed":
+                aux_start, aux_count = 0, embed_layers
+            elif kind == "layers":
+                aux_start, aux_count = b, reads[index] - (b - 1)
+            else:
+                aux_start, aux_count = 0, 0
             head = LocalHead(
                 stack,
                 translator=translator,
                 head_weight=head_weight,
-                aux_layers=min(opts.embed_layers, stack.num_layers) if kind == "embed" else 0,
+                aux_layers=aux_count,
                 objective=opts.objective,
                 slice_rows=opts.slice,
+                aux_start=aux_start,
             )
             chunks.append(self._make_chunk(index, kind, (a, b), key, chunk_params, head, task,
                                            opts))
@@ -489,6 +532,7 @@ class ZeroLock:
             "chunks": len(chunks),
             "fused": [c.fused for c in chunks],
             "embed_layers": opts.embed_layers if kind == "embed" else 0,
+            "aux_layers": aux,
         }
         ckpt = checkpoint_path(task.state_dir) if task.state_dir is not None else None
         progress = _Progress()
@@ -501,7 +545,7 @@ class ZeroLock:
                 if same and _fits(tensors, meta, chunks):
                     progress = _restore_checkpoint(tensors, meta, chunks)
                     resumed_from = progress.step
-                    _skip(task.batches, progress.step)
+                    _skip(batches, progress.step)
                     log.info("zerolock: resuming %s at step %d", task.block, progress.step)
                 else:
                     ckpt.unlink(missing_ok=True)  # a previous round's leftover (or unusable)
@@ -514,7 +558,7 @@ class ZeroLock:
         last_save = time.monotonic()
         try:
             while progress.step < task.steps:
-                batch = next(task.batches)
+                batch = next(batches)
                 final = self._train_step(stack, cache, chunks, batch)
                 progress.step += 1
                 progress.examples += len(batch)
@@ -559,6 +603,8 @@ class ZeroLock:
         }
         metrics["zerolock_resumed_step"] = float(resumed_from)
         metrics["zerolock_cache_hits"] = float(cache.hits)
+        if calib_report is not None:
+            metrics.update(calib_report.metrics())
         return TrainOutcome(mean, len(losses), progress.examples, progress.skipped, metrics)
 
     @staticmethod
