@@ -28,6 +28,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fo": {"update-rule": "fo"},
     "zerolock-frozen-lm": {"update-rule": "zerolock", "zerolock-head": "frozen-lm"},
     "zerolock-tuned": {"update-rule": "zerolock", "zerolock-head": "tuned"},
+    "zerolock-calibrated": {"update-rule": "zerolock", "zerolock-head": "calibrated"},
+    "zerolock-aux4": {"update-rule": "zerolock", "zerolock-aux-layers": 4},
+    "zerolock-calibrated-aux4": {"update-rule": "zerolock", "zerolock-head": "calibrated",
+                                 "zerolock-aux-layers": 4},
     "lezo": {"update-rule": "lezo", "upload-codec": "seedlog"},
 }
 
@@ -43,6 +47,8 @@ def main() -> None:
     parser.add_argument("--local-steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--name", default="compare_rules",
+                        help="result files <name>.json / .png, so a run never overwrites another")
     args = parser.parse_args()
 
     from fedcybgd.client.app import app as client_app
@@ -69,6 +75,10 @@ def main() -> None:
         run_server(grid, RunConfig.from_run_config(config))
         runs[name] = [json.loads(x)
                       for x in (work / name / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in runs[name] if r.get("eval_loss") is not None]
+        print(f"{name}: eval loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.3f}, "
+              f"mean round {sum(r['round_s'] for r in runs[name][1:]) / args.rounds:.1f} s",
+              flush=True)
 
     print(f"\n{'variant':<22}" + "".join(f"{'round ' + str(r):>16}" for r in
                                          [0, *range(args.eval_every, args.rounds + 1,
@@ -77,12 +87,20 @@ def main() -> None:
         cells = [f"{r['eval_accuracy']:.3f}/{r['eval_loss']:.3f}"
                  for r in records if r.get("eval_accuracy") is not None]
         print(f"{name:<22}" + "".join(f"{c:>16}" for c in cells))
+    if "fo" in runs:  # each rule's eval-loss drop as a share of fo's, at the last evaluation
+        def drop(records: list[dict[str, Any]]) -> float:
+            evals = [r["eval_loss"] for r in records if r.get("eval_loss") is not None]
+            return float(evals[0] - evals[-1])
+
+        for name, records in runs.items():
+            print(f"{name:<26} eval-loss drop {drop(records):.3f} = "
+                  f"{drop(records) / drop(runs['fo']):.0%} of fo's")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "base_config": base}
-    (out / "compare_rules.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
 
     import matplotlib
 
@@ -103,8 +121,8 @@ def main() -> None:
     acc_ax.legend()
     fig.suptitle("SmolLM2-135M, Rotten Tomatoes, 8 clients (4 per round), one-layer blocks")
     fig.tight_layout()
-    fig.savefig(out / "compare_rules.png", dpi=120)
-    print(f"saved {out / 'compare_rules.json'} and {out / 'compare_rules.png'}")
+    fig.savefig(out / f"{args.name}.png", dpi=120)
+    print(f"saved {out / (args.name + '.json')} and {out / (args.name + '.png')}")
 
 
 if __name__ == "__main__":

@@ -476,7 +476,8 @@ class ZeroLock:
                     got = [next(task.batches) for _ in range(opts.calib_batches)]
                     task.batches.step = at
                     return got
-                peeked.extend(next(task.batches) for _ in range(opts.calib_batches))
+                # a finite iterator may hold fewer: fit on what there is
+                peeked.extend(itertools.islice(task.batches, opts.calib_batches))
                 return list(peeked)
 
             calibration, calib_report = calibrated_translators(
