@@ -82,10 +82,11 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
 
 def cosine(a: Any, b: Any) -> float:
     """Cosine of two flat tensors (nan when either is zero)."""
+    a, b = a.double(), b.double()
     na, nb = float(a.norm()), float(b.norm())
     if na == 0.0 or nb == 0.0:
         return math.nan
-    return float((a.double() @ b.double()) / (na * nb))
+    return float((a @ b) / (na * nb))
 
 
 def main() -> None:
