@@ -11,7 +11,8 @@ For a layer block ``[s..e]`` each local step is:
    (**early forwarding**: before its own backward and step), computes its local loss through
    the local head, backpropagates inside itself (+ the head's trainable part) and steps its own
    AdamW. Chunks run one after another in one thread (see the note at ``_train_step``).
-3. Layers ``e+1..`` are **never run**; no activation of them exists.
+3. Layers ``e+1..`` are **never run** (but ``zerolock-aux-layers`` of them in the head, and
+   the calibrated head's forward-only fit); no activation of them exists.
 
 Each parameter is stepped inside the backward pass as soon as its gradient is complete
 (``zerolock-fused-step``, default on), so the block's gradients are never all alive at once;
@@ -22,7 +23,23 @@ Local heads (``local_heads.py``): ``zerolock-head = frozen-lm`` (default): the m
 final norm + LM head on the chunk output; ``tuned``: a residual affine map (identity at start,
 ``zerolock-head-rank`` > 0 for low rank) before them, trained by the chunk's optimizer and kept
 in ``task.state_dir`` between rounds (``zerolock/heads/<block>.safetensors``, one map per chunk
-output layer), so it keeps learning from round to round.
+output layer), so it keeps learning from round to round. ``calibrated``: a FROZEN affine map
+before them, fitted by the node (``calibration.py``) so that the head's prediction from the
+layer it reads matches the model's own final layer: least squares from that layer's outputs to
+the last layer's, over one no-grad forward pass of the whole model on the round's first
+``zerolock-calib-batches`` batches (peeked and put back: training still takes them). Fitted on
+the node, not on the server, because the node already holds every layer and its own data:
+nothing new crosses the wire, nothing held out (the server's evaluation split) shapes
+training, and each node's map fits its own data. Kept in ``task.state_dir``
+(``zerolock/calibration/layer.<k>.safetensors``, ~1.3 MB per layer for SmolLM2) with a fixed
+sample of the coordinates of the layers above; refitted when those moved by more than
+``zerolock-calib-refit`` (relative norm) since the fit, or when the file is unreadable.
+
+``zerolock-aux-layers = m`` (any head): the last chunk's head first runs the ``m`` layers above
+the block (FROZEN: weights never change, the gradient flows through their activations), then
+the head reads their output (AugLocal-style); the layers above those are never run. It costs
+``m`` layers' activations and buys alignment with the true gradient (``experiments/
+grad_alignment.py``); when the ``m`` layers reach the top, the local loss is the true loss.
 
 Special blocks:
 
