@@ -46,6 +46,10 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--local-steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--clients-per-round", type=int, default=4)
+    parser.add_argument("--eval-examples", type=int, default=200)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra run-config key for every variant (TOML value), repeatable")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--name", default="compare_rules",
                         help="result files <name>.json / .png, so a run never overwrites another")
@@ -58,11 +62,18 @@ def main() -> None:
 
     base = {
         "model": "smollm2-135m", "partitioner": "dirichlet", "dirichlet-alpha": 0.5,
-        "num-server-rounds": args.rounds, "clients-per-round": 4, "layers-per-block": 1,
+        "num-server-rounds": args.rounds, "clients-per-round": args.clients_per_round,
+        "layers-per-block": 1,
         "block-schedule": "ascending", "local-steps": args.local_steps, "batch-size": 8,
         "max-seq-len": 48, "lr": args.lr, "eval-every": args.eval_every,
-        "eval-examples": 200, "seed": 0, "clients-per-block": 1, "logit-adjust": False,
+        "eval-examples": args.eval_examples, "seed": 0, "clients-per-block": 1,
+        "logit-adjust": False,
     }
+    import tomllib
+
+    for item in args.set:
+        key, _, value = item.partition("=")
+        base[key] = tomllib.loads(f"v = {value}")["v"]
     work = Path(args.out) / "rules"
     runs: dict[str, list[dict[str, Any]]] = {}
     for name in args.variants.split(","):
