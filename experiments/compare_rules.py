@@ -32,6 +32,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zerolock-aux4": {"update-rule": "zerolock", "zerolock-aux-layers": 4},
     "zerolock-calibrated-aux4": {"update-rule": "zerolock", "zerolock-head": "calibrated",
                                  "zerolock-aux-layers": 4},
+    "zerolock-calibrated-aux8": {"update-rule": "zerolock", "zerolock-head": "calibrated",
+                                 "zerolock-aux-layers": 8},
     "lezo": {"update-rule": "lezo", "upload-codec": "seedlog"},
 }
 
