@@ -50,6 +50,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fo": ("fo", {}),
     "zerolock": ("zerolock", {}),
     "zerolock-tuned": ("zerolock", {"zerolock-head": "tuned"}),
+    # a fit in every measured step (refit 0), on the step's one batch: a round's worst case
+    "zerolock-calibrated": ("zerolock", {"zerolock-head": "calibrated",
+                                         "zerolock-calib-refit": 0.0,
+                                         "zerolock-calib-batches": 1}),
+    "zerolock-calibrated-aux4": ("zerolock", {"zerolock-head": "calibrated",
+                                              "zerolock-aux-layers": 4,
+                                              "zerolock-calib-refit": 0.0,
+                                              "zerolock-calib-batches": 1}),
+    "zerolock-calibrated-aux8": ("zerolock", {"zerolock-head": "calibrated",
+                                              "zerolock-aux-layers": 8,
+                                              "zerolock-calib-refit": 0.0,
+                                              "zerolock-calib-batches": 1}),
     "mezo": ("mezo", {}),
     "lezo-0.25": ("lezo", {"lezo-density": 0.25}),
     "lezo-0.5": ("lezo", {"lezo-density": 0.5}),
@@ -82,6 +94,8 @@ def pick_block(names: list[str], where: str) -> str:
         return layers[0]
     if where == "middle":
         return layers[len(layers) // 2]
+    if where == "lower-top":  # the top block of the lower half
+        return layers[len(layers) // 2 - 1]
     if where == "top":
         return layers[-1]
     raise ValueError(f"unknown block position {where!r}")
@@ -235,7 +249,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--variants", "--rules", default=",".join(VARIANTS))
     parser.add_argument("--blocks", default="bottom,middle,top,whole",
-                        help="bottom,middle,top (one block each) and/or whole (all layers)")
+                        help="bottom,lower-top,middle,top (one block each; lower-top: the "
+                             "lower half's top block) and/or whole (all layers)")
     parser.add_argument("--layers-per-block", type=int, default=1)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)

@@ -28,6 +28,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fo": {"update-rule": "fo"},
     "zerolock-frozen-lm": {"update-rule": "zerolock", "zerolock-head": "frozen-lm"},
     "zerolock-tuned": {"update-rule": "zerolock", "zerolock-head": "tuned"},
+    "zerolock-calibrated": {"update-rule": "zerolock", "zerolock-head": "calibrated"},
+    "zerolock-aux4": {"update-rule": "zerolock", "zerolock-aux-layers": 4},
+    "zerolock-calibrated-aux4": {"update-rule": "zerolock", "zerolock-head": "calibrated",
+                                 "zerolock-aux-layers": 4},
+    "zerolock-calibrated-aux8": {"update-rule": "zerolock", "zerolock-head": "calibrated",
+                                 "zerolock-aux-layers": 8},
     "lezo": {"update-rule": "lezo", "upload-codec": "seedlog"},
 }
 
@@ -42,7 +48,13 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--local-steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--clients-per-round", type=int, default=4)
+    parser.add_argument("--eval-examples", type=int, default=200)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra run-config key for every variant (TOML value), repeatable")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--name", default="compare_rules",
+                        help="result files <name>.json / .png, so a run never overwrites another")
     args = parser.parse_args()
 
     from fedcybgd.client.app import app as client_app
@@ -52,11 +64,18 @@ def main() -> None:
 
     base = {
         "model": "smollm2-135m", "partitioner": "dirichlet", "dirichlet-alpha": 0.5,
-        "num-server-rounds": args.rounds, "clients-per-round": 4, "layers-per-block": 1,
+        "num-server-rounds": args.rounds, "clients-per-round": args.clients_per_round,
+        "layers-per-block": 1,
         "block-schedule": "ascending", "local-steps": args.local_steps, "batch-size": 8,
         "max-seq-len": 48, "lr": args.lr, "eval-every": args.eval_every,
-        "eval-examples": 200, "seed": 0, "clients-per-block": 1, "logit-adjust": False,
+        "eval-examples": args.eval_examples, "seed": 0, "clients-per-block": 1,
+        "logit-adjust": False,
     }
+    import tomllib
+
+    for item in args.set:
+        key, _, value = item.partition("=")
+        base[key] = tomllib.loads(f"v = {value}")["v"]
     work = Path(args.out) / "rules"
     runs: dict[str, list[dict[str, Any]]] = {}
     for name in args.variants.split(","):
@@ -69,6 +88,10 @@ def main() -> None:
         run_server(grid, RunConfig.from_run_config(config))
         runs[name] = [json.loads(x)
                       for x in (work / name / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in runs[name] if r.get("eval_loss") is not None]
+        print(f"{name}: eval loss {evals[0]['eval_loss']:.3f} -> {evals[-1]['eval_loss']:.3f}, "
+              f"mean round {sum(r['round_s'] for r in runs[name][1:]) / args.rounds:.1f} s",
+              flush=True)
 
     print(f"\n{'variant':<22}" + "".join(f"{'round ' + str(r):>16}" for r in
                                          [0, *range(args.eval_every, args.rounds + 1,
@@ -77,12 +100,20 @@ def main() -> None:
         cells = [f"{r['eval_accuracy']:.3f}/{r['eval_loss']:.3f}"
                  for r in records if r.get("eval_accuracy") is not None]
         print(f"{name:<22}" + "".join(f"{c:>16}" for c in cells))
+    if "fo" in runs:  # each rule's eval-loss drop as a share of fo's, at the last evaluation
+        def drop(records: list[dict[str, Any]]) -> float:
+            evals = [r["eval_loss"] for r in records if r.get("eval_loss") is not None]
+            return float(evals[0] - evals[-1])
+
+        for name, records in runs.items():
+            print(f"{name:<26} eval-loss drop {drop(records):.3f} = "
+                  f"{drop(records) / drop(runs['fo']):.0%} of fo's")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "base_config": base}
-    (out / "compare_rules.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
 
     import matplotlib
 
@@ -103,8 +134,8 @@ def main() -> None:
     acc_ax.legend()
     fig.suptitle("SmolLM2-135M, Rotten Tomatoes, 8 clients (4 per round), one-layer blocks")
     fig.tight_layout()
-    fig.savefig(out / "compare_rules.png", dpi=120)
-    print(f"saved {out / 'compare_rules.json'} and {out / 'compare_rules.png'}")
+    fig.savefig(out / f"{args.name}.png", dpi=120)
+    print(f"saved {out / (args.name + '.json')} and {out / (args.name + '.png')}")
 
 
 if __name__ == "__main__":

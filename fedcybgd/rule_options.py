@@ -59,6 +59,14 @@ class ZeroLockOptions(RuleOptions):
     checkpoint_seconds: float = setting(60.0, key="zerolock-checkpoint-seconds", ge=0)
     cache_mb: float = setting(256.0, key="zerolock-cache-mb", ge=0)  # 0: no prefix cache
     fused_step: bool = setting(True, key="zerolock-fused-step")
+    # Frozen layers above a layer block run inside its (last chunk's) local head, the gradient
+    # flowing through their activations (AugLocal-style); 0: the head reads the block's output.
+    aux_layers: int = setting(0, key="zerolock-aux-layers", ge=0)
+    # head = calibrated: the node's own batches its translator is fitted on, forward-only
+    calib_batches: int = setting(4, key="zerolock-calib-batches", ge=1)
+    calib_ridge: float = setting(1e-2, key="zerolock-calib-ridge", gt=0)  # pull to identity
+    # refit once the layers above the head moved by more than this relative norm; 0: always
+    calib_refit: float = setting(0.02, key="zerolock-calib-refit", ge=0)
 
     def __post_init__(self) -> None:
         normalize(self)

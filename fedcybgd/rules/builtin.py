@@ -59,11 +59,17 @@ def _with_gradients(needs: MemoryNeeds, kept_mb: float) -> float:
 
 def zerolock_memory(needs: MemoryNeeds) -> float:
     """``zerolock``: optimizer state, the block's own activations (at least one layer's, for
-    the embeddings and the head), the local head's logits."""
+    the embeddings and the head) and those of its head's ``zerolock-aux-layers`` (a layer
+    block's), the local head's logits."""
+    options = ZeroLockOptions.from_options(needs.options)
+    aux = 0
+    if needs.own_layers > 0:
+        aux = min(options.aux_layers, needs.layers_from_block - needs.own_layers)
+    kept = (max(needs.own_layers, 1) + aux) * needs.layer_activations_mb
     rows = needs.scored_rows
     # the local head scores at most zerolock-slice rows at a time
-    sliced = min(1.0, ZeroLockOptions.from_options(needs.options).slice / rows) if rows else 1.0
-    return (_with_gradients(needs, max(needs.own_layers, 1) * needs.layer_activations_mb)
+    sliced = min(1.0, options.slice / rows) if rows else 1.0
+    return (_with_gradients(needs, kept)
             + BACKWARD_LOGIT_COPIES * sliced * needs.logits_mb + needs.frozen_transient_mb)
 
 

@@ -100,8 +100,11 @@ class LocalHead:
         A frozen copy of the LM head's weight to use instead of the live one. Needed when the
         trained block owns the head's tensor (tied embeddings): see ``zerolock.py``.
     aux_layers : int
-        Frozen decoder layers ``0..aux_layers-1`` run (weights frozen, grad through the
-        activations) before the head: the ``embed`` block's local head (see ``zerolock.py``).
+        Frozen decoder layers ``aux_start..aux_start+aux_layers-1`` run (weights frozen, grad
+        through the activations) before the head: the ``embed`` block's local head (see
+        ``zerolock.py``), or a layer block's ``zerolock-aux-layers``.
+    aux_start : int
+        The first of those layers (0 for the ``embed`` block; the layer after a chunk's last).
     objective : str
         ``label`` or ``next-token`` (module docstring).
     slice_rows : int
@@ -116,6 +119,7 @@ class LocalHead:
         aux_layers: int = 0,
         objective: str = "label",
         slice_rows: int = 256,
+        aux_start: int = 0,
     ) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"zerolock-objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -125,13 +129,15 @@ class LocalHead:
         self.translator = translator
         self.head_weight = head_weight
         self.aux_layers = aux_layers
+        self.aux_start = aux_start
         self.objective = objective
         self.slice_rows = slice_rows
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The head's own trainable parameters (the translator's, if any)."""
+        """The head's own trainable parameters (a tuned translator's; a calibrated one is
+        frozen)."""
         if self.translator is not None:
-            yield from self.translator.parameters()
+            yield from (p for p in self.translator.parameters() if p.requires_grad)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` hidden rows to ``[N, V]`` logits."""
@@ -150,7 +156,7 @@ class LocalHead:
     def loss(self, hidden: Hidden, batch: Batch) -> torch.Tensor:
         """The local loss as one graph (no slicing): for checks and small batches."""
         if self.aux_layers:
-            hidden = self.stack.run(hidden, 0, self.aux_layers)
+            hidden = self.stack.run(hidden, self.aux_start, self.aux_start + self.aux_layers)
         rows, targets = loss_rows(hidden.states, batch, self.objective)
         logits = self.logits(rows)
         if self.objective == "label":
@@ -166,7 +172,7 @@ class LocalHead:
         drops the head's gradients).
         """
         if self.aux_layers:
-            hidden = self.stack.run(hidden, 0, self.aux_layers)
+            hidden = self.stack.run(hidden, self.aux_start, self.aux_start + self.aux_layers)
         rows, targets = loss_rows(hidden.states, batch, self.objective)
         cut = rows.detach().requires_grad_(rows.requires_grad)
         count = rows.shape[0]

@@ -11,7 +11,8 @@ For a layer block ``[s..e]`` each local step is:
    (**early forwarding**: before its own backward and step), computes its local loss through
    the local head, backpropagates inside itself (+ the head's trainable part) and steps its own
    AdamW. Chunks run one after another in one thread (see the note at ``_train_step``).
-3. Layers ``e+1..`` are **never run**; no activation of them exists.
+3. Layers ``e+1..`` are **never run** (but ``zerolock-aux-layers`` of them in the head, and
+   the calibrated head's forward-only fit); no activation of them exists.
 
 Each parameter is stepped inside the backward pass as soon as its gradient is complete
 (``zerolock-fused-step``, default on), so the block's gradients are never all alive at once;
@@ -22,7 +23,23 @@ Local heads (``local_heads.py``): ``zerolock-head = frozen-lm`` (default): the m
 final norm + LM head on the chunk output; ``tuned``: a residual affine map (identity at start,
 ``zerolock-head-rank`` > 0 for low rank) before them, trained by the chunk's optimizer and kept
 in ``task.state_dir`` between rounds (``zerolock/heads/<block>.safetensors``, one map per chunk
-output layer), so it keeps learning from round to round.
+output layer), so it keeps learning from round to round. ``calibrated``: a FROZEN affine map
+before them, fitted by the node (``calibration.py``) so that the head's prediction from the
+layer it reads matches the model's own final layer: least squares from that layer's outputs to
+the last layer's, over one no-grad forward pass of the whole model on the round's first
+``zerolock-calib-batches`` batches (peeked and put back: training still takes them). Fitted on
+the node, not on the server, because the node already holds every layer and its own data:
+nothing new crosses the wire, nothing held out (the server's evaluation split) shapes
+training, and each node's map fits its own data. Kept in ``task.state_dir``
+(``zerolock/calibration/layer.<k>.safetensors``, ~1.3 MB per layer for SmolLM2) with a fixed
+sample of the coordinates of the layers above; refitted when those moved by more than
+``zerolock-calib-refit`` (relative norm) since the fit, or when the file is unreadable.
+
+``zerolock-aux-layers = m`` (any head): the last chunk's head first runs the ``m`` layers above
+the block (FROZEN: weights never change, the gradient flows through their activations), then
+the head reads their output (AugLocal-style); the layers above those are never run. It costs
+``m`` layers' activations and buys alignment with the true gradient (``experiments/
+grad_alignment.py``); when the ``m`` layers reach the top, the local loss is the true loss.
 
 Special blocks:
 
@@ -60,6 +77,7 @@ from that step; the checkpoint is deleted when the round completes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -77,6 +95,7 @@ from torch import nn
 
 from fedcybgd.atomic import save_tensors
 from fedcybgd.client.paths import block_name
+from fedcybgd.client.updates.calibration import CalibrationReport, calibrated_translators
 from fedcybgd.client.updates.local_heads import LocalHead, Translator
 from fedcybgd.data import BatchIterator
 from fedcybgd.data.prompts import Batch
@@ -451,6 +470,39 @@ class ZeroLock:
         if kind != "top" and live_head is not None and any(p is live_head for p in params):
             head_weight = live_head.detach().clone()
 
+        # Where each chunk's head reads: its own output, or (the block's last chunk, with
+        # zerolock-aux-layers) the output of that many frozen layers above the block.
+        aux = (min(opts.aux_layers, stack.num_layers - ranges[-1][1]) if kind == "layers"
+               else 0)
+        embed_layers = min(opts.embed_layers, stack.num_layers)
+        reads = [
+            (b - 1 + (aux if i == len(ranges) - 1 else 0)) if kind == "layers"
+            else embed_layers - 1  # the embed block's head reads its aux layers' output
+            for i, (_, b) in enumerate(ranges)
+        ]
+        batches: Iterator[Batch] = task.batches
+        calibration: dict[int, Translator | None] = {}
+        calib_report: CalibrationReport | None = None
+        if opts.head == "calibrated" and kind != "top":
+            peeked: list[Batch] = []
+
+            def take() -> list[Batch]:
+                # the round's own first batches, put back: training still sees all of them
+                if isinstance(task.batches, BatchIterator):
+                    at = task.batches.step
+                    got = [next(task.batches) for _ in range(opts.calib_batches)]
+                    task.batches.step = at
+                    return got
+                # a finite iterator may hold fewer: fit on what there is
+                peeked.extend(itertools.islice(task.batches, opts.calib_batches))
+                return list(peeked)
+
+            calibration, calib_report = calibrated_translators(
+                stack, reads, take, task.state_dir, opts.calib_ridge, opts.calib_refit,
+                opts.calib_batches)
+            if peeked:
+                batches = itertools.chain(peeked, task.batches)
+
         saved_maps = self._load_maps(task, opts) if kind != "top" else {}
         by_name = dict(model.named_parameters())
         hidden_size = int(getattr(model.config, "hidden_size", 0) or live_hidden_size(stack))
@@ -469,13 +521,22 @@ class ZeroLock:
             if opts.head == "tuned" and kind != "top":
                 translator = Translator(hidden_size, opts.head_rank, seed=task.seed + index)
                 self._apply_map(translator, saved_maps, key)
+            elif opts.head == "calibrated" and kind != "top":
+                translator = calibration[reads[index]]  # frozen; None on the last layer
+            if kind == "embed":
+                aux_start, aux_count = 0, embed_layers
+            elif kind == "layers":
+                aux_start, aux_count = b, reads[index] - (b - 1)
+            else:
+                aux_start, aux_count = 0, 0
             head = LocalHead(
                 stack,
                 translator=translator,
                 head_weight=head_weight,
-                aux_layers=min(opts.embed_layers, stack.num_layers) if kind == "embed" else 0,
+                aux_layers=aux_count,
                 objective=opts.objective,
                 slice_rows=opts.slice,
+                aux_start=aux_start,
             )
             chunks.append(self._make_chunk(index, kind, (a, b), key, chunk_params, head, task,
                                            opts))
@@ -489,6 +550,7 @@ class ZeroLock:
             "chunks": len(chunks),
             "fused": [c.fused for c in chunks],
             "embed_layers": opts.embed_layers if kind == "embed" else 0,
+            "aux_layers": aux,
         }
         ckpt = checkpoint_path(task.state_dir) if task.state_dir is not None else None
         progress = _Progress()
@@ -501,7 +563,7 @@ class ZeroLock:
                 if same and _fits(tensors, meta, chunks):
                     progress = _restore_checkpoint(tensors, meta, chunks)
                     resumed_from = progress.step
-                    _skip(task.batches, progress.step)
+                    _skip(batches, progress.step)
                     log.info("zerolock: resuming %s at step %d", task.block, progress.step)
                 else:
                     ckpt.unlink(missing_ok=True)  # a previous round's leftover (or unusable)
@@ -514,7 +576,7 @@ class ZeroLock:
         last_save = time.monotonic()
         try:
             while progress.step < task.steps:
-                batch = next(task.batches)
+                batch = next(batches)
                 final = self._train_step(stack, cache, chunks, batch)
                 progress.step += 1
                 progress.examples += len(batch)
@@ -559,6 +621,8 @@ class ZeroLock:
         }
         metrics["zerolock_resumed_step"] = float(resumed_from)
         metrics["zerolock_cache_hits"] = float(cache.hits)
+        if calib_report is not None:
+            metrics.update(calib_report.metrics())
         return TrainOutcome(mean, len(losses), progress.examples, progress.skipped, metrics)
 
     @staticmethod
