@@ -57,26 +57,33 @@ GRID = [(kind, rule) for kind in ("sft", "multiple-choice", "classification") fo
 GRID.append(("chat", RULES[0]))
 
 
-@pytest.mark.parametrize(("kind", "rule"), GRID,
-                         ids=[f"{k}-{'-'.join(map(str, r.values()))}" for k, r in GRID])
-def test_every_rule_and_baseline_trains_every_task(kind, rule, tiny_run_config, tmp_path):
-    # Prepare
+def loopback_run(config: dict[str, Any], tmp_path: Path
+                 ) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
+    """``config`` run to its end on a 2-node loopback grid: its RunConfig, summary and rows."""
     from fedcybgd.client.app import app as client_app
     from fedcybgd.config import RunConfig
     from fedcybgd.harness.loopback import LoopbackGrid
     from fedcybgd.server.app import RUNNERS
 
-    config = {**tiny_run_config, **write_sets(tmp_path / "data")[kind], **rule,
-              "num-server-rounds": 1, "eval-examples": 4, "lr": 1e-2 if "lezo" in str(rule)
-              or "mezo" in str(rule) else 1e-3}
     run = RunConfig.from_run_config(config)
     grid = LoopbackGrid(client_app, 2, config,
                         node_config=lambda i: {"cache-dir": str(tmp_path / "cache")})
-    # Execute
     summary = RUNNERS[run.strategy](grid, run)
-    # Assert: the round trained (finite loss, an upload) and moved the held-out loss
     rows = [json.loads(x) for x in (Path(config["output-dir"]) / "metrics.jsonl")
             .read_text().splitlines()]
+    return run, summary, rows
+
+
+@pytest.mark.parametrize(("kind", "rule"), GRID,
+                         ids=[f"{k}-{'-'.join(map(str, r.values()))}" for k, r in GRID])
+def test_every_rule_and_baseline_trains_every_task(kind, rule, tiny_run_config, tmp_path):
+    # Prepare
+    config = {**tiny_run_config, **write_sets(tmp_path / "data")[kind], **rule,
+              "num-server-rounds": 1, "eval-examples": 4, "lr": 1e-2 if "lezo" in str(rule)
+              or "mezo" in str(rule) else 1e-3}
+    # Execute
+    _, summary, rows = loopback_run(config, tmp_path)
+    # Assert: the round trained (finite loss, an upload) and moved the held-out loss
     assert [r["round"] for r in rows] == [0, 1]
     assert rows[1]["train_loss"] is not None and rows[1]["bytes_up"] > 0
     assert rows[1]["examples"] > 0
@@ -93,11 +100,6 @@ def test_the_builtin_tomi_dataset_alone_trains_sft_on_dirichlet_shares(tiny_run_
     # dirichlet over its question types)
     import importlib.metadata
 
-    from fedcybgd.client.app import app as client_app
-    from fedcybgd.config import RunConfig
-    from fedcybgd.harness.loopback import LoopbackGrid
-    from fedcybgd.server.app import RUNNERS
-
     try:
         importlib.metadata.distribution("evals")
     except importlib.metadata.PackageNotFoundError:
@@ -105,14 +107,9 @@ def test_the_builtin_tomi_dataset_alone_trains_sft_on_dirichlet_shares(tiny_run_
     config = {**tiny_run_config, "dataset": "tomi", "partitioner": "dirichlet",
               "num-server-rounds": 1, "eval-examples": 4, "max-new-tokens": 3,
               "max-seq-len": 160}
-    run = RunConfig.from_run_config(config)
-    grid = LoopbackGrid(client_app, 2, config,
-                        node_config=lambda i: {"cache-dir": str(tmp_path / "cache")})
     # Execute
-    summary = RUNNERS[run.strategy](grid, run)
+    run, summary, rows = loopback_run(config, tmp_path)
     # Assert
-    rows = [json.loads(x) for x in (Path(config["output-dir"]) / "metrics.jsonl")
-            .read_text().splitlines()]
     assert run.task_kind == "sft" and [r["round"] for r in rows] == [0, 1]
     assert rows[1]["train_loss"] is not None and rows[1]["bytes_up"] > 0
     assert {"eval_exact_match", "eval_token_f1", "eval_perplexity"} <= set(rows[1])
