@@ -125,13 +125,52 @@ def test_estimate_is_within_10_percent_of_every_committed_bench_row(smollm2_shap
     assert not bad, bad
 
 
-def test_runtime_constant_is_within_10_percent_of_a_fresh_client_runtime():
-    # Prepare / Execute: a fresh process up to the point a client loads the weights
-    done = subprocess.run(
+# A node as a client process is between rounds (model, tokenizer and data loaded), then one
+# fo round on the top block: the estimate from the node's own runtime figure against the peak.
+NODE_ROUND = """
+import json, sys, torch
+from fedcybgd.client.local_data import training_batches
+from fedcybgd.client.runtime import client_model
+from fedcybgd.config import NodeConfig, RunConfig
+from fedcybgd.memory.estimate import estimate_peak_mb, measured_runtime_mb
+from fedcybgd.memory.measure import PeakMemory, rss_bytes
+from fedcybgd.model.precision import Precision
+from fedcybgd.client.updates.base import get_rule
+from fedcybgd.rules import TrainTask
+run = RunConfig.from_run_config({"batch-size": %d, "max-seq-len": %d, "local-steps": 3})
+node = NodeConfig.from_node_config({"partition-id": 0, "num-partitions": 4})
+precision = Precision(run.frozen_dtype, run.frozen_quant)
+cm = client_model(run.model, run.layers_per_block, "cpu", precision)
+batches = training_batches(run, node, seed=0)
+runtime = measured_runtime_mb(cm.shape, cm.blocks, precision, rss_bytes() / 2**20)
+block = [b for b in cm.blocks.names if b.startswith("layer.")][-1]
+estimate = estimate_peak_mb(cm.shape, cm.blocks, "fo", block, run.batch_size,
+                            run.max_seq_len, precision, run.options, runtime_mb=runtime)
+cm.train_block(block, None)
+torch.manual_seed(0)
+task = TrainTask(model=cm.model, stack=cm.stack, blocks=cm.blocks, block=block,
+                 batches=iter(batches), steps=run.local_steps, lr=run.lr,
+                 weight_decay=run.weight_decay, seed=0, options=dict(run.options),
+                 state_dir=__import__("pathlib").Path(sys.argv[1]))
+with PeakMemory() as mem:
+    get_rule("fo").train(task)
+print(json.dumps({"runtime_mb": runtime, "estimate_mb": estimate, "peak_mb": mem.peak_mb}))
+"""
+
+
+def test_a_nodes_own_runtime_figure_predicts_its_round_peak_within_10_percent(tmp_path):
+    # Prepare / Execute: a fresh process, as a client would be (RUNTIME_MB is not used: the
+    # runtime is the machine's, 505 MB here and 602 MB on the CI machine for the same code)
+    done = subprocess.run([sys.executable, "-c", NODE_ROUND % (BATCH, SEQ), str(tmp_path)],
+                          capture_output=True, text=True, check=True)
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    # Assert: the node's figure holds at least the bench's runtime (it has Flower loaded too)
+    # and the estimate built on it meets the round's measured peak
+    bench = subprocess.run(
         [sys.executable, str(BENCH), "--one", "--variant", "inference", "--where", "top",
          "--batch", "2", "--seq", "16", "--steps", "1"],
         capture_output=True, text=True, check=True,
     )
-    runtime = json.loads(done.stdout.strip().splitlines()[-1])["runtime_rss_mb"]
-    # Assert
-    assert abs(RUNTIME_MB - runtime) <= 0.10 * runtime, (RUNTIME_MB, runtime)
+    runtime = json.loads(bench.stdout.strip().splitlines()[-1])["runtime_rss_mb"]
+    assert row["runtime_mb"] >= 0.9 * runtime, (row, runtime)
+    assert abs(row["estimate_mb"] / row["peak_mb"] - 1) <= 0.10, row

@@ -47,8 +47,8 @@ from fedcybgd.compression import (
 )
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig
 from fedcybgd.data.prompts import Batch
-from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule
-from fedcybgd.memory.measure import PeakMemory
+from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule, measured_runtime_mb
+from fedcybgd.memory.measure import PeakMemory, rss_bytes
 from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
@@ -176,19 +176,24 @@ def train(msg: Message, context: Context) -> Message:
     except UnsafeName as err:
         log.warning("round %s: refused an instruction (%s)", server_round, err)
         return _reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")
+    # Before the budget check: the tokenizer and data are then resident, part of what this
+    # process measures as its runtime.
+    batches = training_batches(run, node, seed)
     if node.memory_budget_mb:
         shape = cm.shape
         # An sft batch scores every response token, not one per row (an upper bound here)
         scored = build_task(run).max_scored_tokens(run.batch_size, run.max_seq_len)
+        runtime = measured_runtime_mb(shape, cm.blocks, precision, rss_bytes() / 2**20)
         fit = fitting_rule(shape, cm.blocks, block, node.memory_budget_mb, run.batch_size,
-                           run.max_seq_len, rule_name, precision, run.options, scored)
+                           run.max_seq_len, rule_name, precision, run.options, scored, runtime)
         if fit is None:
             need = estimate_peak_mb(shape, cm.blocks, "lezo", block, run.batch_size,
-                                    run.max_seq_len, precision, run.options, scored)
+                                    run.max_seq_len, precision, run.options, scored, runtime)
             return _reply(
                 msg, protocol.REJECTED, None,
                 f"memory-budget-mb = {node.memory_budget_mb:.0f} fits no update rule for "
-                f"block {block} (the smallest, lezo, needs about {need:.0f} MB)",
+                f"block {block} (the smallest, lezo, needs about {need:.0f} MB, "
+                f"{runtime:.0f} MB of it this process's runtime)",
                 budget=node.memory_budget_mb,
             )
         rule_name = fit
@@ -217,7 +222,6 @@ def train(msg: Message, context: Context) -> Message:
         cm.sync(store)
         return _reply(msg, protocol.RESYNC, store, f"cannot rebuild block {block}: {err}",
                       budget=node.memory_budget_mb)
-    batches = training_batches(run, node, seed)
     # Rules get their batches where the model is (on the CPU the iterator itself, which
     # zerolock can skip through without tokenizing).
     feed: Iterator[Batch] = batches if device.type == "cpu" else (b.to(device) for b in batches)
