@@ -109,6 +109,9 @@ def main() -> None:
                         help="comma-separated; every setting runs with each (the seed spread)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "precision_quality.json"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep --out's rows of other (setting, seed) pairs, made with the "
+                             "same settings, and tabulate them all (adding a seed later)")
     args = parser.parse_args()
 
     import torch
@@ -125,12 +128,22 @@ def main() -> None:
                       f", accuracy {row['eval_accuracy_start']:.3f} -> "
                       f"{row['eval_accuracy']:.3f}, failed blocks {row['failed_blocks']}, "
                       f"{row['wall_s']:.0f} s", flush=True)
-    print(spread_table(rows))
     out = Path(args.out)
+    command = "python experiments/precision_quality.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        if k not in ("out", "merge", "seeds", "settings"))
+    meta: dict[str, Any] = {"command": command, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                            "runs": [f"--seeds {args.seeds} --settings {args.settings}"]}
+    if args.merge and out.exists():
+        before = json.loads(out.read_text())
+        if before["meta"]["command"] != command:  # other settings: not one table
+            raise SystemExit(f"--merge: {out} was made by {before['meta']['command']!r}, "
+                             f"not {command!r}")
+        new = {(r["setting"], r["seed"]) for r in rows}
+        rows = [r for r in before["rows"] if (r["setting"], r["seed"]) not in new] + rows
+        meta["runs"] = before["meta"].get("runs", []) + meta["runs"]
+    print(spread_table(rows))
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python experiments/precision_quality.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": spread(rows)}, indent=1))
     print(f"saved {out}")
 

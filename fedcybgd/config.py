@@ -39,7 +39,7 @@ from fedcybgd.choices import (
     STRATEGIES,
     UPDATE_RULES,
 )
-from fedcybgd.compression import CodecError, parse_spec
+from fedcybgd.compression import CodecError, lossy_delta_spec, parse_spec
 from fedcybgd.config_fields import ConfigError, build, closest, coerce, normalize, setting, settings
 from fedcybgd.model.devices import check_device_name
 from fedcybgd.rules import RuleOptions
@@ -125,6 +125,9 @@ class RunConfig:
     seedlog_fallback: str = setting("delta+int8+zstd")  # weights codec when no exact replay
     download_codec: str = setting("delta+int8+zstd")  # frozen blocks; the trained one is exact
     download_fraction: float = setting(1.0, gt=0, le=1)  # the paper's random dropping
+    # "none", or a lossy delta codec the server rounds each installed block to, so nodes
+    # holding its previous version get it exactly at that codec's cost
+    install_codec: str = setting("none")
     version_history: int = setting(2, ge=0)  # past exact block versions kept for deltas
     # a node that trained a block alone computes the installed version itself (not re-sent)
     self_sync: bool = setting(True)
@@ -177,6 +180,12 @@ class RunConfig:
                 parse_spec(spec)
             except CodecError as err:
                 raise ConfigError(f"{key} = {spec!r}: {err}") from None
+        if self.install_codec != "none":
+            try:
+                lossy_delta_spec(self.install_codec)
+            except CodecError as err:
+                raise ConfigError(f"install-codec = {self.install_codec!r}: {err}; or 'none'"
+                                  ) from None
         self._check_task()
         if self.clients_per_round % self.per_block:
             raise ConfigError(

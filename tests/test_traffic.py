@@ -311,3 +311,63 @@ def test_fedavg_baselines_count_wire_bytes_the_same_way(tiny_run_config, tmp_pat
         assert 0 < wire <= 1.02 * payload + 8192 * 2, (way, wire, payload)
         if params == "full":
             assert wire > payload, (way, wire, payload)
+
+
+def shared_block_config(tiny_run_config: dict[str, Any], tmp_path: Path, install: str
+                        ) -> dict[str, Any]:
+    # The app's default shape: every node of a round on one block (clients-per-block = 0)
+    return dict(tiny_run_config, **{"clients-per-round": 4, "clients-per-block": 0,
+                                    "upload-codec": "delta+int8+zstd",
+                                    "install-codec": install,
+                                    "output-dir": str(tmp_path / f"out-{install}")})
+
+
+def test_quantized_install_gives_every_node_the_installed_block_exactly(tiny_run_config,
+                                                                       tmp_path):
+    # Prepare: four nodes share one block a round; the server rounds what it installs
+    config = shared_block_config(tiny_run_config, tmp_path, "delta+int8+zstd")
+    grid, strategy = setup(config, tmp_path)
+    # Execute: one cycle of the four layer blocks, then the first block again
+    for server_round in range(1, 6):
+        play(strategy, grid, server_round)
+    # Assert: nothing was refused, and every node holds every block it was sent exactly as
+    # the server has it (the checksums match, so no block is ever re-sent to be trained)
+    assert all(h.dropped == {} and h.failed_blocks == [] for h in strategy.history)
+    for node, holdings in strategy.holdings.items():
+        store = node_store(tmp_path, strategy, node)
+        for block, holding in holdings.items():
+            if holding.version and holding.version == strategy.versions[block]:
+                assert holding == Holding(strategy.versions[block], strategy.checksums[block])
+                held = store.load(block)
+                assert held is not None
+                for name, tensor in strategy.block_tensors(block).items():
+                    assert torch.equal(held[name], tensor), (node, block, name)
+    # ... and the server carries the rounding of each installed block to its next step
+    first = strategy.history[0].blocks[0]
+    assert "r" in strategy.step.moments[first]
+
+
+def test_quantized_install_moves_fewer_bytes_down_at_the_same_loss(tiny_run_config, tmp_path):
+    # Prepare: the same seeded run, installing the merged block as it is or rounded
+    down, loss = {}, {}
+    for install in ("none", "delta+int8+zstd"):
+        grid, strategy = setup(shared_block_config(tiny_run_config, tmp_path, install),
+                               tmp_path / install.replace("+", "-"))
+        # Execute: two cycles of the four blocks, so each block is trained twice
+        for server_round in range(1, 9):
+            play(strategy, grid, server_round)
+        down[install] = sum(h.bytes_down for h in strategy.history)
+        loss[install] = sum(h.train_loss for h in strategy.history[4:]) / 4
+    # Assert: the exact re-send of a block before it is trained again is gone, and the
+    # second cycle's training loss is the same to within 1%
+    assert down["delta+int8+zstd"] < 0.8 * down["none"], down
+    assert abs(loss["delta+int8+zstd"] / loss["none"] - 1) < 0.01, loss
+
+
+def test_install_codec_must_be_a_lossy_delta_codec(tiny_run_config):
+    # Prepare / Execute / Assert: an exact or base-free codec cannot round an install
+    from fedcybgd.config_fields import ConfigError
+
+    for spec in ("xor+zstd", "int8+zstd", "fp32", "delta+int9"):
+        with pytest.raises(ConfigError, match="install-codec"):
+            RunConfig.from_run_config(dict(tiny_run_config, **{"install-codec": spec}))

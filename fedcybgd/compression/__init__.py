@@ -25,7 +25,7 @@ from fedcybgd.compression.header import (
     read_header,
 )
 from fedcybgd.compression.records import PAYLOAD_STYPE, payload_from_array, payload_to_array
-from fedcybgd.compression.spec import CodecSpec, parse_spec, uses_base
+from fedcybgd.compression.spec import CodecSpec, lossy_delta_spec, parse_spec, uses_base
 from fedcybgd.compression.tensors import raw_fp32_bytes
 from fedcybgd.compression.wire import DecodedPayload, decode, encode
 
@@ -40,6 +40,7 @@ __all__ = [
     "TensorEntry",
     "decode",
     "encode",
+    "lossy_delta_spec",
     "parse_spec",
     "payload_from_array",
     "payload_to_array",

@@ -131,6 +131,15 @@ def parse_spec(spec: str) -> CodecSpec:
     return parsed
 
 
+def lossy_delta_spec(spec: str) -> CodecSpec:
+    """``spec`` parsed, if it is a lossy ``delta`` codec (what a quantized install rounds to);
+    ``CodecError`` otherwise."""
+    parsed = parse_spec(spec)
+    if parsed.base != "delta" or parsed.lossless:
+        raise CodecError(f"spec {spec!r} is not a lossy 'delta' codec (e.g. 'delta+int8+zstd')")
+    return parsed
+
+
 def uses_base(spec: str) -> bool:
     """Does ``spec`` encode against a base (``delta`` or ``xor``)?"""
     return parse_spec(spec).needs_base

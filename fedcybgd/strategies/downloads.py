@@ -6,7 +6,9 @@ must arrive exact (``exact_codec``, lossless). A frozen block it lacks comes thr
 so); a frozen block already held at the current version, even approximately, is not sent again.
 With ``fraction < 1`` (the paper's random dropping) a node gets only that share of its stale
 frozen blocks each round. A delta is taken against the best exact base the node holds
-(:meth:`fedcybgd.strategies.versions.BlockVersions.base_for`).
+(:meth:`fedcybgd.strategies.versions.BlockVersions.base_for`); a block the server installed
+through a low-bit delta (``install-codec``) goes to nodes holding its previous version as that
+delta, which is exact for them.
 """
 
 from __future__ import annotations
@@ -107,13 +109,16 @@ class DownloadPlanner:
         ]:
             tensors = self.versions.tensors(block)
             version = self.versions.versions[block]
-            base_version, base = self.versions.base_for(block, held.get(block))
-            key = (block, version, spec, base_version, held.get(block))
-            if key not in payloads:
-                payloads[key] = encode(tensors, spec, block=block, target_version=version,
-                                       base_version=base_version,
-                                       base=base if uses_base(spec) else None)
-            payload = payloads[key]
+            # A block installed through a delta from what the node holds: that delta is exact
+            payload = self.versions.install_payload(block, held.get(block))
+            if payload is None:
+                base_version, base = self.versions.base_for(block, held.get(block))
+                key = (block, version, spec, base_version, held.get(block))
+                if key not in payloads:
+                    payloads[key] = encode(tensors, spec, block=block, target_version=version,
+                                           base_version=base_version,
+                                           base=base if uses_base(spec) else None)
+                payload = payloads[key]
             out.arrays[block] = payload_to_array(payload)
             out.expect[block] = Holding(version, read_header(payload, max_bytes=len(payload))
                                         .checksum)

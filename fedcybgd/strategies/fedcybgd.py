@@ -31,6 +31,7 @@ from fedcybgd.strategies.downloads import DownloadPlanner, PayloadCache
 from fedcybgd.strategies.installing import Admitted, BlockInstaller
 from fedcybgd.strategies.instructions import RunTerms, train_message
 from fedcybgd.strategies.matching import RuleForBudget, match
+from fedcybgd.strategies.quantized_install import QuantizedInstall
 from fedcybgd.strategies.reader import NodeBook, ReplyReader
 from fedcybgd.strategies.record import RoundInFlight, RoundRecord
 from fedcybgd.strategies.replies import NO_REPLY, DropLog, Dropped, guarded
@@ -61,8 +62,10 @@ class FedCyBGD(Strategy):
     upload_codec, download_codec, exact_codec, seedlog_fallback : str
         Codec specs: uploads (``"seedlog"``: zeroth-order step logs, replayed here; others use
         ``seedlog_fallback``), frozen downloads (may be lossy), the trained block (lossless).
-    download_fraction, version_history
-        Random dropping of frozen downloads; past exact versions kept as delta bases.
+    download_fraction, install_codec, version_history
+        Random dropping of frozen downloads; ``"none"`` or the lossy delta codec each installed
+        block is rounded to (:mod:`~fedcybgd.strategies.quantized_install`); past exact
+        versions kept as delta bases.
     pretrained, rule_for_budget
         A block's pretrained tensors (without it, copies are kept); ``(rule, block, MB) ->
         rule or None`` for nodes that report a memory budget.
@@ -106,6 +109,7 @@ class FedCyBGD(Strategy):
         exact_codec: str = "xor+zstd",
         seedlog_fallback: str = "delta+int8+zstd",
         download_fraction: float = 1.0,
+        install_codec: str = "none",
         version_history: int = 2,
         pretrained: Callable[[str], Tensors] | None = None,
         rule_for_budget: RuleForBudget | None = None,
@@ -165,8 +169,10 @@ class FedCyBGD(Strategy):
         self.device = device
         # Self-sync needs one node per block and a server step the node can reproduce.
         self.self_sync = self_sync and clients_per_block == 1 and server_optimizer == "sgd"
-        self.installer = BlockInstaller(self.blocks, self.schedule, self.screen, self.step,
-                                        self.aggregate, self.nodes if self.self_sync else None)
+        self.installer = BlockInstaller(
+            self.blocks, self.schedule, self.screen, self.step, self.aggregate,
+            self.nodes if self.self_sync else None,
+            None if install_codec == "none" else QuantizedInstall(install_codec))
         self.history: list[RoundRecord] = []
         self.round: RoundInFlight | None = None
 

@@ -14,6 +14,7 @@ from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import raw_fp32_bytes
 from fedcybgd.selfsync import Promotion, sgd_step
 from fedcybgd.strategies.aggregate import Aggregator
+from fedcybgd.strategies.quantized_install import RESIDUAL, QuantizedInstall
 from fedcybgd.strategies.reader import BlockUpload, NodeBook
 from fedcybgd.strategies.record import RoundInFlight
 from fedcybgd.strategies.replies import NON_FINITE, DropLog
@@ -42,6 +43,7 @@ class BlockInstaller:
     step: ServerStep
     aggregate: Aggregator
     self_sync_book: NodeBook | None = None
+    quantized: QuantizedInstall | None = None
     retry_seeds: dict[str, int] = field(default_factory=dict)
 
     def close(self, live: RoundInFlight, arrived: list[tuple[str, Admitted]],
@@ -74,7 +76,16 @@ class BlockInstaller:
                 moved = (0.0 if observer is None
                          else update_rms(merged.tensors, self.blocks.tensors(block)))
                 synced = self._self_synced(block, uploads, len(admitted))
-                self.blocks.install(block, merged.tensors, record.round)
+                payload = None
+                if self.quantized is not None and synced is None:
+                    start = self.blocks.current(block)
+                    rounded = self.quantized.round(
+                        block, self.blocks.tensors(block), start.version if start else 0,
+                        merged.tensors, record.round,
+                        self.step.moments.get(block, {}).get(RESIDUAL))
+                    merged.tensors, payload = rounded.tensors, rounded.payload
+                    merged.moments[RESIDUAL] = rounded.residual
+                self.blocks.install(block, merged.tensors, record.round, payload)
                 if synced is not None:
                     self._credit(uploads[0][0], block, *synced)
                 self.step.commit(block, merged)

@@ -150,7 +150,7 @@ class ServerStep:
         moments: dict[str, Tensors] = {}
         for key, t in tensors.items():
             kind, _, name = key.partition(".")
-            if kind not in ("m", "v") or not name:
+            if kind not in ("m", "v", "r") or not name:  # r: quantized install's residual
                 raise ValueError(f"server optimizer state of block {block} has tensor {key!r}")
             moments.setdefault(kind, {})[name] = t.float()
         self.moments[block] = moments

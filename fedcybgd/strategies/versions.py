@@ -53,6 +53,8 @@ class BlockVersions:
         self._read_pretrained = pretrained
         self._pristine: dict[str, Tensors] = {}
         self._kept: dict[str, dict[Holding, Tensors]] = {}
+        # block -> (the holding it was installed from, the payload that makes that into it)
+        self._installed_via: dict[str, tuple[Holding | None, bytes]] = {}
 
     def tensors(self, block: str) -> Tensors:
         """The global tensors of ``block`` (views, not copies)."""
@@ -93,15 +95,28 @@ class BlockVersions:
             while len(kept) > self.history:
                 del kept[min(kept, key=lambda h: h.version)]
 
-    def install(self, block: str, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    def install(self, block: str, tensors: Mapping[str, torch.Tensor], version: int,
+                payload: bytes | None = None) -> None:
         """Make ``tensors`` the global ``block`` at ``version`` (the round); the replaced
-        version is kept as a delta base."""
+        version is kept as a delta base. ``payload``: a delta that decodes the replaced
+        version into exactly ``tensors`` (:mod:`~fedcybgd.strategies.quantized_install`),
+        sent as it is to nodes holding that version (:meth:`install_payload`)."""
+        previous = self.current(block)
         self._keep_current(block)
+        self._installed_via.pop(block, None)
+        if payload is not None:
+            self._installed_via[block] = (previous, payload)
         with torch.no_grad():
             for name, tensor in tensors.items():
                 self.weights[name].copy_(tensor)
         self.versions[block] = version
         self.checksums[block] = content_checksum(self.tensors(block))
+
+    def install_payload(self, block: str, held: Holding | None) -> bytes | None:
+        """The payload that makes ``held`` into ``block``'s current version exactly, when the
+        current version was installed from ``held`` through one (``None`` otherwise)."""
+        via = self._installed_via.get(block)
+        return via[1] if via is not None and via[0] == held else None
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Overwrite every global weight from ``state`` (versions stay as they are)."""
