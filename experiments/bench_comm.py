@@ -18,9 +18,9 @@ blocks, all of a round's nodes on one block, 5 local steps, int8 codecs; with ``
 4-layer tiny model gets 1-layer blocks so that a cycle has 4 blocks), ``defaults-c1`` the same
 with one node per block, ``demo`` the defaults plus ``make demo``'s settings
 (``fedcybgd.demo.DEMO_RUN_CONFIG``). Those profiles run two full cycles and compare the traffic
-features of issue 16 (``self-sync``, ``error-feedback``, ``install-codec``) off ("before") and
-on, against uncompressed fp32 FedCyBGD and both FedAvg baselines (run, not counted, on the tiny
-model).
+features of issue 16 (``self-sync``, ``error-feedback``, ``install-codec``, ``max-staleness``)
+off ("before") and on, against uncompressed fp32 FedCyBGD and both FedAvg baselines (run, not
+counted, on the tiny model).
 
 Bytes are what crosses the wire: the serialised messages (``wire_bytes_down``/``_up`` of the
 rows, :mod:`fedcybgd.message_size`), metadata included; the payload share is kept beside them.
@@ -67,6 +67,9 @@ FEATURES: dict[str, dict[str, Any]] = {
     # the server installs each block rounded to one int8 delta, which every node gets exactly
     "quantized-install": {"self-sync": True, "error-feedback": True,
                           "install-codec": "delta+int8+zstd"},
+    # ... and frozen copies up to one install behind are not refreshed
+    "quantized-stale-1": {"self-sync": True, "error-feedback": True,
+                          "install-codec": "delta+int8+zstd", "max-staleness": 1},
     "paper-drop-0.5": {"upload-codec": "fp16", "download-codec": "fp16",
                        "download-fraction": 0.5, "self-sync": False, "error-feedback": False},
     "fedavg-full": {"strategy": "fedavg", "fedavg-params": "full"},

@@ -125,6 +125,7 @@ class RunConfig:
     seedlog_fallback: str = setting("delta+int8+zstd")  # weights codec when no exact replay
     download_codec: str = setting("delta+int8+zstd")  # frozen blocks; the trained one is exact
     download_fraction: float = setting(1.0, gt=0, le=1)  # the paper's random dropping
+    max_staleness: int = setting(0, ge=0)  # installs a frozen copy may lag before it is sent
     # "none", or a lossy delta codec the server rounds each installed block to, so nodes
     # holding its previous version get it exactly at that codec's cost
     install_codec: str = setting("none")

@@ -371,3 +371,35 @@ def test_install_codec_must_be_a_lossy_delta_codec(tiny_run_config):
     for spec in ("xor+zstd", "int8+zstd", "fp32", "delta+int9"):
         with pytest.raises(ConfigError, match="install-codec"):
             RunConfig.from_run_config(dict(tiny_run_config, **{"install-codec": spec}))
+
+
+def test_bounded_staleness_lags_frozen_copies_by_at_most_the_bound(tiny_run_config, tmp_path):
+    # Prepare: the same seeded run, frozen copies always fresh or up to one install behind
+    down = {}
+    for staleness in (0, 1):
+        config = dict(shared_block_config(tiny_run_config, tmp_path, "none"),
+                      **{"max-staleness": staleness,
+                         "output-dir": str(tmp_path / f"out-stale-{staleness}")})
+        grid, strategy = setup(config, tmp_path / f"stale-{staleness}")
+        for server_round in range(1, 9):
+            # Execute: two cycles of four blocks
+            sent = play(strategy, grid, server_round)
+            # Assert: each node trained its block from the exact current copy, and held
+            # every other block at most `staleness` installs behind while it trained
+            for message in sent:
+                node = message.metadata.dst_node_id
+                cfg = message.content.config_records[protocol.CONFIG]
+                held = protocol.load_holdings(str(cfg[protocol.EXPECT]))
+                block = str(cfg[protocol.BLOCK])
+                installed_now = strategy.history[-1].blocks
+                for name in strategy.versions:
+                    lag = strategy.blocks.lag(name, held.get(name))
+                    if name in installed_now:
+                        lag -= 1  # installed after this round's instruction went out
+                    if name == block:
+                        assert lag == 0, (server_round, node, name)
+                    else:
+                        assert lag <= staleness, (server_round, node, name, lag)
+        assert all(h.dropped == {} for h in strategy.history)
+        down[staleness] = sum(h.bytes_down for h in strategy.history)
+    assert down[1] < 0.8 * down[0], down

@@ -4,8 +4,10 @@ Delta sync: a node is sent only blocks whose current version it lacks. The block
 must arrive exact (``exact_codec``, lossless). A frozen block it lacks comes through
 ``download_codec``, possibly lossy, which leaves the node an approximate copy (its checksum says
 so); a frozen block already held at the current version, even approximately, is not sent again.
-With ``fraction < 1`` (the paper's random dropping) a node gets only that share of its stale
-frozen blocks each round. A delta is taken against the best exact base the node holds
+With ``max_staleness = s > 0`` a frozen copy may lag the global block by up to ``s`` installs
+of it before it is sent again (bounded staleness); with ``fraction < 1`` (the paper's random
+dropping) a node gets only that share of its stale frozen blocks each round. A delta is taken
+against the best exact base the node holds
 (:meth:`fedcybgd.strategies.versions.BlockVersions.base_for`); a block the server installed
 through a low-bit delta (``install-codec``) goes to nodes holding its previous version as that
 delta, which is exact for them.
@@ -39,11 +41,11 @@ class Download:
     raw_bytes: int = 0  # the same blocks as plain fp32
 
 
-def stale_blocks(versions: BlockVersions, held: Mapping[str, Holding], assigned: str
-                 ) -> tuple[list[str], list[str]]:
+def stale_blocks(versions: BlockVersions, held: Mapping[str, Holding], assigned: str,
+                 max_staleness: int = 0) -> tuple[list[str], list[str]]:
     """``(exact, frozen)``: the blocks to send exactly (the assigned one, if the node lacks
-    its current version exactly) and those to send through the download codec, in model
-    order."""
+    its current version exactly) and those to send through the download codec (frozen
+    copies more than ``max_staleness`` installs behind), in model order."""
     exact: list[str] = []
     frozen: list[str] = []
     for block in versions.block_map.names:
@@ -54,6 +56,8 @@ def stale_blocks(versions: BlockVersions, held: Mapping[str, Holding], assigned:
             exact.append(block)
         elif want is not None and have is not None and have.version == want.version:
             continue  # an approximate copy of the current version is good enough frozen
+        elif max_staleness and versions.lag(block, have) <= max_staleness:
+            continue  # close enough behind to stay frozen as it is
         else:
             frozen.append(block)
     return exact, frozen
@@ -70,19 +74,24 @@ class DownloadPlanner:
         Codec specs for the block a node trains (lossless) and for frozen blocks.
     fraction : float
         Share of a node's stale frozen blocks sent each round, in (0, 1].
+    max_staleness : int
+        Installs a node's frozen copy of a block may lag before it is sent (0: none).
     seed : int
         Seeds the random dropping.
     """
 
     def __init__(self, versions: BlockVersions, *, exact_codec: str, download_codec: str,
-                 fraction: float = 1.0, seed: int = 0) -> None:
+                 fraction: float = 1.0, seed: int = 0, max_staleness: int = 0) -> None:
         if not 0 < fraction <= 1:
             raise ValueError(f"download-fraction must be in (0, 1], got {fraction}")
+        if max_staleness < 0:
+            raise ValueError(f"max-staleness must be >= 0, got {max_staleness}")
         self.versions = versions
         self.exact_codec = exact_codec
         self.download_codec = download_codec
         self.fraction = fraction
         self.seed = seed
+        self.max_staleness = max_staleness
 
     def dropped(self, frozen: list[str], server_round: int, node: int) -> list[str]:
         """The frozen blocks kept after random dropping (all of them at ``fraction = 1``)."""
@@ -99,7 +108,7 @@ class DownloadPlanner:
         same version from the same base share one payload.
         """
         payloads = {} if payloads is None else payloads
-        exact, frozen = stale_blocks(self.versions, held, assigned)
+        exact, frozen = stale_blocks(self.versions, held, assigned, self.max_staleness)
         frozen = self.dropped(frozen, server_round, node)
         out = Download()
         # what the node keeps: its holdings, then the blocks sent below

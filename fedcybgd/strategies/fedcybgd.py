@@ -62,8 +62,9 @@ class FedCyBGD(Strategy):
     upload_codec, download_codec, exact_codec, seedlog_fallback : str
         Codec specs: uploads (``"seedlog"``: zeroth-order step logs, replayed here; others use
         ``seedlog_fallback``), frozen downloads (may be lossy), the trained block (lossless).
-    download_fraction, install_codec, version_history
-        Random dropping of frozen downloads; ``"none"`` or the lossy delta codec each installed
+    download_fraction, max_staleness, install_codec, version_history
+        Random dropping of frozen downloads; installs a node's frozen copy may lag before it is
+        sent; ``"none"`` or the lossy delta codec each installed
         block is rounded to (:mod:`~fedcybgd.strategies.quantized_install`); past exact
         versions kept as delta bases.
     pretrained, rule_for_budget
@@ -109,6 +110,7 @@ class FedCyBGD(Strategy):
         exact_codec: str = "xor+zstd",
         seedlog_fallback: str = "delta+int8+zstd",
         download_fraction: float = 1.0,
+        max_staleness: int = 0,
         install_codec: str = "none",
         version_history: int = 2,
         pretrained: Callable[[str], Tensors] | None = None,
@@ -160,7 +162,8 @@ class FedCyBGD(Strategy):
         self.blocks = BlockVersions(block_map, self.weights, pretrained, version_history)
         self.downloads = DownloadPlanner(self.blocks, exact_codec=exact_codec,
                                          download_codec=download_codec,
-                                         fraction=download_fraction, seed=seed)
+                                         fraction=download_fraction, seed=seed,
+                                         max_staleness=max_staleness)
         self.nodes = NodeBook()
         self.sampler = NodeSampler(seed)
         self.reader = ReplyReader(self.blocks, self.nodes, upload_codec=upload_codec,

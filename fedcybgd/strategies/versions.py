@@ -55,6 +55,7 @@ class BlockVersions:
         self._kept: dict[str, dict[Holding, Tensors]] = {}
         # block -> (the holding it was installed from, the payload that makes that into it)
         self._installed_via: dict[str, tuple[Holding | None, bytes]] = {}
+        self.install_rounds: dict[str, list[int]] = {}  # block -> the rounds it changed in
 
     def tensors(self, block: str) -> Tensors:
         """The global tensors of ``block`` (views, not copies)."""
@@ -111,6 +112,13 @@ class BlockVersions:
                 self.weights[name].copy_(tensor)
         self.versions[block] = version
         self.checksums[block] = content_checksum(self.tensors(block))
+        self.install_rounds.setdefault(block, []).append(version)
+
+    def lag(self, block: str, held: Holding | None) -> int:
+        """How many installs of ``block`` a node holding ``held`` (``None``: pretrained) is
+        behind the current version."""
+        since = held.version if held is not None else 0
+        return sum(1 for r in self.install_rounds.get(block, []) if r > since)
 
     def install_payload(self, block: str, held: Holding | None) -> bytes | None:
         """The payload that makes ``held`` into ``block``'s current version exactly, when the
@@ -141,9 +149,13 @@ class BlockVersions:
 
     def state(self) -> dict[str, Any]:
         """JSON-able versions and checksums (the tensors are checkpointed by the server)."""
-        return {"versions": dict(self.versions), "checksums": dict(self.checksums)}
+        return {"versions": dict(self.versions), "checksums": dict(self.checksums),
+                "install_rounds": {b: list(r) for b, r in self.install_rounds.items()}}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state`'s output."""
         self.versions.update({k: int(v) for k, v in state["versions"].items()})
         self.checksums = {k: str(v) for k, v in state["checksums"].items()}
+        # (checkpoints from before install_rounds existed: one install per changed block)
+        rounds = state.get("install_rounds") or {b: [v] for b, v in self.versions.items() if v}
+        self.install_rounds = {str(b): [int(r) for r in rs] for b, rs in rounds.items()}
