@@ -126,6 +126,7 @@ class RunConfig:
     download_codec: str = setting("delta+int8+zstd")  # frozen blocks; the trained one is exact
     download_fraction: float = setting(1.0, gt=0, le=1)  # the paper's random dropping
     max_staleness: int = setting(0, ge=0)  # installs a frozen copy may lag before it is sent
+    traffic_budget_mb: float = setting(0.0, ge=0)  # payload MB per client-round; 0 = none
     # "none", or a lossy delta codec the server rounds each installed block to, so nodes
     # holding its previous version get it exactly at that codec's cost
     install_codec: str = setting("none")

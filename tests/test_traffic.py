@@ -403,3 +403,58 @@ def test_bounded_staleness_lags_frozen_copies_by_at_most_the_bound(tiny_run_conf
         assert all(h.dropped == {} for h in strategy.history)
         down[staleness] = sum(h.bytes_down for h in strategy.history)
     assert down[1] < 0.8 * down[0], down
+
+
+@pytest.mark.parametrize("budget_kb", [40, 80, 1000])
+def test_traffic_budget_keeps_each_round_within_the_budget(tiny_run_config, tmp_path, budget_kb):
+    # Prepare: four nodes on one block a round, a payload budget per client-round
+    config = dict(shared_block_config(tiny_run_config, tmp_path, "none"),
+                  **{"traffic-budget-mb": budget_kb / 1024})
+    grid, strategy = setup(config, tmp_path)
+    # Execute: two cycles
+    for server_round in range(1, 9):
+        play(strategy, grid, server_round)
+    # Assert: every node got a level; rounds whose nodes all fit moved at most the budget per
+    # client-round (the upload is expected from earlier ones: 10% slack), and nothing dropped
+    budget = budget_kb * 1024
+    levels = set()
+    for h in strategy.history:
+        assert h.dropped == {} and h.failed_blocks == []
+        assert set(h.traffic) == set(h.clients)
+        levels |= set(h.traffic.values())
+        if h.traffic_over_budget == 0:
+            assert h.bytes_down + h.bytes_up <= 1.1 * budget * len(h.clients), (h.round, h)
+        row = h.to_json()
+        assert set(row["traffic"]) == {str(n) for n in h.clients}
+    if budget_kb >= 1000:
+        assert levels == {"configured"}
+    else:
+        assert levels - {"configured"}, levels  # a tight budget moves some nodes down the ladder
+
+
+def test_traffic_budget_prefers_the_least_lossy_level_that_fits(tiny_run_config, tmp_path):
+    # Prepare: one planned round of the real strategy, and the ladder's sizes for one node
+    from fedcybgd.strategies.traffic_budget import LEVELS, TrafficBudget
+
+    grid, strategy = setup(shared_block_config(tiny_run_config, tmp_path, "none"), tmp_path)
+    play(strategy, grid, 1)
+    node, block = strategy.history[0].clients[0], "layer.1"
+    held = strategy.holdings[node]
+    sizes = []
+    for level in LEVELS:
+        down = strategy.downloads.plan(2, node, block, held, download_codec=level.download_codec,
+                                       max_staleness=level.max_staleness)
+        sizes.append(down.bytes)
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    # Execute: a budget just above each level's need
+    for i, level in enumerate(LEVELS):
+        budget = TrafficBudget(1, strategy.downloads, "delta+int8+zstd")
+        numel = strategy.block_map.info(block).numel
+        need = sizes[i] + budget.expected_upload(level.upload_codec or "delta+int8+zstd", numel)
+        budget.budget_bytes = need
+        choice = budget.choose(2, node, block, held, {})
+        # Assert: that level (or a less lossy one that also fits) is chosen, and it fits
+        assert choice.fits and choice.expected_bytes <= need
+        assert [lv.name for lv in LEVELS].index(choice.level) <= i
+    with pytest.raises(ValueError, match="traffic-budget-mb"):
+        TrafficBudget(0, strategy.downloads, "delta+int8+zstd")

@@ -101,20 +101,24 @@ class DownloadPlanner:
         return rng.sample(frozen, math.ceil(self.fraction * len(frozen)))
 
     def plan(self, server_round: int, node: int, assigned: str, held: Mapping[str, Holding],
-             payloads: PayloadCache | None = None) -> Download:
+             payloads: PayloadCache | None = None, *, download_codec: str | None = None,
+             max_staleness: int | None = None) -> Download:
         """``node``'s download for training ``assigned`` while holding ``held``.
 
         ``payloads`` caches encodings within a round: nodes needing the same block at the
-        same version from the same base share one payload.
+        same version from the same base share one payload. ``download_codec`` and
+        ``max_staleness`` override the planner's own for this plan (a traffic budget's level).
         """
         payloads = {} if payloads is None else payloads
-        exact, frozen = stale_blocks(self.versions, held, assigned, self.max_staleness)
+        codec = download_codec or self.download_codec
+        staleness = self.max_staleness if max_staleness is None else max_staleness
+        exact, frozen = stale_blocks(self.versions, held, assigned, staleness)
         frozen = self.dropped(frozen, server_round, node)
         out = Download()
         # what the node keeps: its holdings, then the blocks sent below
         out.expect = {b: held[b] for b in self.versions.block_map.names if b in held}
         for block, spec in [(b, self.exact_codec) for b in exact] + [
-            (b, self.download_codec) for b in frozen
+            (b, codec) for b in frozen
         ]:
             tensors = self.versions.tensors(block)
             version = self.versions.versions[block]

@@ -14,6 +14,7 @@ step over disjoint blocks). A block that brought no update goes back to the sche
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -26,6 +27,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedcybgd.message_size import message_bytes
 from fedcybgd.model.blocks import BlockMap
+from fedcybgd.protocol import SEEDLOG
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
 from fedcybgd.strategies.downloads import DownloadPlanner, PayloadCache
 from fedcybgd.strategies.installing import Admitted, BlockInstaller
@@ -39,6 +41,7 @@ from fedcybgd.strategies.sampling import NodeSampler
 from fedcybgd.strategies.schedule import Schedule, build_schedule
 from fedcybgd.strategies.screen import UpdateScreen
 from fedcybgd.strategies.server_step import ServerStep
+from fedcybgd.strategies.traffic_budget import TrafficBudget
 from fedcybgd.strategies.versions import BlockVersions, Tensors
 
 log = logging.getLogger(__name__)
@@ -62,11 +65,12 @@ class FedCyBGD(Strategy):
     upload_codec, download_codec, exact_codec, seedlog_fallback : str
         Codec specs: uploads (``"seedlog"``: zeroth-order step logs, replayed here; others use
         ``seedlog_fallback``), frozen downloads (may be lossy), the trained block (lossless).
-    download_fraction, max_staleness, install_codec, version_history
+    download_fraction, max_staleness, traffic_budget_mb, install_codec, version_history
         Random dropping of frozen downloads; installs a node's frozen copy may lag before it is
-        sent; ``"none"`` or the lossy delta codec each installed
-        block is rounded to (:mod:`~fedcybgd.strategies.quantized_install`); past exact
-        versions kept as delta bases.
+        sent; payload MB per client-round each node's traffic level must fit (0: no budget;
+        :mod:`~fedcybgd.strategies.traffic_budget`); ``"none"`` or the lossy delta codec each
+        installed block is rounded to (:mod:`~fedcybgd.strategies.quantized_install`); past
+        exact versions kept as delta bases.
     pretrained, rule_for_budget
         A block's pretrained tensors (without it, copies are kept); ``(rule, block, MB) ->
         rule or None`` for nodes that report a memory budget.
@@ -111,6 +115,7 @@ class FedCyBGD(Strategy):
         seedlog_fallback: str = "delta+int8+zstd",
         download_fraction: float = 1.0,
         max_staleness: int = 0,
+        traffic_budget_mb: float = 0.0,
         install_codec: str = "none",
         version_history: int = 2,
         pretrained: Callable[[str], Tensors] | None = None,
@@ -164,6 +169,8 @@ class FedCyBGD(Strategy):
                                          download_codec=download_codec,
                                          fraction=download_fraction, seed=seed,
                                          max_staleness=max_staleness)
+        self.budget = (TrafficBudget(int(traffic_budget_mb * 2**20), self.downloads, upload_codec)
+                       if traffic_budget_mb > 0 else None)
         self.nodes = NodeBook()
         self.sampler = NodeSampler(seed)
         self.reader = ReplyReader(self.blocks, self.nodes, upload_codec=upload_codec,
@@ -238,12 +245,19 @@ class FedCyBGD(Strategy):
             retry = retries.pop(block, None) if self.clients_per_block == 1 else None
             seed = live.seeds[node] = (retry if retry is not None
                                        else self.sampler.seed_of(server_round, node))
-            down = self.downloads.plan(server_round, node, block,
-                                       self.nodes.holdings.get(node, {}), payloads)
+            held = self.nodes.holdings.get(node, {})
+            node_terms = terms
+            if self.budget is None:
+                down = self.downloads.plan(server_round, node, block, held, payloads)
+            else:
+                choice = self.budget.choose(server_round, node, block, held, payloads)
+                down, live.upload_codecs[node] = choice.download, choice.upload_codec
+                node_terms = dataclasses.replace(terms, upload_codec=choice.upload_codec)
+                record.count_traffic_level(node, choice.level, choice.fits)
             record.bytes_down += down.bytes
             record.bytes_down_raw += down.raw_bytes
-            live.sent.append(train_message(server_round, assignment, seed, down, terms, config,
-                                           lr, self.nodes.promised.get(node)))
+            live.sent.append(train_message(server_round, assignment, seed, down, node_terms,
+                                           config, lr, self.nodes.promised.get(node)))
             record.wire_bytes_down += message_bytes(live.sent[-1])
         for block in blocks:
             if block not in live.awaiting.values():
@@ -284,6 +298,9 @@ class FedCyBGD(Strategy):
             except Dropped as drop:
                 drops.add(node, f"upload of block {block}", drop)
                 continue
+            if self.budget is not None and got.kind != SEEDLOG:
+                self.budget.observe(live.upload_codecs.get(node, self.upload_codec),
+                                    got.payload_bytes, self.block_map.info(block).numel)
             arrived.append((block, (node, got, rms)))
         for node, block in live.awaiting.items():
             drops.add(node, f"upload of block {block}", Dropped(NO_REPLY, "timeout or lost"))
@@ -323,7 +340,8 @@ class FedCyBGD(Strategy):
                 "budgets": nodes["budgets"], "promised": nodes["promised"],
                 "retry_seeds": dict(self.installer.retry_seeds),
                 "update_sizes": self.screen.state(), "node_keys": self.sampler.state(),
-                "server_steps": self.step.state()}
+                "server_steps": self.step.state(),
+                "traffic_seen": {} if self.budget is None else dict(self.budget.seen)}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state`'s output (weights must be restored by the caller)."""
@@ -335,3 +353,6 @@ class FedCyBGD(Strategy):
         self.screen.load_state(state.get("update_sizes", {}))
         self.sampler.load_state(state.get("node_keys", {}))
         self.step.load_state(state.get("server_steps", {}))
+        if self.budget is not None:
+            self.budget.seen = {str(c): (int(b), int(n))
+                                for c, (b, n) in state.get("traffic_seen", {}).items()}

@@ -92,6 +92,8 @@ class BlockUpload:
     # a pending self-sync copy (its reported checksum matches the decoded one), that checksum
     decoded: dict[str, torch.Tensor] = field(default_factory=dict)
     pending: str = ""
+    kind: str = protocol.WEIGHTS  # weights or a step log (protocol.SEEDLOG)
+    payload_bytes: int = 0
 
 
 class ReplyReader:
@@ -198,7 +200,8 @@ class ReplyReader:
             log.info("node %d: %s", node, reason[:500])
         return BlockUpload(weight, tensors, metrics,
                            text(state, protocol.RULE, default="", max_len=64),
-                           decoded=tensors, pending=pending)
+                           decoded=tensors, pending=pending, kind=kind,
+                           payload_bytes=len(payload))
 
     def _decode(self, payload: bytes, kind: str, block: str, limit: int
                 ) -> dict[str, torch.Tensor]:

@@ -28,8 +28,10 @@ from fedcybgd.strategies.matching import Assignment
 _KEYS = ("round", "blocks", "clients", "update_rule", "failed_blocks", "dropped_uploads",
          "bytes_down", "bytes_up", "bytes_down_raw", "bytes_up_raw", "wire_bytes_down",
          "wire_bytes_up", "train_loss",
-         "client_peak_mem_mb", "client_train_s", "examples", "dropped", "accepted")
-_OPTIONAL = {"blocks", "failed_blocks", "dropped_uploads", "accepted"}
+         "client_peak_mem_mb", "client_train_s", "examples", "dropped", "accepted",
+         "traffic", "traffic_over_budget")
+_OPTIONAL = {"blocks", "failed_blocks", "dropped_uploads", "accepted", "traffic",
+             "traffic_over_budget"}
 _EVAL_KEYS = ("eval_loss", "eval_accuracy", "eval_examples", "eval_s", "round_s")
 
 
@@ -65,6 +67,9 @@ class RoundRecord:
     examples: int = 0
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> assignments dropped
     accepted: dict[str, list[int]] | None = None  # installed block -> its nodes
+    # with traffic-budget-mb: node -> its traffic level, and how many nodes went over it
+    traffic: dict[int, str] | None = None
+    traffic_over_budget: int | None = None
     eval_loss: float | None = None
     eval_accuracy: float | None = None
     eval_examples: int | None = None
@@ -86,6 +91,11 @@ class RoundRecord:
         self.client_peak_mem_mb = max(self.client_peak_mem_mb, peak_mem_mb)
         self.client_train_s = max(self.client_train_s, train_s)
 
+    def count_traffic_level(self, node: int, level: str, fits: bool) -> None:
+        """Record the traffic level chosen for ``node`` and whether it fits the budget."""
+        self.traffic = {**(self.traffic or {}), node: level}
+        self.traffic_over_budget = (self.traffic_over_budget or 0) + (not fits)
+
     def to_json(self) -> dict[str, Any]:
         """The ``metrics.jsonl`` row (non-finite floats are the writer's to turn into null)."""
         row: dict[str, Any] = {"round": self.round}
@@ -105,6 +115,8 @@ class RoundRecord:
         if key == "accepted":
             return None if self.accepted is None else {
                 b: [str(n) for n in nodes] for b, nodes in self.accepted.items()}
+        if key == "traffic":
+            return None if self.traffic is None else {str(n): v for n, v in self.traffic.items()}
         return getattr(self, key)
 
     @classmethod
@@ -115,6 +127,8 @@ class RoundRecord:
         values: dict[str, Any] = {k: v for k, v in row.items() if k in names}
         if "clients" in values:
             values["clients"] = [int(n) for n in values["clients"]]
+        if values.get("traffic") is not None:
+            values["traffic"] = {int(n): str(v) for n, v in values["traffic"].items()}
         if values.get("accepted") is not None:
             values["accepted"] = {b: [int(n) for n in nodes]
                                   for b, nodes in values["accepted"].items()}
@@ -151,6 +165,7 @@ class RoundInFlight:
     awaiting: dict[int, str] = field(default_factory=dict)  # node -> block, unanswered
     sent: list[Message] = field(default_factory=list)  # instructions (ids set on push)
     returned: ArrayRecord | None = None  # aggregate_train's arrays, not to be reloaded
+    upload_codecs: dict[int, str] = field(default_factory=dict)  # node -> its, under a budget
 
 
 def run_totals(records: Iterable[RoundRecord | Mapping[str, Any]]) -> dict[str, Any]:

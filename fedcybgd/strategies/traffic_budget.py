@@ -1,0 +1,127 @@
+"""A byte budget per client-round: the strategy picks, per node and round, the least lossy
+traffic level whose download plus expected upload fits ``traffic-budget-mb``.
+
+The levels, from the run's own settings down (each keeps what the one before it changed):
+
+0. ``configured``: the run's download codec, staleness bound and upload codec;
+1. ``int4-down``: frozen blocks through ``delta+int4+zstd``;
+2. ``topk-up``: the upload through ``delta+topk+int8+zstd`` (error feedback keeps what it drops);
+3. ``stale``: frozen blocks are not refreshed at all (only the block a node trains is sent, and
+   it always arrives exact).
+
+The download's size is known exactly (it is planned, then counted); the upload's is expected
+from the bytes per element that uploads through the same codec brought before (before any came,
+a bound from the codec's stored width). A node whose level 3 still does not fit is sent at
+level 3 and the round's record says it went over. The chosen level per node is the row's
+``traffic`` entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fedcybgd.compression import parse_spec
+from fedcybgd.protocol import SEEDLOG, Holding
+from fedcybgd.strategies.downloads import Download, DownloadPlanner, PayloadCache
+
+UNBOUNDED = 2**31  # a staleness bound no block reaches
+
+
+@dataclass(frozen=True)
+class TrafficLevel:
+    """One rung of the ladder: ``None`` keeps the run's own setting."""
+
+    name: str
+    download_codec: str | None = None
+    max_staleness: int | None = None
+    upload_codec: str | None = None
+
+
+LEVELS = (
+    TrafficLevel("configured"),
+    TrafficLevel("int4-down", download_codec="delta+int4+zstd"),
+    TrafficLevel("topk-up", download_codec="delta+int4+zstd",
+                 upload_codec="delta+topk+int8+zstd"),
+    TrafficLevel("stale", download_codec="delta+int4+zstd", max_staleness=UNBOUNDED,
+                 upload_codec="delta+topk+int8+zstd"),
+)
+
+
+def bytes_per_element_bound(spec: str, topk_ratio: float = 0.1) -> float:
+    """What one element of an upload through ``spec`` costs at most before zstd: the stored
+    width (plus a scale per 64-element group), times the kept share and its index under top-k."""
+    parsed = parse_spec(spec)
+    width = {None: 4.0, "fp16": 2.0, "bf16": 2.0}.get(parsed.cast, 4.0)
+    if parsed.quant == "int8":
+        width = 1.0 + 4 / 64
+    elif parsed.quant == "int4":
+        width = 0.5 + 4 / 64
+    return topk_ratio * (width + 4) if parsed.topk else width
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a node is sent and asked to send back, at which level, and whether it fits."""
+
+    download: Download
+    upload_codec: str
+    level: str
+    expected_bytes: int
+    fits: bool
+
+
+class TrafficBudget:
+    """Choose each node's traffic level (see the module docstring).
+
+    Parameters
+    ----------
+    budget_bytes : int
+        Download plus upload payload bytes allowed per client-round (> 0).
+    planner : DownloadPlanner
+        The run's download planner (its codec and staleness are level 0's).
+    upload_codec : str
+        The run's upload codec (a weights codec spec).
+    """
+
+    def __init__(self, budget_bytes: int, planner: DownloadPlanner, upload_codec: str) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"traffic-budget-mb must be > 0, got {budget_bytes} bytes")
+        self.budget_bytes = budget_bytes
+        self.planner = planner
+        self.upload_codec = upload_codec
+        self.seen: dict[str, tuple[int, int]] = {}  # upload codec -> (bytes, elements)
+
+    def expected_upload(self, codec: str, numel: int) -> int:
+        """Bytes an upload of ``numel`` elements through ``codec`` is expected to take (a step
+        log: what logs brought before, nothing before the first)."""
+        sent, elements = self.seen.get(codec, (0, 0))
+        if elements:
+            per = sent / elements
+        else:
+            per = 0.0 if codec == SEEDLOG else bytes_per_element_bound(codec)
+        return int(per * numel)
+
+    def observe(self, codec: str, payload_bytes: int, numel: int) -> None:
+        """Count an upload that came through ``codec``."""
+        sent, elements = self.seen.get(codec, (0, 0))
+        self.seen[codec] = (sent + payload_bytes, elements + numel)
+
+    def choose(self, server_round: int, node: int, block: str, held: Mapping[str, Holding],
+               payloads: PayloadCache) -> Choice:
+        """The least lossy level whose planned download and expected upload fit."""
+        numel = self.planner.versions.block_map.info(block).numel
+        choice: Choice | None = None
+        for level in LEVELS:
+            down = self.planner.plan(server_round, node, block, held, payloads,
+                                     download_codec=level.download_codec,
+                                     max_staleness=level.max_staleness)
+            # a step log is what the run asked for: it stays (it is already the smallest)
+            codec = (self.upload_codec if self.upload_codec == SEEDLOG
+                     else level.upload_codec or self.upload_codec)
+            total = down.bytes + self.expected_upload(codec, numel)
+            choice = Choice(down, codec, level.name, total, total <= self.budget_bytes)
+            if choice.fits:
+                return choice
+        assert choice is not None
+        return choice
