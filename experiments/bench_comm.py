@@ -37,6 +37,7 @@ import platform
 import shutil
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,22 @@ FEATURES: dict[str, dict[str, Any]] = {
 }
 
 
+def feature_config(name: str) -> dict[str, Any]:
+    """A FEATURES entry, or ``[quantized-]budget-<kB>k``: the features on with
+    ``traffic-budget-mb`` of that many kB (and ``install-codec`` int8 when quantized)."""
+    if name in FEATURES:
+        return FEATURES[name]
+    stem = name.removeprefix("quantized-")
+    if not (stem.startswith("budget-") and stem.endswith("k")):
+        raise SystemExit(f"unknown variant {name!r}: one of {list(FEATURES)} or "
+                         "[quantized-]budget-<kB>k")
+    config = {"self-sync": True, "error-feedback": True,
+              "traffic-budget-mb": float(stem[len("budget-"):-1]) / 1024}
+    if stem != name:
+        config["install-codec"] = "delta+int8+zstd"
+    return config
+
+
 def run_variant(name: str, base: dict[str, Any], out: Path, nodes: int,
                 variants: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """One run (FedCyBGD, or a FedAvg baseline); returns its per-round records and summary."""
@@ -86,7 +103,8 @@ def run_variant(name: str, base: dict[str, Any], out: Path, nodes: int,
     from fedcybgd.server.app import RUNNERS
 
     # a rerun replaces the variant's outputs; the client cache lives beside them
-    config = dict(base, **(variants or VARIANTS)[name],
+    config = dict(base, **(feature_config(name) if variants is FEATURES else
+                           (variants or VARIANTS)[name]),
                   **{"output-dir": str(out / name), "overwrite": True})
     cache = out / f"{name}-client-cache"
     shutil.rmtree(cache, ignore_errors=True)  # a node's cache is of one run
@@ -175,6 +193,10 @@ def profile_main(args: argparse.Namespace) -> None:
             "payload_up_per_client_round": sum(r["bytes_up"] for r in trained)
             / max(client_rounds, 1),
             "dropped": run["summary"]["dropped"],
+            # under traffic-budget-mb: how often each level was chosen, and how often none fit
+            "traffic_levels": dict(Counter(v for r in trained
+                                           for v in (r.get("traffic") or {}).values())),
+            "over_budget": sum(r.get("traffic_over_budget") or 0 for r in trained),
             "initial_eval_loss": run["summary"]["initial_eval_loss"],
             "final_eval_loss": run["summary"]["final_eval_loss"],
             "final_eval_accuracy": run["summary"]["final_eval_accuracy"],
@@ -190,7 +212,9 @@ def profile_main(args: argparse.Namespace) -> None:
         row["fedavg_full_over_this"] = ratio
         print(f"{row['variant']:<20}{row['wire_down_per_client_round'] / 1e3:>12.1f}"
               f"{row['wire_up_per_client_round'] / 1e3:>10.1f}{ratio:>10.1f}"
-              f"{row['final_eval_loss']:>12.4f}{row['final_eval_accuracy']:>7.3f}")
+              f"{row['final_eval_loss']:>12.4f}{row['final_eval_accuracy']:>7.3f}"
+              + (f"  levels {row['traffic_levels']}, over {row['over_budget']}"
+                 if row["traffic_levels"] else ""))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]),

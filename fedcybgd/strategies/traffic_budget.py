@@ -6,13 +6,14 @@ The levels, from the run's own settings down (each keeps what the one before it 
 0. ``configured``: the run's download codec, staleness bound and upload codec;
 1. ``int4-down``: frozen blocks through ``delta+int4+zstd``;
 2. ``topk-up``: the upload through ``delta+topk+int8+zstd`` (error feedback keeps what it drops);
-3. ``stale``: frozen blocks are not refreshed at all (only the block a node trains is sent, and
+3. ``stale-1``: frozen copies one install behind are not refreshed (``max-staleness = 1``);
+4. ``stale``: frozen blocks are not refreshed at all (only the block a node trains is sent, and
    it always arrives exact).
 
 The download's size is known exactly (it is planned, then counted); the upload's is expected
 from the bytes per element that uploads through the same codec brought before (before any came,
-a bound from the codec's stored width). A node whose level 3 still does not fit is sent at
-level 3 and the round's record says it went over. The chosen level per node is the row's
+a bound from the codec's stored width). A node whose level 4 still does not fit is sent at
+level 4 and the round's record says it went over. The chosen level per node is the row's
 ``traffic`` entry.
 """
 
@@ -42,6 +43,8 @@ LEVELS = (
     TrafficLevel("configured"),
     TrafficLevel("int4-down", download_codec="delta+int4+zstd"),
     TrafficLevel("topk-up", download_codec="delta+int4+zstd",
+                 upload_codec="delta+topk+int8+zstd"),
+    TrafficLevel("stale-1", download_codec="delta+int4+zstd", max_staleness=1,
                  upload_codec="delta+topk+int8+zstd"),
     TrafficLevel("stale", download_codec="delta+int4+zstd", max_staleness=UNBOUNDED,
                  upload_codec="delta+topk+int8+zstd"),
