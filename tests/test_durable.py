@@ -267,6 +267,24 @@ def test_killed_checkpoint_resumes_to_the_uninterrupted_model(tiny_run_config, t
     assert files == {"state.json"} | {e["file"] for e in state["blocks"].values()}
 
 
+def test_resumed_quantized_install_run_ends_where_the_uninterrupted_one_does(tiny_run_config,
+                                                                             tmp_path):
+    # Prepare: four nodes on one block a round, installs rounded to int8 deltas (the server
+    # keeps the rounding and each block's install payload, both checkpointed)
+    straight = dict(tiny_run_config, **{
+        "num-server-rounds": 6, "clients-per-round": 4, "clients-per-block": 0,
+        "install-codec": "delta+int8+zstd", "output-dir": str(tmp_path / "straight")})
+    stopped = dict(straight, **{"num-server-rounds": 3, "output-dir": str(tmp_path / "resumed")})
+    run(straight, tmp_path / "cache-a")
+    run(stopped, tmp_path / "cache-b")
+    # Execute: the stopped run resumed to the same six rounds
+    run(dict(stopped, **{"num-server-rounds": 6, "resume": True}), tmp_path / "cache-b")
+    # Assert: the same rows' traffic and the same model as without the stop
+    a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")
+    assert [r.get("bytes_down") for r in a] == [r.get("bytes_down") for r in b]
+    assert same_weights(tmp_path / "straight" / "final", tmp_path / "resumed" / "final")
+
+
 # ------------------------------------------------------------------------------- output folder
 
 

@@ -46,6 +46,7 @@ from fedcybgd.strategies.versions import BlockVersions, Tensors
 
 log = logging.getLogger(__name__)
 SERVER_STATE = "server-opt."  # checkpoint entries of the server optimizer's per-block state
+INSTALL_PAYLOAD = "install-via."  # ... and of the delta a block was installed through
 
 
 class FedCyBGD(Strategy):
@@ -200,10 +201,14 @@ class FedCyBGD(Strategy):
     def checkpoint_tensors(self) -> dict[str, tuple[int, Tensors]]:
         """What a checkpoint saves as tensors: ``name -> (version, tensors)`` for every block
         above version 0, and the server optimizer's state of each such block (under
-        :data:`SERVER_STATE` + its name, at the block's version: it changes only with it)."""
+        :data:`SERVER_STATE` + its name, at the block's version: it changes only with it) and
+        the delta it was installed through (:data:`INSTALL_PAYLOAD` + its name)."""
         out = {b: (v, self.blocks.tensors(b)) for b, v in self.versions.items() if v > 0}
         for block, tensors in self.step.state_tensors().items():
             out[SERVER_STATE + block] = (self.versions[block], tensors)
+        for block, payload in self.blocks.install_payloads().items():
+            out[INSTALL_PAYLOAD + block] = (self.versions[block], {
+                "payload": torch.frombuffer(bytearray(payload), dtype=torch.uint8)})
         return out
 
     def install_checkpoint(self, block: str, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -214,6 +219,12 @@ class FedCyBGD(Strategy):
             if name not in self.versions:
                 raise ValueError(f"checkpointed server optimizer state of unknown block {name}")
             self.step.load_tensors(name, tensors)
+            return
+        if block.startswith(INSTALL_PAYLOAD):
+            name = block.removeprefix(INSTALL_PAYLOAD)
+            if name not in self.versions or set(tensors) != {"payload"}:
+                raise ValueError(f"checkpointed install payload {block!r} is not one of ours")
+            self.blocks.restore_install_payload(name, tensors["payload"].numpy().tobytes())
             return
         self.blocks.install_checkpoint(block, tensors)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fedcybgd.checksum import content_checksum
+from fedcybgd.compression import read_header
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import Holding
 
@@ -125,6 +126,22 @@ class BlockVersions:
         current version was installed from ``held`` through one (``None`` otherwise)."""
         via = self._installed_via.get(block)
         return via[1] if via is not None and via[0] == held else None
+
+    def install_payloads(self) -> dict[str, bytes]:
+        """Block -> the payload its current version was installed through (checkpointed, so a
+        resumed server sends nodes what the uninterrupted one would)."""
+        return {block: payload for block, (_, payload) in self._installed_via.items()}
+
+    def restore_install_payload(self, block: str, payload: bytes) -> None:
+        """Put back an :meth:`install_payloads` entry; the holding it applies to is the base its
+        header names (version 0: the pretrained block)."""
+        header = read_header(payload, max_bytes=len(payload))
+        if header.block != block or header.base_checksum is None:
+            raise ValueError(f"checkpointed install payload of block {block} is for block "
+                             f"{header.block!r} with base {header.base_checksum!r}")
+        base = (Holding(header.base_version, header.base_checksum) if header.base_version
+                else None)
+        self._installed_via[block] = (base, payload)
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Overwrite every global weight from ``state`` (versions stay as they are)."""
