@@ -458,3 +458,18 @@ def test_traffic_budget_prefers_the_least_lossy_level_that_fits(tiny_run_config,
         assert [lv.name for lv in LEVELS].index(choice.level) <= i
     with pytest.raises(ValueError, match="traffic-budget-mb"):
         TrafficBudget(0, strategy.downloads, "delta+int8+zstd")
+
+
+def test_traffic_budget_upload_estimate_resists_a_few_hostile_uploads(tiny_run_config, tmp_path):
+    # Prepare: honest int8 uploads, then two nodes sending uploads 100x larger per element
+    from fedcybgd.strategies.traffic_budget import TrafficBudget
+
+    grid, strategy = setup(shared_block_config(tiny_run_config, tmp_path, "none"), tmp_path)
+    budget = TrafficBudget(1, strategy.downloads, "delta+int8+zstd")
+    for _ in range(6):
+        budget.observe("delta+int8+zstd", 1000, 1000)
+    # Execute
+    budget.observe("delta+int8+zstd", 100_000, 1000)
+    budget.observe("delta+int8+zstd", 100_000, 1000)
+    # Assert: the expectation stays the honest one
+    assert budget.expected_upload("delta+int8+zstd", 10_000) == 10_000

@@ -352,7 +352,8 @@ class FedCyBGD(Strategy):
                 "retry_seeds": dict(self.installer.retry_seeds),
                 "update_sizes": self.screen.state(), "node_keys": self.sampler.state(),
                 "server_steps": self.step.state(),
-                "traffic_seen": {} if self.budget is None else dict(self.budget.seen)}
+                "traffic_seen": {} if self.budget is None else {
+                    c: list(r) for c, r in self.budget.seen.items()}}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state`'s output (weights must be restored by the caller)."""
@@ -365,5 +366,5 @@ class FedCyBGD(Strategy):
         self.sampler.load_state(state.get("node_keys", {}))
         self.step.load_state(state.get("server_steps", {}))
         if self.budget is not None:
-            self.budget.seen = {str(c): (int(b), int(n))
-                                for c, (b, n) in state.get("traffic_seen", {}).items()}
+            self.budget.seen = {str(c): [float(x) for x in r]
+                                for c, r in state.get("traffic_seen", {}).items()}

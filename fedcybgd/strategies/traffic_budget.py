@@ -11,14 +11,16 @@ The levels, from the run's own settings down (each keeps what the one before it 
    it always arrives exact).
 
 The download's size is known exactly (it is planned, then counted); the upload's is expected
-from the bytes per element that uploads through the same codec brought before (before any came,
-a bound from the codec's stored width). A node whose level 4 still does not fit is sent at
+from the median bytes per element of the last uploads through the same codec (a median, so a
+few hostile nodes sending oversized or tiny uploads cannot move it far; before any came, a
+bound from the codec's stored width). A node whose level 4 still does not fit is sent at
 level 4 and the round's record says it went over. The chosen level per node is the row's
 ``traffic`` entry.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ from fedcybgd.protocol import SEEDLOG, Holding
 from fedcybgd.strategies.downloads import Download, DownloadPlanner, PayloadCache
 
 UNBOUNDED = 2**31  # a staleness bound no block reaches
+KEPT = 64  # uploads per codec whose bytes per element the median is taken over
 
 
 @dataclass(frozen=True)
@@ -93,22 +96,23 @@ class TrafficBudget:
         self.budget_bytes = budget_bytes
         self.planner = planner
         self.upload_codec = upload_codec
-        self.seen: dict[str, tuple[int, int]] = {}  # upload codec -> (bytes, elements)
+        self.seen: dict[str, list[float]] = {}  # upload codec -> recent bytes per element
 
     def expected_upload(self, codec: str, numel: int) -> int:
         """Bytes an upload of ``numel`` elements through ``codec`` is expected to take (a step
         log: what logs brought before, nothing before the first)."""
-        sent, elements = self.seen.get(codec, (0, 0))
-        if elements:
-            per = sent / elements
+        recent = self.seen.get(codec)
+        if recent:
+            per = statistics.median(recent)
         else:
             per = 0.0 if codec == SEEDLOG else bytes_per_element_bound(codec)
         return int(per * numel)
 
     def observe(self, codec: str, payload_bytes: int, numel: int) -> None:
-        """Count an upload that came through ``codec``."""
-        sent, elements = self.seen.get(codec, (0, 0))
-        self.seen[codec] = (sent + payload_bytes, elements + numel)
+        """Count an upload of ``numel`` elements that came through ``codec``."""
+        recent = self.seen.setdefault(codec, [])
+        recent.append(payload_bytes / max(numel, 1))
+        del recent[:-KEPT]
 
     def choose(self, server_round: int, node: int, block: str, held: Mapping[str, Holding],
                payloads: PayloadCache) -> Choice:
