@@ -60,11 +60,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 # Issue 16's feature variants (profiles other than "paper"): "before" is the traffic as it was.
 FEATURES: dict[str, dict[str, Any]] = {
     "fp32-uncompressed": {"upload-codec": "fp32", "download-codec": "fp32",
-                          "self-sync": False, "error-feedback": False},
-    "before": {"self-sync": False, "error-feedback": False},
-    "self-sync": {"self-sync": True, "error-feedback": False},
-    "error-feedback": {"self-sync": False, "error-feedback": True},
-    "after": {"self-sync": True, "error-feedback": True},
+                          "self-sync": False, "error-feedback": False, "install-codec": "none"},
+    "before": {"self-sync": False, "error-feedback": False, "install-codec": "none"},
+    "self-sync": {"self-sync": True, "error-feedback": False, "install-codec": "none"},
+    "error-feedback": {"self-sync": False, "error-feedback": True, "install-codec": "none"},
+    "after": {"self-sync": True, "error-feedback": True, "install-codec": "none"},
     # the server installs each block rounded to one int8 delta, which every node gets exactly
     "quantized-install": {"self-sync": True, "error-feedback": True,
                           "install-codec": "delta+int8+zstd"},
@@ -72,7 +72,8 @@ FEATURES: dict[str, dict[str, Any]] = {
     "quantized-stale-1": {"self-sync": True, "error-feedback": True,
                           "install-codec": "delta+int8+zstd", "max-staleness": 1},
     "paper-drop-0.5": {"upload-codec": "fp16", "download-codec": "fp16",
-                       "download-fraction": 0.5, "self-sync": False, "error-feedback": False},
+                       "download-fraction": 0.5, "self-sync": False, "error-feedback": False,
+                       "install-codec": "none"},
     "fedavg-full": {"strategy": "fedavg", "fedavg-params": "full"},
     "fedavg-lora": {"strategy": "fedavg", "fedavg-params": "lora"},
 }
@@ -87,7 +88,7 @@ def feature_config(name: str) -> dict[str, Any]:
     if not (stem.startswith("budget-") and stem.endswith("k")):
         raise SystemExit(f"unknown variant {name!r}: one of {list(FEATURES)} or "
                          "[quantized-]budget-<kB>k")
-    config = {"self-sync": True, "error-feedback": True,
+    config = {"self-sync": True, "error-feedback": True, "install-codec": "none",
               "traffic-budget-mb": float(stem[len("budget-"):-1]) / 1024}
     if stem != name:
         config["install-codec"] = "delta+int8+zstd"

@@ -128,8 +128,9 @@ class RunConfig:
     max_staleness: int = setting(0, ge=0)  # installs a frozen copy may lag before it is sent
     traffic_budget_mb: float = setting(0.0, ge=0)  # payload MB per client-round; 0 = none
     # "none", or a lossy delta codec the server rounds each installed block to, so nodes
-    # holding its previous version get it exactly at that codec's cost
-    install_codec: str = setting("none")
+    # holding its previous version get it exactly at that codec's cost; "auto": the
+    # download codec when it is one (nodes' frozen copies are that rounding anyway)
+    install_codec: str = setting("auto")
     version_history: int = setting(2, ge=0)  # past exact block versions kept for deltas
     # a node that trained a block alone computes the installed version itself (not re-sent)
     self_sync: bool = setting(True)
@@ -182,12 +183,12 @@ class RunConfig:
                 parse_spec(spec)
             except CodecError as err:
                 raise ConfigError(f"{key} = {spec!r}: {err}") from None
-        if self.install_codec != "none":
+        if self.install_codec not in ("none", "auto"):
             try:
                 lossy_delta_spec(self.install_codec)
             except CodecError as err:
-                raise ConfigError(f"install-codec = {self.install_codec!r}: {err}; or 'none'"
-                                  ) from None
+                raise ConfigError(f"install-codec = {self.install_codec!r}: {err}; or 'none' "
+                                  "or 'auto'") from None
         self._check_task()
         if self.clients_per_round % self.per_block:
             raise ConfigError(
@@ -248,6 +249,17 @@ class RunConfig:
     def lora_modules(self) -> list[str]:
         """``lora-target-modules`` as a list."""
         return [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
+
+    @property
+    def install_spec(self) -> str:
+        """The codec installs are rounded to (``install-codec``, ``auto`` resolved): for
+        ``auto`` the download codec if it is a lossy delta codec, else ``"none"``."""
+        if self.install_codec != "auto":
+            return self.install_codec
+        try:
+            return str(lossy_delta_spec(self.download_codec))
+        except CodecError:
+            return "none"
 
     @property
     def per_block(self) -> int:

@@ -42,7 +42,7 @@ BASE: dict[str, Any] = {
     "logit-adjust": False,
     # issue 16's traffic features change what is sent and installed: the golden runs keep the
     # behaviour they were recorded with (tests/test_traffic.py covers the features)
-    "self-sync": False, "error-feedback": False,
+    "self-sync": False, "error-feedback": False, "install-codec": "none",
 }
 # name -> (run config overrides, number of nodes, node budgets (MB) by partition, silenced
 # (round, partition) pairs: the node's train reply of that round is lost)

@@ -258,7 +258,9 @@ def test_honest_seed_logs_still_replay(seedlog_config, tmp_path):
 # -------------------------------------------------------------- several nodes per block
 def test_claimed_examples_are_capped_so_no_node_owns_the_average(tiny_run_config, tmp_path):
     # Prepare: two nodes share one block; one claims 1e30 examples
-    config = dict(tiny_run_config, **{"clients-per-block": 2, "upload-codec": "fp32"})
+    # (installs unrounded: the check is the aggregate itself)
+    config = dict(tiny_run_config, **{"clients-per-block": 2, "upload-codec": "fp32",
+                                      "install-codec": "none"})
     rig = Rig(config, tmp_path)
     replies = rig.replies(1)
     uploads = {}
@@ -293,6 +295,7 @@ def test_median_and_trimmed_mean_ignore_one_hostile_upload():
 def test_median_aggregate_through_the_strategy(tiny_run_config, tmp_path):
     # Prepare: three nodes per block, median; one sends a far-off (but screened-in) update
     config = dict(tiny_run_config, **{"clients-per-round": 3, "clients-per-block": 3,
+                                      "install-codec": "none",  # the median itself
                                       "aggregate": "median", "upload-codec": "fp32",
                                       "outlier-factor": 0.0})
     rig = Rig(config, tmp_path, nodes=3)

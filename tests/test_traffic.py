@@ -113,7 +113,7 @@ def test_self_sync_moves_fewer_bytes_down_than_resending_the_block(tiny_run_conf
     # Prepare: the same seeded run with and without self-sync
     down = {}
     for on in (False, True):
-        config = dict(tiny_run_config, **{"self-sync": on,
+        config = dict(tiny_run_config, **{"self-sync": on, "install-codec": "none",
                                           "output-dir": str(tmp_path / f"out-{on}")})
         grid, strategy = setup(config, tmp_path / str(on))
         # Execute
@@ -464,7 +464,7 @@ def test_traffic_budget_upload_estimate_resists_a_few_hostile_uploads(tiny_run_c
     # Prepare: honest int8 uploads, then two nodes sending uploads 100x larger per element
     from fedcybgd.strategies.traffic_budget import TrafficBudget
 
-    grid, strategy = setup(shared_block_config(tiny_run_config, tmp_path, "none"), tmp_path)
+    _grid, strategy = setup(shared_block_config(tiny_run_config, tmp_path, "none"), tmp_path)
     budget = TrafficBudget(1, strategy.downloads, "delta+int8+zstd")
     for _ in range(6):
         budget.observe("delta+int8+zstd", 1000, 1000)
@@ -473,3 +473,12 @@ def test_traffic_budget_upload_estimate_resists_a_few_hostile_uploads(tiny_run_c
     budget.observe("delta+int8+zstd", 100_000, 1000)
     # Assert: the expectation stays the honest one
     assert budget.expected_upload("delta+int8+zstd", 10_000) == 10_000
+
+
+def test_install_codec_auto_follows_a_lossy_delta_download_codec():
+    # Prepare / Execute / Assert: the app's default rounds installs to its int8 downloads,
+    # and installs as they are when frozen downloads are exact or not deltas
+    assert RunConfig.from_run_config({}).install_spec == "delta+int8+zstd"
+    for codec in ("fp32", "xor+zstd", "fp16"):
+        assert RunConfig.from_run_config({"download-codec": codec}).install_spec == "none"
+    assert RunConfig.from_run_config({"install-codec": "none"}).install_spec == "none"

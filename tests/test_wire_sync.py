@@ -59,7 +59,9 @@ def test_compressed_run_keeps_server_and_client_records_in_step(tiny_run_config,
 def test_trained_block_arrives_exact_even_after_a_lossy_copy(tiny_run_config, tmp_path):
     # Prepare: one node; every other block reaches it lossy first (without self-sync: with it
     # the node holds every block it trained exactly, see tests/test_traffic.py)
-    config = dict(tiny_run_config, **COMPRESSED, **{"clients-per-round": 1, "self-sync": False})
+    # (installs unrounded: a rounded install would leave the node an exact copy, no lossy one)
+    config = dict(tiny_run_config, **COMPRESSED, **{"clients-per-round": 1, "self-sync": False,
+                                                    "install-codec": "none"})
     grid, strategy, _ = setup(config, tmp_path, nodes=1)
     for server_round in range(1, 5):  # trains layer.0..3 in turn
         play(strategy, grid, server_round)
