@@ -56,6 +56,7 @@ from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
 from fedcybgd.server.app import configure_logging, run_server
 from fedcybgd.strategies.aggregate import weighted_mean
+from fedcybgd.strategies.quantized_install import QuantizedInstall
 
 KILL_POINTS = ("while replies arrive", "between block files and state.json",
                "after state.json, before the metrics row")
@@ -206,6 +207,12 @@ def check_run(args: argparse.Namespace, config: dict[str, Any], grid: FaultyGrid
     model = load_model(run.model)
     blocks = BlockMap(model, run.layers_per_block)
     cap = run.local_steps * run.batch_size
+    # installs rounded as install-codec says (the server's own rounding, applied to the mean
+    # taken here), each block's rounding carried to its next install; with clients-per-block
+    # 2 no block is self-synced, so every install is rounded
+    rounding = QuantizedInstall(run.install_spec) if run.install_spec != "none" else None
+    replay_version: dict[str, int] = {}
+    residuals: dict[str, dict[str, torch.Tensor]] = {}
     honest_dropped, hostile_taken = 0, 0
     for row in rows[1:]:
         attempt = grid.delivered[row["round"]]
@@ -232,7 +239,13 @@ def check_run(args: argparse.Namespace, config: dict[str, Any], grid: FaultyGrid
                 examples = float(reply.content.metric_records[protocol.METRICS][
                     protocol.NUM_EXAMPLES])  # type: ignore[arg-type]
                 uploads.append((min(examples, cap), tensors))
-            blocks.set(model, block, weighted_mean(uploads))
+            merged = weighted_mean(uploads)
+            if rounding is not None:
+                done = rounding.round(block, start, replay_version.get(block, 0), merged,
+                                      row["round"], residuals.get(block))
+                merged, residuals[block] = done.tensors, done.residual
+            blocks.set(model, block, merged)
+            replay_version[block] = row["round"]
     final = load_model(str(out / "final"))
     replayed = dict(model.named_parameters())
     mismatched = [name for name, p in final.named_parameters()
