@@ -309,9 +309,13 @@ class FedCyBGD(Strategy):
             except Dropped as drop:
                 drops.add(node, f"upload of block {block}", drop)
                 continue
-            if self.budget is not None and got.kind != SEEDLOG:
-                self.budget.observe(live.upload_codecs.get(node, self.upload_codec),
-                                    got.payload_bytes, self.block_map.info(block).numel)
+            if self.budget is not None:
+                # a step log counts as one; weights sent instead of an asked-for log as the
+                # fallback codec they came through
+                asked = live.upload_codecs.get(node, self.upload_codec)
+                codec = (SEEDLOG if got.kind == SEEDLOG
+                         else self.seedlog_fallback if asked == SEEDLOG else asked)
+                self.budget.observe(codec, got.payload_bytes, self.block_map.info(block).numel)
             arrived.append((block, (node, got, rms)))
         for node, block in live.awaiting.items():
             drops.add(node, f"upload of block {block}", Dropped(NO_REPLY, "timeout or lost"))

@@ -58,7 +58,7 @@ def bytes_per_element_bound(spec: str, topk_ratio: float = 0.1) -> float:
     """What one element of an upload through ``spec`` costs at most before zstd: the stored
     width (plus a scale per 64-element group), times the kept share and its index under top-k."""
     parsed = parse_spec(spec)
-    width = {None: 4.0, "fp16": 2.0, "bf16": 2.0}.get(parsed.cast, 4.0)
+    width = {"fp16": 2.0, "bf16": 2.0}.get(parsed.cast or "", 4.0)
     if parsed.quant == "int8":
         width = 1.0 + 4 / 64
     elif parsed.quant == "int4":
