@@ -8,7 +8,8 @@ hidden rows go through the final norm and the LM head (:func:`scored_logits`), s
 ``N x V`` for ``N`` scored tokens, never ``B x T x V``.
 
 A batch without a task (built by hand in tests) is scored as a classification prompt: the
-full-vocabulary cross-entropy of the label token, logit-adjusted by the batch's class prior.
+full-vocabulary cross-entropy of the label token, logit-adjusted by the batch's class prior
+(:func:`label_nll`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,29 @@ def adjusted(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     shift = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
     shift[batch.class_token_ids] = batch.class_log_prior.to(logits)
     return logits + shift
+
+
+def label_nll(logits: torch.Tensor, batch: Batch, part: slice = slice(None),
+              reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of the label tokens of rows ``part`` of ``batch`` (``logits`` holds those
+    rows), logit-adjusted when the batch carries a class prior.
+
+    Adjusted, the loss is split as ``-log p(y) = -log P(C) - log P(y | C)`` (``C``: the class
+    tokens) and only the choice among the classes, ``P(y | C)``, is adjusted by the prior. Adding
+    the prior to the class logits of the full-vocabulary softmax instead would also drop the
+    classes a skewed client lacks from ``P(C)``, so its loss would teach "answer with my own
+    label word" to every input: a single-label client drags the model to its label.
+    """
+    logits = logits.float()
+    targets = batch.target_ids[part]
+    if batch.class_log_prior is None:
+        return F.cross_entropy(logits, targets, reduction=reduction)
+    class_logits = logits[:, batch.class_token_ids.to(logits.device)]
+    answer = torch.logsumexp(logits, dim=-1) - torch.logsumexp(class_logits, dim=-1)
+    choice = F.cross_entropy(class_logits + batch.class_log_prior.to(logits),
+                             batch.labels[part].to(logits.device), reduction="none")
+    per_row = answer + choice
+    return per_row.mean() if reduction == "mean" else per_row.sum()
 
 
 def score_index(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +86,7 @@ def batch_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     if batch.task is not None:
         loss: torch.Tensor = batch.task.loss(logits, batch)
         return loss
-    return F.cross_entropy(adjusted(logits, batch), batch.target_ids)
+    return label_nll(logits, batch)
 
 
 def loss_sum(logits: torch.Tensor, batch: Batch, part: slice) -> torch.Tensor:
@@ -71,7 +95,7 @@ def loss_sum(logits: torch.Tensor, batch: Batch, part: slice) -> torch.Tensor:
     if batch.task is not None:
         total: torch.Tensor = batch.task.loss_sum(logits, batch, part)
         return total
-    return F.cross_entropy(adjusted(logits, batch), batch.target_ids[part], reduction="sum")
+    return label_nll(logits, batch, part, reduction="sum")
 
 
 def scores(logits: torch.Tensor, batch: Batch) -> torch.Tensor:

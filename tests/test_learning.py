@@ -233,6 +233,45 @@ def test_logit_adjustment_shifts_only_the_class_logits_of_the_training_loss():
     assert label_loss(logits, skewed) != label_loss(logits, plain)
 
 
+def test_adjusted_loss_of_a_one_label_client_does_not_favour_its_label_word():
+    # Prepare: a client whose every example is class 0 (prior log(2 x 0.99) vs log(2 x 0.01)),
+    # over a vocabulary where the two class tokens start with equal logits
+    from fedcybgd.data.prompts import Batch
+    from fedcybgd.objective import label_loss
+    classes = torch.tensor([2, 4])
+    prior = torch.log(2 * torch.tensor([0.99, 0.01]))
+    batch = Batch(torch.zeros(3, 3, dtype=torch.long), torch.ones(3, 3, dtype=torch.long),
+                  torch.tensor([2, 2, 2]), classes[torch.tensor([0, 0, 0])],
+                  torch.tensor([0, 0, 0]), classes, class_log_prior=prior)
+    logits = torch.zeros(3, 6, requires_grad=True)
+    # Execute
+    label_loss(logits, batch).backward()
+    grad = logits.grad
+    assert grad is not None
+    # Assert: both label words are pushed up (the answer is a label word), and by nearly the
+    # same amount: the client's lone label is not taught as the answer to every input
+    assert (grad[:, classes] < 0).all()
+    assert torch.allclose(grad[:, 2], grad[:, 4], rtol=0.1)
+    # (the prior added inside the full-vocabulary softmax pushes only the client's own word up)
+    from fedcybgd.objective import adjusted
+    inside = logits.detach().requires_grad_(True)
+    torch.nn.functional.cross_entropy(adjusted(inside, batch), batch.target_ids).backward()
+    assert inside.grad is not None
+    assert (inside.grad[:, 2] < 0).all() and (inside.grad[:, 4] > 0).all()
+
+
+def test_adjusted_loss_without_a_skew_is_the_plain_cross_entropy():
+    from fedcybgd.data.prompts import Batch
+    from fedcybgd.objective import label_loss
+    classes = torch.tensor([1, 3])
+    batch = Batch(torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
+                  torch.tensor([1, 1, 1, 1]), classes[torch.tensor([0, 1, 1, 0])],
+                  torch.tensor([0, 1, 1, 0]), classes, class_log_prior=torch.zeros(2))
+    logits = torch.randn(4, 7)
+    plain = torch.nn.functional.cross_entropy(logits, batch.target_ids)
+    assert torch.allclose(label_loss(logits, batch), plain, atol=1e-6)
+
+
 def test_client_batches_carry_their_partitions_prior_only_when_asked(tiny_run_config):
     from fedcybgd import data
     from fedcybgd.model.loading import load_tokenizer

@@ -22,7 +22,7 @@ import torch
 
 from fedcybgd.data.prompts import Batch, EncodedExamples, PromptEncoder, collate
 from fedcybgd.data.sources import DataError, where
-from fedcybgd.objective import EvalResult, adjusted, evaluate
+from fedcybgd.objective import EvalResult, adjusted, evaluate, label_nll
 from fedcybgd.tasks.base import Task, warn_cut
 
 if TYPE_CHECKING:
@@ -112,6 +112,15 @@ class ClassificationTask(Task):
     def scores(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Logit-adjusted by the batch's class prior (:func:`fedcybgd.objective.adjusted`)."""
         return adjusted(logits, batch)
+
+    def loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Label-token cross-entropy, the class choice adjusted by the batch's prior
+        (:func:`fedcybgd.objective.label_nll`)."""
+        return label_nll(logits, batch)
+
+    def loss_sum(self, logits: torch.Tensor, batch: Batch, part: slice) -> torch.Tensor:
+        """Summed :meth:`loss` of the scored rows ``part``."""
+        return label_nll(logits, batch, part, reduction="sum")
 
     def evaluate(self, stack: LayerStack, tokenizer: PreTrainedTokenizerBase,
                  frame: pd.DataFrame, batch_size: int, max_seq_len: int) -> EvalResult:
