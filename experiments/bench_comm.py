@@ -76,6 +76,8 @@ FEATURES: dict[str, dict[str, Any]] = {
                        "install-codec": "none"},
     "fedavg-full": {"strategy": "fedavg", "fedavg-params": "full"},
     "fedavg-lora": {"strategy": "fedavg", "fedavg-params": "lora"},
+    # LoRA at the learning rate of the issue-12 probe (2e-4: 0.42 eval loss in 8 client-rounds)
+    "fedavg-lora-2e-4": {"strategy": "fedavg", "fedavg-params": "lora", "lr": 2e-4},
 }
 
 
@@ -119,7 +121,7 @@ def run_variant(name: str, base: dict[str, Any], out: Path, nodes: int,
             "wall_s": time.perf_counter() - started}
 
 
-def profile_base(profile: str, quick: bool) -> tuple[dict[str, Any], int]:
+def profile_base(profile: str, quick: bool, eval_every: int = 0) -> tuple[dict[str, Any], int]:
     """The run config of ``profile`` (see the module docstring) and its rounds: two cycles
     (``defaults-c1``: four, a cycle there is one round or two)."""
     import math
@@ -151,7 +153,8 @@ def profile_base(profile: str, quick: bool) -> tuple[dict[str, Any], int]:
     per_round = run.clients_per_round // run.per_block
     rounds = (4 if profile == "defaults-c1" else 2) * math.ceil(len(cycle) / per_round)
     base["num-server-rounds"] = rounds
-    base["eval-every"] = 0  # before and after only: the same evaluation for every variant
+    # before and after only by default: the same evaluation for every variant
+    base["eval-every"] = eval_every
     if quick:
         base["eval-examples"] = 64
     return base, rounds
@@ -160,10 +163,11 @@ def profile_base(profile: str, quick: bool) -> tuple[dict[str, Any], int]:
 def profile_main(args: argparse.Namespace) -> None:
     """Issue 16's comparison on one profile: the traffic features off and on, fp32, the
     paper's scheme and both FedAvg baselines, same seeds; bytes are serialised messages."""
-    base, rounds = profile_base(args.profile, args.quick)
+    base, rounds = profile_base(args.profile, args.quick, args.eval_every)
     names = args.variants.split(",") if args.variants else list(FEATURES)
     # results: bench_comm_<profile>[_tiny].json/.png; each run's outputs under comm-* (ignored)
-    stem = f"bench_comm_{args.profile}" + ("_tiny" if args.quick else "")
+    stem = (f"bench_comm_{args.profile}" + (f"_{args.tag}" if args.tag else "")
+            + ("_tiny" if args.quick else ""))
     work = Path(args.out) / f"comm-{args.profile}" / ("tiny" if args.quick else "smollm2")
     runs = []
     for name in names:
@@ -261,6 +265,10 @@ def main() -> None:
                         help="comma-separated (paper: fedcybgd-fp32,paper-drop-0.5,ours-int8,"
                              "ours-topk-int8; other profiles: all of FEATURES)")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="profiles: evaluate every N rounds too (0: before and after only)")
+    parser.add_argument("--tag", default="",
+                        help="profiles: results as bench_comm_<profile>_<tag>[_tiny].json")
     args = parser.parse_args()
     if args.profile != "paper":
         profile_main(args)
