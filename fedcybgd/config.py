@@ -123,7 +123,7 @@ class RunConfig:
     round_timeout: float = setting(3600.0, gt=0)
     upload_codec: str = setting("delta+int8+zstd")  # a codec spec, or "seedlog" (ZO step log)
     seedlog_fallback: str = setting("delta+int8+zstd")  # weights codec when no exact replay
-    download_codec: str = setting("delta+int8+zstd")  # frozen blocks; the trained one is exact
+    download_codec: str = setting("delta+int8+zstd")  # frozen blocks, or "seedlog" (ZO step logs)
     download_fraction: float = setting(1.0, gt=0, le=1)  # the paper's random dropping
     max_staleness: int = setting(0, ge=0)  # installs a frozen copy may lag before it is sent
     traffic_budget_mb: float = setting(0.0, ge=0)  # payload MB per client-round; 0 = none
@@ -174,10 +174,14 @@ class RunConfig:
             raise ConfigError("output-dir must name a folder")
         if not self.lora_modules:
             raise ConfigError("lora-target-modules must name at least one module")
-        specs = [("download-codec", self.download_codec),
-                 ("seedlog-fallback", self.seedlog_fallback)]
+        specs = [("seedlog-fallback", self.seedlog_fallback)]
         if self.upload_codec != "seedlog":
             specs.append(("upload-codec", self.upload_codec))
+        if self.download_codec != "seedlog":
+            specs.append(("download-codec", self.download_codec))
+        elif self.upload_codec != "seedlog":
+            raise ConfigError("download-codec = 'seedlog' resends the uploaded step logs, so it "
+                              f"needs upload-codec = 'seedlog' (got {self.upload_codec!r})")
         for key, spec in specs:
             try:
                 parse_spec(spec)

@@ -14,6 +14,7 @@ from typing import Any
 # Records of a train instruction (server -> client).
 CONFIG = "config"  # ConfigRecord: the round's assignment
 DOWNLOAD = "download"  # ArrayRecord: block name -> payload Array
+DOWNLOAD_LOGS = "download-logs"  # ArrayRecord: block name -> step-log chain (fedcybgd.seedsync)
 
 # Records of a reply (client -> server).
 UPLOAD = "upload"  # ArrayRecord: block name -> payload Array
@@ -40,6 +41,7 @@ STATUS = "status"
 HOLDINGS = "holdings"  # JSON: block -> [version, checksum]
 REASON = "reason"
 UPLOAD_KIND = "upload-kind"  # WEIGHTS or SEEDLOG
+ZO_NODE = "zo-node"  # "<torch>|<z fingerprint>" of the node (may it be sent step logs?)
 MEMORY_BUDGET = "memory-budget-mb"  # what the node declared (0: none)
 
 # Upload kinds, and the upload codec that asks for a seed log.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +42,22 @@ def sgd_step(start: Mapping[str, torch.Tensor], merged: Mapping[str, torch.Tenso
         base = s.float()
         out[name] = (base + size * (t.float() - base)).to(s.dtype)
     return out
+
+
+def weighted_mean(uploads: Sequence[tuple[float, Mapping[str, torch.Tensor]]]) -> Tensors:
+    """Mean of ``(weight, tensors)`` weighted by the weights (example counts), in float64, in
+    the order given; a single upload is returned as it is (exact). The ``mean`` aggregator's
+    arithmetic, here so that a node rebuilding a merge (:mod:`fedcybgd.seedsync`) runs the
+    server's very operations."""
+    if len(uploads) == 1:
+        return dict(uploads[0][1])
+    total = sum(w for w, _ in uploads)
+    first = uploads[0][1]
+    merged: Tensors = {}
+    for name in first:
+        acc = sum((w / total) * t[name].double() for w, t in uploads)
+        merged[name] = acc.to(first[name].dtype)  # type: ignore[union-attr]
+    return merged
 
 
 @dataclass(frozen=True)

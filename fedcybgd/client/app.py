@@ -9,6 +9,8 @@ pending copy; when the server's next instruction says it installed that block fr
 computes the installed version itself, checks it against the server's checksum and holds it, so
 the block is not sent back. Error feedback (``error-feedback``): with a lossy upload codec, what
 the codec dropped of the node's update is kept per block and added to its next upload of it.
+Seed-log downloads (:mod:`fedcybgd.seedsync`): a block may arrive as the step logs that made its
+new versions, which the node replays on its exact copy and checks by checksum.
 Messages from Flower's own FedAvg (the baselines) go to :mod:`fedcybgd.client.baselines`.
 """
 
@@ -25,7 +27,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcybgd import protocol, selfsync
+from fedcybgd import protocol, seedsync, selfsync, zeroth_order
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
 from fedcybgd.client.feedback import encode_upload
@@ -120,14 +122,48 @@ def apply_downloads(
     return received
 
 
+def apply_log_downloads(cm: ClientModel, store: BlockStore, logs: ArrayRecord, max_bytes: int,
+                        max_steps: int, device: torch.device) -> int:
+    """Rebuild every block sent as step logs from this node's exact copy and install it;
+    returns the bytes received. Raises ``CodecError`` on a malformed chain, one that does not
+    start from what this node holds, or a rebuilt version whose checksum differs."""
+    received = 0
+    for block, array in logs.items():
+        payload = payload_from_array(array)
+        received += len(payload)
+        try:
+            chain = seedsync.decode_chain(payload, max_bytes=max_bytes)
+        except ValueError as err:
+            raise CodecError(f"block '{block}': {err}") from None
+        held = store.holdings.get(block)
+        base = Holding(chain.base_version, chain.base_checksum) if chain.base_version else None
+        if chain.block != block or held != base:
+            raise CodecError(f"block '{block}': step logs for '{chain.block[:64]}' from version "
+                             f"{chain.base_version}, but this node holds "
+                             f"{held.version if held else 0}")
+        start = cm.exact(block, store) if base is not None else cm.pretrained(block)
+        try:
+            tensors = seedsync.apply_chain(start, chain,
+                                           zeroth_order.unit_layout(cm.blocks, block),
+                                           max_steps=max_steps, device=device)
+        except ValueError as err:
+            raise CodecError(str(err)) from None
+        holding = store.put(block, chain.installs[-1].version, tensors)
+        cm.set_block(block, tensors, holding)
+    return received
+
+
 @app.query("node_key")
 def node_key(msg: Message, context: Context) -> Message:
     """Answer the server's node-key query (:data:`fedcybgd.protocol.QUERY_NODE_KEY`): this
     node's stable key, by which the server orders nodes for sampling and derives their seeds."""
     node = NodeConfig.from_node_config(context.node_config)
     # The server's first message to a node: a device the node lacks fails here, by name.
-    node_device(str(context.run_config.get("device", "auto")), node.device)
+    device = node_device(str(context.run_config.get("device", "auto")), node.device)
     identity = ConfigRecord({protocol.NODE_KEY: node.key})
+    if context.run_config.get("download-codec") == protocol.SEEDLOG:
+        # what its zeroth-order replay runs on: may it be sent step logs from its first round?
+        identity[protocol.ZO_NODE] = zo_node(device)
     return Message(RecordDict({protocol.IDENTITY: identity}), reply_to=msg)
 
 
@@ -165,12 +201,13 @@ def train(msg: Message, context: Context) -> Message:
         )
     cache_dir = Path(node.cache_dir) if node.cache_dir else cache_root()
     downloads = msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord())
+    log_downloads = msg.content.array_records.get(protocol.DOWNLOAD_LOGS, ArrayRecord())
     promotions = (selfsync.load_promotions(protocol.get_str(cfg, protocol.PROMOTE))
                   if protocol.PROMOTE in cfg else {})
     try:
         # Names the server sends become paths: checked before anything is touched.
         dirs = node_dirs(cache_dir, lineage, context.node_id)
-        for name in (block, *downloads.keys(), *promotions):
+        for name in (block, *downloads.keys(), *log_downloads.keys(), *promotions):
             if block_name(name) not in cm.blocks.names:
                 raise UnsafeName(f"block {name!r} is not one of this model's {cm.blocks.names}")
     except UnsafeName as err:
@@ -204,6 +241,8 @@ def train(msg: Message, context: Context) -> Message:
 
     try:
         bytes_down = apply_downloads(cm, store, downloads, max_bytes)
+        bytes_down += apply_log_downloads(cm, store, log_downloads, max_bytes,
+                                          protocol.get_int(cfg, protocol.LOCAL_STEPS), device)
     except CodecError as err:
         log.warning("round %s: rejected a download (%s); asking for a resync", server_round, err)
         store.clear()
@@ -297,7 +336,15 @@ def train(msg: Message, context: Context) -> Message:
     )
     reply.content.config_records[protocol.STATE][protocol.UPLOAD_KIND] = kind
     reply.content.config_records[protocol.STATE][protocol.SELF_SYNC_CHECKSUM] = pending
+    if run.download_codec == protocol.SEEDLOG:
+        reply.content.config_records[protocol.STATE][protocol.ZO_NODE] = zo_node(device)
     return reply
+
+
+def zo_node(device: torch.device) -> str:
+    """``"<torch>|<z fingerprint>"`` of this node's replay on ``device``: the server sends step
+    logs (seed-log downloads) only to nodes whose replay is exactly its own."""
+    return f"{torch.__version__}|{zeroth_order.z_fingerprint(device)}"
 
 
 def self_sync_blocks(cm: ClientModel, store: BlockStore,

@@ -22,6 +22,7 @@ import torch
 
 from fedcybgd.choices import AGGREGATES
 from fedcybgd.plugins import Registry
+from fedcybgd.selfsync import weighted_mean as shared_weighted_mean
 
 Upload = tuple[float, dict[str, torch.Tensor]]
 Aggregator = Callable[[Sequence[Upload]], dict[str, torch.Tensor]]
@@ -52,16 +53,9 @@ def aggregator_names() -> tuple[str, ...]:
 
 
 def weighted_mean(uploads: Sequence[Upload]) -> dict[str, torch.Tensor]:
-    """Mean weighted by examples, in float64; a single upload is returned as it is (exact)."""
-    if len(uploads) == 1:
-        return uploads[0][1]
-    total = sum(w for w, _ in uploads)
-    first = uploads[0][1]
-    merged = {}
-    for name in first:
-        acc = sum((w / total) * t[name].double() for w, t in uploads)
-        merged[name] = acc.to(first[name].dtype)  # type: ignore[union-attr]
-    return merged
+    """Mean weighted by examples, in float64; a single upload is returned as it is (exact).
+    (:func:`fedcybgd.selfsync.weighted_mean`: a node rebuilding a merge runs the same code.)"""
+    return shared_weighted_mean(uploads)
 
 
 def _sorted_stack(uploads: Sequence[Upload], name: str) -> torch.Tensor:

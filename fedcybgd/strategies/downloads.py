@@ -10,14 +10,17 @@ dropping) a node gets only that share of its stale frozen blocks each round. A d
 against the best exact base the node holds
 (:meth:`fedcybgd.strategies.versions.BlockVersions.base_for`); a block the server installed
 through a low-bit delta (``install-codec``) goes to nodes holding its previous version as that
-delta, which is exact for them.
+delta, which is exact for them. With seed-log downloads (``download-codec = "seedlog"``) a
+block whose every install since the node's exact copy was made from step logs goes as those
+logs (:mod:`fedcybgd.seedsync`), when the node's z fingerprint and torch are the server's and
+the logs weigh less than a sixteenth of the block in fp32 (below any int4 delta of it).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +28,7 @@ from flwr.app import ArrayRecord
 
 from fedcybgd.compression import encode, payload_to_array, raw_fp32_bytes, read_header, uses_base
 from fedcybgd.protocol import Holding
+from fedcybgd.seedsync import encode_chain
 from fedcybgd.strategies.versions import BlockVersions
 
 # One round's encoded payloads, shared between the nodes that need the same one.
@@ -36,6 +40,7 @@ class Download:
     """What one node is sent, what it will hold after applying it, and what that costs."""
 
     arrays: ArrayRecord = field(default_factory=ArrayRecord)  # block -> payload
+    logs: ArrayRecord = field(default_factory=ArrayRecord)  # block -> step-log chain
     expect: dict[str, Holding] = field(default_factory=dict)  # block -> holding after
     bytes: int = 0  # encoded payload bytes
     raw_bytes: int = 0  # the same blocks as plain fp32
@@ -78,10 +83,14 @@ class DownloadPlanner:
         Installs a node's frozen copy of a block may lag before it is sent (0: none).
     seed : int
         Seeds the random dropping.
+    log_downloads : Callable[[int], bool], optional
+        Whether a node may be sent step logs (its z fingerprint and torch are the server's);
+        ``None``: no seed-log downloads.
     """
 
     def __init__(self, versions: BlockVersions, *, exact_codec: str, download_codec: str,
-                 fraction: float = 1.0, seed: int = 0, max_staleness: int = 0) -> None:
+                 fraction: float = 1.0, seed: int = 0, max_staleness: int = 0,
+                 log_downloads: Callable[[int], bool] | None = None) -> None:
         if not 0 < fraction <= 1:
             raise ValueError(f"download-fraction must be in (0, 1], got {fraction}")
         if max_staleness < 0:
@@ -92,6 +101,7 @@ class DownloadPlanner:
         self.fraction = fraction
         self.seed = seed
         self.max_staleness = max_staleness
+        self.log_downloads = log_downloads
 
     def dropped(self, frozen: list[str], server_round: int, node: int) -> list[str]:
         """The frozen blocks kept after random dropping (all of them at ``fraction = 1``)."""
@@ -117,11 +127,23 @@ class DownloadPlanner:
         out = Download()
         # what the node keeps: its holdings, then the blocks sent below
         out.expect = {b: held[b] for b in self.versions.block_map.names if b in held}
+        logs_ok = self.log_downloads is not None and self.log_downloads(node)
         for block, spec in [(b, self.exact_codec) for b in exact] + [
             (b, codec) for b in frozen
         ]:
             tensors = self.versions.tensors(block)
             version = self.versions.versions[block]
+            chain = self.versions.log_chain(block, held.get(block)) if logs_ok else None
+            if chain is not None:
+                logs_key: tuple[Any, ...] = ("logs", block, version, held.get(block))
+                if logs_key not in payloads:
+                    payloads[logs_key] = encode_chain(chain)
+                if len(payloads[logs_key]) * 16 < raw_fp32_bytes(tensors):
+                    out.logs[block] = payload_to_array(payloads[logs_key])
+                    out.expect[block] = Holding(version, self.versions.checksums[block])
+                    out.bytes += len(payloads[logs_key])
+                    out.raw_bytes += raw_fp32_bytes(tensors)
+                    continue
             # A block installed through a delta from what the node holds: that delta is exact
             payload = self.versions.install_payload(block, held.get(block))
             if payload is None:

@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedcybgd import zeroth_order
 from fedcybgd.message_size import message_bytes
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import SEEDLOG
@@ -65,7 +66,10 @@ class FedCyBGD(Strategy):
         Nodes per round, nodes sharing (and merging) one block, the rule they are asked to use.
     upload_codec, download_codec, exact_codec, seedlog_fallback : str
         Codec specs: uploads (``"seedlog"``: zeroth-order step logs, replayed here; others use
-        ``seedlog_fallback``), frozen downloads (may be lossy), the trained block (lossless).
+        ``seedlog_fallback``), frozen downloads (may be lossy; ``"seedlog"``, with seed-log
+        uploads only: blocks made from step logs alone go to nodes that can replay them as
+        those logs, :mod:`fedcybgd.seedsync`, others as ``seedlog_fallback``), the trained
+        block (lossless).
     download_fraction, max_staleness, traffic_budget_mb, install_codec, version_history
         Random dropping of frozen downloads; installs a node's frozen copy may lag before it is
         sent; payload MB per client-round each node's traffic level must fit (0: no budget;
@@ -166,13 +170,22 @@ class FedCyBGD(Strategy):
         self.step = ServerStep(server_lr, parallel_damping, server_optimizer, server_beta1,
                                server_beta2, server_eps)
         self.blocks = BlockVersions(block_map, self.weights, pretrained, version_history)
-        self.downloads = DownloadPlanner(self.blocks, exact_codec=exact_codec,
-                                         download_codec=download_codec,
-                                         fraction=download_fraction, seed=seed,
-                                         max_staleness=max_staleness)
+        log_downloads = download_codec == SEEDLOG
+        if log_downloads and upload_codec != SEEDLOG:
+            raise ValueError("download-codec 'seedlog' needs upload-codec 'seedlog' (downloads "
+                             "resend the uploaded step logs)")
+        # a node replays step logs exactly iff its torch and z arithmetic are the server's
+        self.zo = f"{torch.__version__}|{zeroth_order.z_fingerprint(device)}"
+        self.nodes = NodeBook()
+        self.downloads = DownloadPlanner(
+            self.blocks, exact_codec=exact_codec,
+            download_codec=seedlog_fallback if log_downloads else download_codec,
+            fraction=download_fraction, seed=seed, max_staleness=max_staleness,
+            log_downloads=(lambda node: (self.nodes.zo.get(node)
+                                         or self.sampler.keys.zo.get(node)) == self.zo)
+            if log_downloads else None)
         self.budget = (TrafficBudget(int(traffic_budget_mb * 2**20), self.downloads, upload_codec)
                        if traffic_budget_mb > 0 else None)
-        self.nodes = NodeBook()
         self.sampler = NodeSampler(seed)
         self.reader = ReplyReader(self.blocks, self.nodes, upload_codec=upload_codec,
                                   max_steps=local_steps, max_examples=local_steps * batch_size,
@@ -183,7 +196,8 @@ class FedCyBGD(Strategy):
         self.installer = BlockInstaller(
             self.blocks, self.schedule, self.screen, self.step, self.aggregate,
             self.nodes if self.self_sync else None,
-            None if install_codec == "none" else QuantizedInstall(install_codec))
+            None if install_codec == "none" else QuantizedInstall(install_codec),
+            log_downloads=log_downloads)
         self.history: list[RoundRecord] = []
         self.round: RoundInFlight | None = None
 

@@ -10,8 +10,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import raw_fp32_bytes
+from fedcybgd.protocol import SEEDLOG
+from fedcybgd.seedsync import LoggedInstall, rebuild
 from fedcybgd.selfsync import Promotion, sgd_step
 from fedcybgd.strategies.aggregate import Aggregator
 from fedcybgd.strategies.quantized_install import RESIDUAL, QuantizedInstall
@@ -24,6 +28,7 @@ from fedcybgd.strategies.server_step import ServerStep, merge_block
 from fedcybgd.strategies.versions import BlockVersions
 
 log = logging.getLogger(__name__)
+Tensors = dict[str, torch.Tensor]
 Admitted = tuple[int, BlockUpload, float]  # (node, its upload, the update's RMS)
 
 
@@ -34,7 +39,9 @@ class BlockInstaller:
     ``retry_seeds`` keeps the seed of each re-queued block, so the node that next trains it
     (alone) can resume its in-round checkpoint. With ``self_sync_book`` (the strategy's node book),
     the node that trained a block alone is credited with the installed version when it can
-    compute it from its own upload (:mod:`fedcybgd.selfsync`).
+    compute it from its own upload (:mod:`fedcybgd.selfsync`). With ``log_downloads``, an
+    install made from step logs alone is kept as those logs when a node can rebuild it from them
+    bit for bit (:mod:`fedcybgd.seedsync`), for seed-log downloads.
     """
 
     blocks: BlockVersions
@@ -44,6 +51,7 @@ class BlockInstaller:
     aggregate: Aggregator
     self_sync_book: NodeBook | None = None
     quantized: QuantizedInstall | None = None
+    log_downloads: bool = False
     retry_seeds: dict[str, int] = field(default_factory=dict)
 
     def close(self, live: RoundInFlight, arrived: list[tuple[str, Admitted]],
@@ -85,7 +93,9 @@ class BlockInstaller:
                         self.step.moments.get(block, {}).get(RESIDUAL))
                     merged.tensors, payload = rounded.tensors, rounded.payload
                     merged.moments[RESIDUAL] = rounded.residual
-                self.blocks.install(block, merged.tensors, record.round, payload)
+                logged = (self._logged(block, uploads, merged.tensors, record.round,
+                                       len(admitted)) if self.log_downloads else None)
+                self.blocks.install(block, merged.tensors, record.round, payload, logged)
                 if synced is not None:
                     self._credit(uploads[0][0], block, *synced)
                 self.step.commit(block, merged)
@@ -107,6 +117,22 @@ class BlockInstaller:
         if finite:
             record.train_loss = sum(w * x for w, x in finite) / sum(w for w, _ in finite)
         record.dropped = drops.as_dict()
+
+    def _logged(self, block: str, uploads: list[Admitted], installed: Tensors, version: int,
+                parallel: int) -> LoggedInstall | None:
+        """``block``'s install as the step logs it came from, if every upload was one and
+        :func:`~fedcybgd.seedsync.rebuild` (what a node runs) gives exactly ``installed``
+        (called before the install: it needs the start)."""
+        if not uploads or any(got.kind != SEEDLOG or not got.log for _, got, _ in uploads):
+            return None
+        size = self.step.size(parallel)
+        rebuilt = rebuild(self.blocks.tensors(block),
+                          [(got.weight, got.decoded) for _, got, _ in uploads], size)
+        if any(not torch.equal(rebuilt[name], t) for name, t in installed.items()):
+            return None  # another aggregator, step, clip or rounding: a node gets weights
+        return LoggedInstall(version, content_checksum(installed), size,
+                             tuple(got.weight for _, got, _ in uploads),
+                             tuple(got.log for _, got, _ in uploads))
 
     def _self_synced(self, block: str, uploads: list[Admitted], parallel: int
                      ) -> tuple[str, float] | None:

@@ -60,5 +60,7 @@ def train_message(server_round: int, assignment: Assignment, seed: int, download
                     protocol.ZO_TORCH: torch.__version__,
                     protocol.SEEDLOG_FALLBACK: terms.seedlog_fallback})
     content = RecordDict({protocol.CONFIG: cfg, protocol.DOWNLOAD: download.arrays})
+    if len(download.logs):
+        content.array_records[protocol.DOWNLOAD_LOGS] = download.logs
     return Message(content, dst_node_id=assignment.node, message_type=MessageType.TRAIN,
                    group_id=str(server_round))

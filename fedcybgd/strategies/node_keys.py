@@ -7,9 +7,11 @@ node config's ``node-key``, else its ``partition-id`` (:attr:`fedcybgd.config.No
 
 The server does not see node configs, so it asks: each node it has not met yet gets one small
 QUERY message (:data:`fedcybgd.protocol.QUERY_NODE_KEY`), and the ClientApp answers with its
-key in a ConfigRecord. The reply is untrusted input: it must hold exactly that record, the key
-a short string matching :data:`fedcybgd.protocol.NODE_KEY_PATTERN`; anything else is logged and
-the node is asked again next round. A node without a key is not sampled. Two nodes with the
+key in a ConfigRecord (and, optionally, what its zeroth-order replay runs on,
+:data:`fedcybgd.protocol.ZO_NODE`, so that seed-log downloads can reach it from its first round).
+The reply is untrusted input: it must hold exactly that record, the key a short string matching
+:data:`fedcybgd.protocol.NODE_KEY_PATTERN`; anything else is logged and the node is asked again
+next round. A node without a key is not sampled. Two nodes with the
 same key (a misconfigured deployment) are ordered by node id, which is deterministic within a
 run, and logged as a warning; their seeds differ by their rank among the duplicates.
 """
@@ -49,20 +51,21 @@ def key_order(key: str) -> tuple[int, int, str]:
     return (1, 0, key)
 
 
-def read_key(reply: Message) -> str:
-    """The node key in a reply to the node-key query, or :class:`Dropped` saying why not."""
+def read_key(reply: Message) -> tuple[str, str]:
+    """The node key (and ``zo-node``, ``""`` if absent) in a reply to the node-key query, or
+    :class:`Dropped` saying why not."""
     if reply.has_error():
         raise Dropped(CLIENT_ERROR, str(reply.error.reason)[:500])
     content = reply.content
     only_records(content, arrays=set(), metrics=set(), configs={protocol.IDENTITY})
     record = content.config_records[protocol.IDENTITY]
-    if set(record) != {protocol.NODE_KEY}:
+    if not {protocol.NODE_KEY} <= set(record) <= {protocol.NODE_KEY, protocol.ZO_NODE}:
         raise Dropped(MALFORMED, f"identity fields {sorted(record)[:5]}, expected "
-                                 f"['{protocol.NODE_KEY}']")
+                                 f"['{protocol.NODE_KEY}'] (and '{protocol.ZO_NODE}')")
     key = text(record, protocol.NODE_KEY, max_len=64)
     if not _KEY.fullmatch(key):
         raise Dropped(MALFORMED, f"node key {key!r} does not match {protocol.NODE_KEY_PATTERN}")
-    return key
+    return key, text(record, protocol.ZO_NODE, default="", max_len=128)
 
 
 def key_query(node: int, server_round: int) -> Message:
@@ -85,6 +88,7 @@ class NodeKeys:
     def __init__(self, timeout_s: float = 120.0) -> None:
         self.timeout_s = timeout_s
         self.keys: dict[int, str] = {}
+        self.zo: dict[int, str] = {}  # node -> the "zo-node" its key reply named
         self._warned: set[str] = set()
 
     def learn(self, grid: Grid, nodes: Iterable[int], server_round: int) -> None:
@@ -103,7 +107,9 @@ class NodeKeys:
                             "open query", server_round, reply.metadata.src_node_id)
                 continue
             try:
-                self.keys[node] = guarded(functools.partial(read_key, reply))
+                self.keys[node], zo = guarded(functools.partial(read_key, reply))
+                if zo:
+                    self.zo[node] = zo
             except Dropped as drop:
                 log.warning("round %d: node %d sent no usable node key (%s: %s); it is not "
                             "sampled until it does", server_round, node, drop.reason,

@@ -61,6 +61,7 @@ class NodeBook:
     excluded: dict[int, str] = field(default_factory=dict)  # node -> why it takes no part
     # node -> blocks it self-syncs (credited in ``holdings``; told in its next instruction)
     promised: dict[int, dict[str, selfsync.Promotion]] = field(default_factory=dict)
+    zo: dict[int, str] = field(default_factory=dict)  # node -> its "<torch>|<z fingerprint>"
 
     def state(self) -> dict[str, Any]:
         """JSON-able state (node ids as strings)."""
@@ -69,6 +70,7 @@ class NodeBook:
             "excluded": {str(n): why for n, why in self.excluded.items()},
             "budgets": {str(n): mb for n, mb in self.budgets.items()},
             "promised": {str(n): selfsync.dump_promotions(p) for n, p in self.promised.items()},
+            "zo": {str(n): zo for n, zo in self.zo.items()},
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -78,6 +80,7 @@ class NodeBook:
         self.budgets = {int(n): float(mb) for n, mb in state.get("budgets", {}).items()}
         self.promised = {int(n): selfsync.load_promotions(t)
                          for n, t in state.get("promised", {}).items()}
+        self.zo = {int(n): str(zo) for n, zo in state.get("zo", {}).items()}
 
 
 @dataclass
@@ -94,6 +97,7 @@ class BlockUpload:
     pending: str = ""
     kind: str = protocol.WEIGHTS  # weights or a step log (protocol.SEEDLOG)
     payload_bytes: int = 0
+    log: bytes = b""  # the encoded step log (kind SEEDLOG): what seed-log downloads resend
 
 
 class ReplyReader:
@@ -153,6 +157,9 @@ class ReplyReader:
         budget = number(state, protocol.MEMORY_BUDGET, low=0.0, high=1e9, default=0.0)
         if budget > 0:
             self.nodes.budgets[node] = budget
+        zo = text(state, protocol.ZO_NODE, default="", max_len=128)
+        if zo:
+            self.nodes.zo[node] = zo
         return text(state, protocol.STATUS, default="", max_len=64)
 
     def read(self, reply: Message, node: int, block: str, record: RoundRecord) -> BlockUpload:
@@ -201,7 +208,8 @@ class ReplyReader:
         return BlockUpload(weight, tensors, metrics,
                            text(state, protocol.RULE, default="", max_len=64),
                            decoded=tensors, pending=pending, kind=kind,
-                           payload_bytes=len(payload))
+                           payload_bytes=len(payload),
+                           log=payload if kind == protocol.SEEDLOG else b"")
 
     def _decode(self, payload: bytes, kind: str, block: str, limit: int
                 ) -> dict[str, torch.Tensor]:

@@ -4,7 +4,10 @@ A block's version is the round it last changed (0: pretrained), identified on th
 :class:`fedcybgd.protocol.Holding` (version and content checksum). Downloads are deltas against
 a base the node already holds exactly, so the server keeps, per block, the pretrained tensors
 (read back from the model's files, or copied before the block is first overwritten) and the
-last ``history`` exact versions it replaced.
+last ``history`` exact versions it replaced. Installs made from step logs alone are kept as
+those logs (:class:`fedcybgd.seedsync.LoggedInstall`, the newest run of them per block), for
+seed-log downloads; they are not checkpointed (a resumed server sends weights until new logs
+accumulate).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import read_header
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import Holding
+from fedcybgd.seedsync import MAX_INSTALLS, LogChain, LoggedInstall
 
 Tensors = dict[str, torch.Tensor]
 
@@ -57,6 +61,8 @@ class BlockVersions:
         # block -> (the holding it was installed from, the payload that makes that into it)
         self._installed_via: dict[str, tuple[Holding | None, bytes]] = {}
         self.install_rounds: dict[str, list[int]] = {}  # block -> the rounds it changed in
+        # block -> the newest installs made from step logs alone, each with what it started from
+        self._logged: dict[str, list[tuple[Holding | None, LoggedInstall]]] = {}
 
     def tensors(self, block: str) -> Tensors:
         """The global tensors of ``block`` (views, not copies)."""
@@ -98,16 +104,24 @@ class BlockVersions:
                 del kept[min(kept, key=lambda h: h.version)]
 
     def install(self, block: str, tensors: Mapping[str, torch.Tensor], version: int,
-                payload: bytes | None = None) -> None:
+                payload: bytes | None = None, logged: LoggedInstall | None = None) -> None:
         """Make ``tensors`` the global ``block`` at ``version`` (the round); the replaced
         version is kept as a delta base. ``payload``: a delta that decodes the replaced
         version into exactly ``tensors`` (:mod:`~fedcybgd.strategies.quantized_install`),
-        sent as it is to nodes holding that version (:meth:`install_payload`)."""
+        sent as it is to nodes holding that version (:meth:`install_payload`). ``logged``:
+        the step logs that rebuild ``tensors`` from the replaced version (:meth:`log_chain`);
+        an install without them ends the block's run of logged installs."""
         previous = self.current(block)
         self._keep_current(block)
         self._installed_via.pop(block, None)
         if payload is not None:
             self._installed_via[block] = (previous, payload)
+        if logged is None:
+            self._logged.pop(block, None)
+        else:
+            chain = self._logged.setdefault(block, [])
+            chain.append((previous, logged))
+            del chain[:-MAX_INSTALLS]
         with torch.no_grad():
             for name, tensor in tensors.items():
                 self.weights[name].copy_(tensor)
@@ -126,6 +140,17 @@ class BlockVersions:
         current version was installed from ``held`` through one (``None`` otherwise)."""
         via = self._installed_via.get(block)
         return via[1] if via is not None and via[0] == held else None
+
+    def log_chain(self, block: str, held: Holding | None) -> LogChain | None:
+        """The logged installs that take ``held`` (``None``: pretrained) to ``block``'s current
+        version, when every install since ``held`` was logged (``None`` otherwise)."""
+        chain = self._logged.get(block, [])
+        for index, (start, _) in enumerate(chain):
+            if start == held:
+                return LogChain(block, held.version if held else 0,
+                                held.checksum if held else "",
+                                tuple(install for _, install in chain[index:]))
+        return None
 
     def install_payloads(self) -> dict[str, bytes]:
         """Block -> the payload its current version was installed through (checkpointed, so a
