@@ -76,6 +76,15 @@ FEATURES: dict[str, dict[str, Any]] = {
                        "install-codec": "none"},
     "fedavg-full": {"strategy": "fedavg", "fedavg-params": "full"},
     "fedavg-lora": {"strategy": "fedavg", "fedavg-params": "lora"},
+    # zeroth-order rules with step logs both ways (seed-log downloads, issue 16 part 4), and
+    # the same with weight downloads; "all" layers per block: whole-stack MeZO
+    "lezo-seedlog": {"update-rule": "lezo", "upload-codec": "seedlog", "lr": 1e-6},
+    "lezo-seedlog-both": {"update-rule": "lezo", "upload-codec": "seedlog",
+                          "download-codec": "seedlog", "lr": 1e-6},
+    "mezo-seedlog": {"update-rule": "mezo", "upload-codec": "seedlog", "lr": 1e-6,
+                     "layers-per-block": "all"},
+    "mezo-seedlog-both": {"update-rule": "mezo", "upload-codec": "seedlog",
+                          "download-codec": "seedlog", "lr": 1e-6, "layers-per-block": "all"},
     # LoRA at the learning rate of the issue-12 probe (2e-4: 0.42 eval loss in 8 client-rounds)
     "fedavg-lora-2e-4": {"strategy": "fedavg", "fedavg-params": "lora", "lr": 2e-4},
 }
@@ -109,6 +118,10 @@ def run_variant(name: str, base: dict[str, Any], out: Path, nodes: int,
     config = dict(base, **(feature_config(name) if variants is FEATURES else
                            (variants or VARIANTS)[name]),
                   **{"output-dir": str(out / name), "overwrite": True})
+    if config.get("layers-per-block") == "all":
+        from fedcybgd.model.loading import load_model
+
+        config["layers-per-block"] = load_model(config["model"]).config.num_hidden_layers
     cache = out / f"{name}-client-cache"
     shutil.rmtree(cache, ignore_errors=True)  # a node's cache is of one run
     grid = LoopbackGrid(client_app, nodes, config, keep_sent=0,
