@@ -177,6 +177,11 @@ def profile_main(args: argparse.Namespace) -> None:
     """Issue 16's comparison on one profile: the traffic features off and on, fp32, the
     paper's scheme and both FedAvg baselines, same seeds; bytes are serialised messages."""
     base, rounds = profile_base(args.profile, args.quick, args.eval_every)
+    for item in args.set:  # e.g. layers-per-block=1 num-server-rounds=16
+        key, _, value = item.partition("=")
+        base[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") \
+            else value
+    rounds = int(base["num-server-rounds"])
     names = args.variants.split(",") if args.variants else list(FEATURES)
     # results: bench_comm_<profile>[_tiny].json/.png; each run's outputs under comm-* (ignored)
     stem = (f"bench_comm_{args.profile}" + (f"_{args.tag}" if args.tag else "")
@@ -280,6 +285,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--eval-every", type=int, default=0,
                         help="profiles: evaluate every N rounds too (0: before and after only)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="profiles: run-config keys over the profile's, for every variant")
     parser.add_argument("--tag", default="",
                         help="profiles: results as bench_comm_<profile>_<tag>[_tiny].json")
     args = parser.parse_args()
