@@ -78,9 +78,12 @@ def loopback_run(config: dict[str, Any], tmp_path: Path
                          ids=[f"{k}-{'-'.join(map(str, r.values()))}" for k, r in GRID])
 def test_every_rule_and_baseline_trains_every_task(kind, rule, tiny_run_config, tmp_path):
     # Prepare
+    # zeroth-order steps need a larger lr to move the loss in one round, but not so large that
+    # the server's screen drops the step as larger than the block's own weights (mezo's
+    # dense z at 1e-2 is at that edge on the tiny model: its update RMS 0.073 vs 0.062)
+    zo_lr = {"lezo": 1e-2, "mezo": 3e-3}.get(str(rule.get("update-rule")), 1e-3)
     config = {**tiny_run_config, **write_sets(tmp_path / "data")[kind], **rule,
-              "num-server-rounds": 1, "eval-examples": 4, "lr": 1e-2 if "lezo" in str(rule)
-              or "mezo" in str(rule) else 1e-3}
+              "num-server-rounds": 1, "eval-examples": 4, "lr": zo_lr}
     # Execute
     _, summary, rows = loopback_run(config, tmp_path)
     # Assert: the round trained (finite loss, an upload) and moved the held-out loss
