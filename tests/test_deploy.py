@@ -33,6 +33,7 @@ from fedcybgd.deploy.commands import (
     superlink_command,
     supernode_command,
 )
+from fedcybgd.deploy.control import DeployError
 from fedcybgd.deploy.control import main as control_main
 from fedcybgd.deploy.local import PROJECT, LocalDeployment
 
@@ -69,6 +70,26 @@ def test_commands_refuse_auth_without_tls() -> None:
         superlink_command(host="h", port=1, database="d", supernode_auth=True)
     with pytest.raises(ValueError, match="TLS"):
         supernode_command(superlink="h:1", port=2, node_config={}, auth_private_key="k")
+
+
+def test_a_timed_out_wait_reports_every_process_log_tail(tmp_path: Path) -> None:
+    # Prepare: a deployment whose "SuperLink" is a process that prints and exits, with no
+    # SuperLink to answer the CLI, so the run's status stays unknown
+    dep = LocalDeployment(tmp_path / "state", tmp_path / "logs")
+    try:
+        proc = dep._spawn("printer", ["python", "-c", "print('\\n'.join(map(str, range(40))))"])
+        proc.popen.wait(30)
+        # Execute
+        with pytest.raises(DeployError) as err:
+            dep.wait_run(7, timeout=0.1, poll_s=0.05)
+    finally:
+        dep.stop()
+    # Assert: the error names the stall and carries the last lines of the process's log
+    text = str(err.value)
+    assert "run 7 still 'unknown'" in text
+    assert "printer (exit 0), last 12 lines" in text
+    assert text.endswith("\n".join(map(str, range(28, 40))))
+    assert "\n27\n" not in text
 
 
 def test_certificates_and_node_keys(tmp_path: Path) -> None:

@@ -137,8 +137,13 @@ def test_stopped_serverapp_resumes_from_checkpoint(deployment: LocalDeployment,
     done = json.loads(state.read_text())["round"]
     assert done < 3, "the run finished before it could be stopped"
 
-    second = deployment.submit(merge_config(config, f"output-dir='{out}' resume=true"))
-    assert deployment.wait_run(second, timeout=300) == "finished:completed"
+    # The resumed run gets a round timeout. Once, on CI, it stalled past 300 s without one (cause
+    # unknown; a lost reply is a candidate: a SuperNode works one message at a time and waits
+    # for its reply); the round timeout is how a run gets past a lost reply (the block is
+    # retried), and a timed-out wait now reports every process's log tail.
+    resumed = f"output-dir='{out}' resume=true round-timeout={ROUND_TIMEOUT_S}"
+    second = deployment.submit(merge_config(config, resumed))
+    assert deployment.wait_run(second, timeout=600) == "finished:completed"
     log = deployment.save_run_log(second).read_text()
     assert f"after round {done}" in log  # "resuming from ... after round N"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -249,8 +249,26 @@ class LocalDeployment:
         return self.control.submit(run_config, app)
 
     def wait_run(self, run_id: int, timeout: float = 3600.0, poll_s: float = 2.0) -> str:
-        """Poll until the run's status starts with ``finished``; returns it."""
-        return self.control.wait_run(run_id, timeout, poll_s, check=self.check_alive)
+        """Poll until the run's status starts with ``finished``; returns it.
+
+        On a timeout the error carries the tail of the run's log and of every process's log,
+        so a stalled run can be diagnosed from the error alone (a CI log, for instance).
+        """
+        try:
+            return self.control.wait_run(run_id, timeout, poll_s, check=self.check_alive)
+        except DeployError as err:
+            raise DeployError(f"{err}\n{self.log_tails(run_id)}") from err
+
+    def log_tails(self, run_id: int | None = None, lines: int = 12) -> str:
+        """The last ``lines`` lines of the run's ServerApp log and of each process's log."""
+        parts = []
+        if run_id is not None:
+            parts.append((f"run {run_id}", self.control.run_log(run_id)))
+        for name, proc in self.procs.items():
+            text = proc.log.read_text(errors="replace") if proc.log.exists() else ""
+            parts.append((f"{name} (exit {proc.exit_code()})", text))
+        return "\n".join(f"--- {title}, last {lines} lines:\n"
+                         + "\n".join(text.splitlines()[-lines:]) for title, text in parts)
 
     def save_run_log(self, run_id: int) -> Path:
         """Write the ServerApp's log (``flwr log --show``) to ``logs/run-<id>.log``."""
