@@ -124,6 +124,8 @@ class RunConfig:
     upload_codec: str = setting("delta+int8+zstd")  # a codec spec, or "seedlog" (ZO step log)
     seedlog_fallback: str = setting("delta+int8+zstd")  # weights codec when no exact replay
     download_codec: str = setting("delta+int8+zstd")  # frozen blocks, or "seedlog" (ZO step logs)
+    # most replay work (passes over the block) a seed-log download may cost a node; 0 = no cap
+    seedlog_max_replay: float = setting(64.0, ge=0)
     download_fraction: float = setting(1.0, gt=0, le=1)  # the paper's random dropping
     max_staleness: int = setting(0, ge=0)  # installs a frozen copy may lag before it is sent
     traffic_budget_mb: float = setting(0.0, ge=0)  # payload MB per client-round; 0 = none

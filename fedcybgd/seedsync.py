@@ -58,6 +58,8 @@ class LoggedInstall:
     size: float
     weights: tuple[float, ...]
     logs: tuple[bytes, ...]  # each an encoded step log
+    # the logs' replay work in passes over the block (the server's measure; not on the wire)
+    replay_passes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,11 @@ class LogChain:
     base_version: int
     base_checksum: str  # "" for version 0
     installs: tuple[LoggedInstall, ...]
+
+    @property
+    def replay_passes(self) -> float:
+        """A node's work to rebuild the block from the chain, in passes over the block."""
+        return sum(install.replay_passes for install in self.installs)
 
 
 @torch.no_grad()

@@ -301,6 +301,16 @@ def check_log(log: SeedLog) -> None:
 
 
 # -------------------------------------------------------------------------------- replay
+def replay_passes(log: SeedLog, unit_sizes: Sequence[int]) -> float:
+    """The work of replaying ``log``, in passes over its block: each step draws z for, and
+    updates, the units it chose (``unit_sizes``: each unit's element count, in layout order).
+    """
+    total = sum(unit_sizes)
+    if not total:
+        return 0.0
+    return sum(unit_sizes[u] for step in log.steps for u in step.units) / total
+
+
 def replay(
     block_tensors: Mapping[str, torch.Tensor],
     log: SeedLog,

@@ -403,7 +403,8 @@ def test_flwr_run_with_rule_options_and_no_dependency_installation(tmp_path: Pat
     assert summary["run_config"]["zo-eps"] == 2e-3
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [0, 1, 2]
-    assert all(r["update_rule"] == ["lezo"] and r["bytes_up"] > 0 for r in records[1:])
+    assert all(r["update_rule"] == ["lezo"] and r["bytes_up"] > 0 for r in records[1:]), [
+        json.dumps(r) for r in records[1:]]
     assert not (flwr_home / "runtime-envs").exists()
     superlink_log = (flwr_home / "local-superlink" / "superlink.log")
     if superlink_log.exists():

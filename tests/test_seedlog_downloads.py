@@ -12,7 +12,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedcybgd import protocol, seedsync
+from fedcybgd import protocol, seedsync, zeroth_order
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.app import app as client_app
 from fedcybgd.config import ConfigError, RunConfig
@@ -159,6 +159,32 @@ def test_a_node_with_another_z_fingerprint_gets_weights(tiny_run_config, tmp_pat
     messages = list(strategy.configure_train(3, ArrayRecord(), ConfigRecord(), grid))
     # Assert: weights only
     assert not any(protocol.DOWNLOAD_LOGS in m.content.array_records for m in messages)
+
+
+def test_replay_passes_count_the_units_each_step_draws_z_for():
+    log = zeroth_order.SeedLog("b0", 2, "x", 1e-3, 0.0, "t", "z", steps=(
+        zeroth_order.SeedStep(1, (0,), 0.1, 1e-3), zeroth_order.SeedStep(2, (0, 1), 0.1, 1e-3)))
+    assert zeroth_order.replay_passes(log, [10, 30]) == (10 + 40) / 40
+
+
+def test_a_chain_costlier_than_seedlog_max_replay_goes_as_weights(tiny_run_config, tmp_path):
+    # Prepare: a cap below one step's replay work
+    config = dict(tiny_run_config, **LOGS_BOTH_WAYS, **{"seedlog-max-replay": 1e-3})
+    grid, strategy = _setup(config, tmp_path)
+    # Execute
+    sent = _play(strategy, grid, 4)
+    # Assert: installs were logged, each costing a node between 0 and 2 logs x 3 steps of
+    # passes, but none went down as logs; the run went on without resyncs or drops
+    chains = [strategy.blocks.log_chain(b, None) for b in strategy.blocks.block_map.names]
+    installs = [i for c in chains if c is not None for i in c.installs]
+    assert installs and all(0 < i.replay_passes <= 2 * 3 for i in installs)
+    assert not any(protocol.DOWNLOAD_LOGS in m.content.array_records for m in sent)
+    assert all(not h.failed_blocks and not any(h.dropped.values()) for h in strategy.history)
+
+
+def test_seedlog_max_replay_must_not_be_negative(tiny_run_config):
+    with pytest.raises(ConfigError, match="seedlog-max-replay"):
+        RunConfig.from_run_config(dict(tiny_run_config, **{"seedlog-max-replay": -1.0}))
 
 
 def test_a_tampered_log_download_makes_the_node_resync_not_hold_a_wrong_block(

@@ -86,11 +86,15 @@ class DownloadPlanner:
     log_downloads : Callable[[int], bool], optional
         Whether a node may be sent step logs (its z fingerprint and torch are the server's);
         ``None``: no seed-log downloads.
+    max_replay : float
+        Most replay work, in passes over the block, a chain of step logs may cost a node; a
+        costlier chain is sent as weights (0: no cap).
     """
 
     def __init__(self, versions: BlockVersions, *, exact_codec: str, download_codec: str,
                  fraction: float = 1.0, seed: int = 0, max_staleness: int = 0,
-                 log_downloads: Callable[[int], bool] | None = None) -> None:
+                 log_downloads: Callable[[int], bool] | None = None,
+                 max_replay: float = 0.0) -> None:
         if not 0 < fraction <= 1:
             raise ValueError(f"download-fraction must be in (0, 1], got {fraction}")
         if max_staleness < 0:
@@ -101,7 +105,10 @@ class DownloadPlanner:
         self.fraction = fraction
         self.seed = seed
         self.max_staleness = max_staleness
+        if max_replay < 0:
+            raise ValueError(f"seedlog-max-replay must be >= 0, got {max_replay}")
         self.log_downloads = log_downloads
+        self.max_replay = max_replay
 
     def dropped(self, frozen: list[str], server_round: int, node: int) -> list[str]:
         """The frozen blocks kept after random dropping (all of them at ``fraction = 1``)."""
@@ -134,6 +141,8 @@ class DownloadPlanner:
             tensors = self.versions.tensors(block)
             version = self.versions.versions[block]
             chain = self.versions.log_chain(block, held.get(block)) if logs_ok else None
+            if chain is not None and self.max_replay and chain.replay_passes > self.max_replay:
+                chain = None  # rebuilding would cost the node more than the cap: weights
             if chain is not None:
                 logs_key: tuple[Any, ...] = ("logs", block, version, held.get(block))
                 if logs_key not in payloads:

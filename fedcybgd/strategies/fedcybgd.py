@@ -70,6 +70,9 @@ class FedCyBGD(Strategy):
         uploads only: blocks made from step logs alone go to nodes that can replay them as
         those logs, :mod:`fedcybgd.seedsync`, others as ``seedlog_fallback``), the trained
         block (lossless).
+    seedlog_max_replay : float
+        Most replay work, in passes over a block, a seed-log download may cost a node; a
+        costlier chain goes as weights (0: no cap).
     download_fraction, max_staleness, traffic_budget_mb, install_codec, version_history
         Random dropping of frozen downloads; installs a node's frozen copy may lag before it is
         sent; payload MB per client-round each node's traffic level must fit (0: no budget;
@@ -118,6 +121,7 @@ class FedCyBGD(Strategy):
         download_codec: str = "fp32",
         exact_codec: str = "xor+zstd",
         seedlog_fallback: str = "delta+int8+zstd",
+        seedlog_max_replay: float = 64.0,
         download_fraction: float = 1.0,
         max_staleness: int = 0,
         traffic_budget_mb: float = 0.0,
@@ -184,7 +188,7 @@ class FedCyBGD(Strategy):
             fraction=download_fraction, seed=seed, max_staleness=max_staleness,
             log_downloads=(lambda node: (self.nodes.zo.get(node)
                                          or self.sampler.keys.zo.get(node)) == self.zo)
-            if log_downloads else None)
+            if log_downloads else None, max_replay=seedlog_max_replay)
         self.budget = (TrafficBudget(int(traffic_budget_mb * 2**20), self.downloads, upload_codec)
                        if traffic_budget_mb > 0 else None)
         self.sampler = NodeSampler(seed)

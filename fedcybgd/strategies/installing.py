@@ -132,7 +132,8 @@ class BlockInstaller:
             return None  # another aggregator, step, clip or rounding: a node gets weights
         return LoggedInstall(version, content_checksum(installed), size,
                              tuple(got.weight for _, got, _ in uploads),
-                             tuple(got.log for _, got, _ in uploads))
+                             tuple(got.log for _, got, _ in uploads),
+                             sum(got.replay_passes for _, got, _ in uploads))
 
     def _self_synced(self, block: str, uploads: list[Admitted], parallel: int
                      ) -> tuple[str, float] | None:

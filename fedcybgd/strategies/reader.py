@@ -98,6 +98,7 @@ class BlockUpload:
     kind: str = protocol.WEIGHTS  # weights or a step log (protocol.SEEDLOG)
     payload_bytes: int = 0
     log: bytes = b""  # the encoded step log (kind SEEDLOG): what seed-log downloads resend
+    replay_passes: float = 0.0  # the step log's replay work, in passes over the block
 
 
 class ReplyReader:
@@ -197,7 +198,7 @@ class ReplyReader:
             raise Dropped(BAD_PAYLOAD, f"upload of {len(payload)} bytes exceeds the block's "
                                        f"limit of {limit}")
         kind = text(state, protocol.UPLOAD_KIND, default=protocol.WEIGHTS, max_len=16)
-        tensors = self._decode(payload, kind, block, limit)
+        tensors, passes = self._decode(payload, kind, block, limit)
         # A node's claim to keep a pending copy counts only for the very upload decoded here
         # (a weights payload: its header checksum is what ``decode`` verified).
         claim = text(state, protocol.SELF_SYNC_CHECKSUM, default="", max_len=64)
@@ -209,11 +210,13 @@ class ReplyReader:
                            text(state, protocol.RULE, default="", max_len=64),
                            decoded=tensors, pending=pending, kind=kind,
                            payload_bytes=len(payload),
-                           log=payload if kind == protocol.SEEDLOG else b"")
+                           log=payload if kind == protocol.SEEDLOG else b"",
+                           replay_passes=passes)
 
     def _decode(self, payload: bytes, kind: str, block: str, limit: int
-                ) -> dict[str, torch.Tensor]:
-        """The uploaded block from a weights payload or a replayed step log."""
+                ) -> tuple[dict[str, torch.Tensor], float]:
+        """The uploaded block from a weights payload or a replayed step log, and the replay's
+        work in passes over the block (0 for weights)."""
         # the start of the client's training: blocks are installed after all replies
         start = self.versions.tensors(block)
         if kind == protocol.SEEDLOG:
@@ -224,8 +227,11 @@ class ReplyReader:
             if step_log.block != block:
                 raise Dropped(BAD_SEEDLOG, f"seed log is for block '{step_log.block[:64]}'")
             layout = zeroth_order.unit_layout(self.block_map, block)
-            return guarded(lambda: zeroth_order.replay(start, step_log, layout, device=self.device),
-                           REPLAY_FAILED)
+            replayed = guarded(
+                lambda: zeroth_order.replay(start, step_log, layout, device=self.device),
+                REPLAY_FAILED)
+            sizes = [sum(start[name].numel() for name in unit) for unit in layout]
+            return replayed, zeroth_order.replay_passes(step_log, sizes)
         if kind == protocol.WEIGHTS:
             return guarded(lambda: decode(
                 payload,
@@ -233,5 +239,5 @@ class ReplyReader:
                 expect_block=block,
                 expect_shapes={k: tuple(v.shape) for k, v in start.items()},
                 max_bytes=limit,
-            ).tensors, BAD_PAYLOAD)
+            ).tensors, BAD_PAYLOAD), 0.0
         raise Dropped(MALFORMED, f"upload-kind {kind!r} is neither weights nor seedlog")
