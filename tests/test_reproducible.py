@@ -31,6 +31,7 @@ from fedcybgd.server.app import run_server
 from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.server.checkpoint import Checkpointer
 from fedcybgd.strategies.node_keys import NodeKeys, key_order
+from fedcybgd.strategies.sampling import NodeSampler
 
 # Measured, not computed: wall-clock times and the sampled resident memory of client processes.
 MEASURED = {"round_s", "eval_s", "client_train_s", "wall_s", "client_peak_mem_mb"}
@@ -271,6 +272,30 @@ def test_node_keys_order_state_and_queries_once(tiny_run_config):
     restored.load_state(json.loads(json.dumps(keys.state())))
     assert restored.keys == keys.keys
     assert sorted(["b", "10", "9", "a"], key=key_order) == ["9", "10", "a", "b"]
+
+
+class TimedGrid(LoopbackGrid):
+    """A LoopbackGrid that records the timeout of every exchange."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeouts: list[float | None] = []
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+        self.timeouts.append(timeout)
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_a_new_nodes_key_query_waits_as_long_as_nodes_are_waited_for(tiny_run_config):
+    # Prepare: a stage once seen under load: a Ray worker's first answer took over the key
+    # query's own 120 s, so round 1 sampled no node and trained nothing
+    grid = TimedGrid(client_app, 3, tiny_run_config)
+    sampler = NodeSampler(seed=0)
+    # Execute
+    nodes = sampler.sample(grid, 1, count=2, per_block=1, excluded=(), wait_s=300.0)
+    sampler.sample(grid, 2, count=2, per_block=1, excluded=(), wait_s=300.0)
+    # Assert: the key queries waited up to the node wait (once: keys are learnt once)
+    assert grid.timeouts == [300.0] and len(nodes) == 2
 
 
 def test_node_key_config_is_checked():

@@ -91,13 +91,16 @@ class NodeKeys:
         self.zo: dict[int, str] = {}  # node -> the "zo-node" its key reply named
         self._warned: set[str] = set()
 
-    def learn(self, grid: Grid, nodes: Iterable[int], server_round: int) -> None:
-        """Ask every node in ``nodes`` whose key is not known yet for it."""
+    def learn(self, grid: Grid, nodes: Iterable[int], server_round: int,
+              timeout_s: float | None = None) -> None:
+        """Ask every node in ``nodes`` whose key is not known yet for it, waiting up to
+        ``timeout_s`` (default: the instance's) for the replies."""
         queries = [key_query(node, server_round) for node in sorted(set(nodes))
                    if node not in self.keys]
         if not queries:
             return
-        replies = list(grid.send_and_receive(queries, timeout=self.timeout_s))
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        replies = list(grid.send_and_receive(queries, timeout=timeout_s))
         # Matched by message id, not by the reply's source: a reply answers only its query.
         asked = {q.metadata.message_id: q.metadata.dst_node_id for q in queries}
         for reply in replies:
@@ -116,7 +119,7 @@ class NodeKeys:
                             drop.detail)
         for node in asked.values():
             log.warning("round %d: node %d did not answer the node-key query within %.0f s; it "
-                        "is not sampled until it does", server_round, node, self.timeout_s)
+                        "is not sampled until it does", server_round, node, timeout_s)
         self._warn_duplicates()
 
     def _warn_duplicates(self) -> None:

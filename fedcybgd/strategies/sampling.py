@@ -40,7 +40,9 @@ class NodeSampler:
 
         Waits up to ``wait_s`` for ``count`` nodes to connect; an excluded node counts as
         connected (it is present, just of no use), and a node that has not told its key sits
-        the round out.
+        the round out. A new node's first answer (its key) is given ``wait_s`` too: a cold
+        start (a Ray worker or a phone loading torch and the app) may take minutes, and a node
+        not keyed in time sits the round out.
         """
         deadline = time.monotonic() + wait_s
         while True:
@@ -52,7 +54,7 @@ class NodeSampler:
         if len(usable) < per_block:
             raise RuntimeError(f"round {server_round}: {len(usable)} usable nodes connected, "
                                f"fewer than clients-per-block={per_block}")
-        self.keys.learn(grid, usable, server_round)
+        self.keys.learn(grid, usable, server_round, timeout_s=max(self.keys.timeout_s, wait_s))
         nodes = self.keys.order(usable)
         take = min(count, len(nodes) // per_block * per_block)
         if take < count:
