@@ -274,28 +274,62 @@ def test_node_keys_order_state_and_queries_once(tiny_run_config):
     assert sorted(["b", "10", "9", "a"], key=key_order) == ["9", "10", "a", "b"]
 
 
-class TimedGrid(LoopbackGrid):
-    """A LoopbackGrid that records the timeout of every exchange."""
+class SlowStartGrid(LoopbackGrid):
+    """A LoopbackGrid whose node ``slow`` answers only its first message, and that answer
+    reaches the server only once ``started`` is set (a cold start past the timeout)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, slow: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.timeouts: list[float | None] = []
+        self.slow, self.started, self.first = slow, False, ""
 
-    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
-        self.timeouts.append(timeout)
-        return super().send_and_receive(messages, timeout=timeout)
+    def push_messages(self, messages: Any) -> Any:
+        messages = list(messages)
+        for message in messages:
+            asked_before = any(m.metadata.dst_node_id == self.slow for m in self.sent)
+            self.silent = {self.slow} if asked_before else set()
+            super().push_messages([message])
+            if message.metadata.dst_node_id == self.slow and not asked_before:
+                self.first = message.metadata.message_id
+        self.silent = set()
+        return [m.metadata.message_id for m in messages]
+
+    def pull_messages(self, message_ids: Any) -> Any:
+        return super().pull_messages(
+            [i for i in message_ids if self.started or i != self.first])
 
 
-def test_a_new_nodes_key_query_waits_as_long_as_nodes_are_waited_for(tiny_run_config):
-    # Prepare: a stage once seen under load: a Ray worker's first answer took over the key
-    # query's own 120 s, so round 1 sampled no node and trained nothing
-    grid = TimedGrid(client_app, 3, tiny_run_config)
-    sampler = NodeSampler(seed=0)
+def test_a_late_node_key_answer_counts_in_a_later_round(tiny_run_config, caplog):
+    # Prepare: once seen under load, a Ray worker's first answer came after the key query's
+    # timeout, so round 1 sampled no node; its answer to a re-sent query came late too
+    grid = SlowStartGrid(client_app, 3, tiny_run_config, slow=1002)
+    keys = NodeKeys(timeout_s=0.3)
+    # Execute: round 1 times out on the slow node; then its first answer arrives
+    with caplog.at_level(logging.WARNING, logger="fedcybgd"):
+        keys.learn(grid, grid.get_node_ids(), 1)
+    keyed_in_round_1 = sorted(keys.keys)
+    grid.started = True
+    keys.learn(grid, grid.get_node_ids(), 2)
+    # Assert: the slow node sat round 1 out, named, and its late answer to the first query
+    # (it never answered the second) keyed it in round 2
+    assert keyed_in_round_1 == [1001, 1003]
+    assert "node 1002 did not answer the node-key query" in caplog.text
+    assert sorted(keys.keys) == [1001, 1002, 1003] and keys.keys[1002] == "1"
+    assert sum(m.metadata.dst_node_id == 1002 for m in grid.sent) == 2
+
+
+def test_a_new_nodes_key_query_waits_as_long_as_nodes_are_waited_for(tiny_run_config,
+                                                                     monkeypatch):
+    # Prepare: record how long the key queries may wait
+    waits: list[float | None] = []
+    learn = NodeKeys.learn
+    monkeypatch.setattr(NodeKeys, "learn", lambda self, grid, nodes, rnd, timeout_s=None:
+                        waits.append(timeout_s) or learn(self, grid, nodes, rnd, timeout_s))
+    grid = LoopbackGrid(client_app, 3, tiny_run_config)
     # Execute
-    nodes = sampler.sample(grid, 1, count=2, per_block=1, excluded=(), wait_s=300.0)
-    sampler.sample(grid, 2, count=2, per_block=1, excluded=(), wait_s=300.0)
-    # Assert: the key queries waited up to the node wait (once: keys are learnt once)
-    assert grid.timeouts == [300.0] and len(nodes) == 2
+    nodes = NodeSampler(seed=0).sample(grid, 1, count=2, per_block=1, excluded=(),
+                                       wait_s=300.0)
+    # Assert: a cold start gets the node wait (300 s), not the key query's own 120 s
+    assert waits == [300.0] and len(nodes) == 2
 
 
 def test_node_key_config_is_checked():

@@ -11,7 +11,8 @@ key in a ConfigRecord (and, optionally, what its zeroth-order replay runs on,
 :data:`fedcybgd.protocol.ZO_NODE`, so that seed-log downloads can reach it from its first round).
 The reply is untrusted input: it must hold exactly that record, the key a short string matching
 :data:`fedcybgd.protocol.NODE_KEY_PATTERN`; anything else is logged and the node is asked again
-next round. A node without a key is not sampled. Two nodes with the
+next round. A query still unanswered at its timeout stays awaited: a late answer (a slow cold
+start) keys the node in a later round. A node without a key is not sampled. Two nodes with the
 same key (a misconfigured deployment) are ordered by node id, which is deterministic within a
 run, and logged as a warning; their seeds differ by their rank among the duplicates.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -41,6 +43,7 @@ from fedcybgd.strategies.replies import (
 log = logging.getLogger(__name__)
 
 _KEY = re.compile(protocol.NODE_KEY_PATTERN)
+POLL_S = 0.2  # how often unanswered queries are polled
 
 
 def key_order(key: str) -> tuple[int, int, str]:
@@ -82,7 +85,8 @@ class NodeKeys:
     ----------
     timeout_s : float
         How long one round's queries wait for replies (they come back as soon as all have
-        answered; a node that has not by then is asked again next round).
+        answered; a node that has not by then is asked again next round, and its late answer
+        to either query counts).
     """
 
     def __init__(self, timeout_s: float = 120.0) -> None:
@@ -90,37 +94,59 @@ class NodeKeys:
         self.keys: dict[int, str] = {}
         self.zo: dict[int, str] = {}  # node -> the "zo-node" its key reply named
         self._warned: set[str] = set()
+        self._pending: dict[str, int] = {}  # query message id -> node, until answered
 
     def learn(self, grid: Grid, nodes: Iterable[int], server_round: int,
               timeout_s: float | None = None) -> None:
         """Ask every node in ``nodes`` whose key is not known yet for it, waiting up to
-        ``timeout_s`` (default: the instance's) for the replies."""
-        queries = [key_query(node, server_round) for node in sorted(set(nodes))
-                   if node not in self.keys]
-        if not queries:
+        ``timeout_s`` (default: the instance's) for the answers.
+
+        An earlier round's unanswered query is still awaited: a node slower than the timeout
+        (a cold start) is keyed by its late answer, here or in a later round.
+        """
+        wanted = sorted({n for n in nodes if n not in self.keys})
+        if not wanted:
             return
+        queries = [key_query(node, server_round) for node in wanted]
+        grid.push_messages(queries)
+        self._pending.update({q.metadata.message_id: q.metadata.dst_node_id for q in queries})
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        replies = list(grid.send_and_receive(queries, timeout=timeout_s))
-        # Matched by message id, not by the reply's source: a reply answers only its query.
-        asked = {q.metadata.message_id: q.metadata.dst_node_id for q in queries}
-        for reply in replies:
-            node = asked.pop(reply.metadata.reply_to_message_id, None)
-            if node is None:
-                log.warning("round %d: ignored a node-key reply from node %d that answers no "
-                            "open query", server_round, reply.metadata.src_node_id)
-                continue
-            try:
-                self.keys[node], zo = guarded(functools.partial(read_key, reply))
-                if zo:
-                    self.zo[node] = zo
-            except Dropped as drop:
-                log.warning("round %d: node %d sent no usable node key (%s: %s); it is not "
-                            "sampled until it does", server_round, node, drop.reason,
-                            drop.detail)
-        for node in asked.values():
-            log.warning("round %d: node %d did not answer the node-key query within %.0f s; it "
-                        "is not sampled until it does", server_round, node, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        answered: set[int] = set()
+        while True:
+            for reply in grid.pull_messages(list(self._pending)):
+                answered.add(self._read(reply, server_round))
+            if all(n in answered or n in self.keys for n in wanted):
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        for node in wanted:
+            if node not in answered and node not in self.keys:
+                log.warning("round %d: node %d did not answer the node-key query within %.0f s; "
+                            "it is not sampled until it does (a late answer counts)",
+                            server_round, node, timeout_s)
         self._warn_duplicates()
+
+    def _read(self, reply: Message, server_round: int) -> int:
+        """Take the key ``reply`` tells (or log why not); returns the node it answers for
+        (-1 when it answers no open query)."""
+        node = self._pending.pop(reply.metadata.reply_to_message_id, None)
+        if node is None:
+            log.warning("round %d: ignored a node-key reply from node %d that answers no "
+                        "open query", server_round, reply.metadata.src_node_id)
+            return -1
+        if node in self.keys:
+            return node  # a late answer to an earlier query: the key is known already
+        try:
+            self.keys[node], zo = guarded(functools.partial(read_key, reply))
+            if zo:
+                self.zo[node] = zo
+        except Dropped as drop:
+            log.warning("round %d: node %d sent no usable node key (%s: %s); it is not "
+                        "sampled until it does", server_round, node, drop.reason,
+                        drop.detail)
+        return node
 
     def _warn_duplicates(self) -> None:
         for key, nodes in self._groups().items():
