@@ -317,6 +317,20 @@ def test_a_late_node_key_answer_counts_in_a_later_round(tiny_run_config, caplog)
     assert sum(m.metadata.dst_node_id == 1002 for m in grid.sent) == 2
 
 
+def test_a_node_that_never_answers_is_awaited_by_at_most_two_queries(tiny_run_config):
+    # Prepare: node 1002 loses every reply
+    grid = LoopbackGrid(client_app, 2, tiny_run_config)
+    grid.silent = {1002}
+    keys = NodeKeys(timeout_s=0.05)
+    # Execute: five rounds ask it again
+    for server_round in range(1, 6):
+        keys.learn(grid, grid.get_node_ids(), server_round)
+    # Assert: asked each round, but only its first and its newest query are awaited
+    assert sorted(keys.keys) == [1001]
+    asked = [m.metadata.message_id for m in grid.sent if m.metadata.dst_node_id == 1002]
+    assert len(asked) == 5 and sorted(keys._pending) == sorted([asked[0], asked[-1]])
+
+
 def test_a_new_nodes_key_query_waits_as_long_as_nodes_are_waited_for(tiny_run_config,
                                                                      monkeypatch):
     # Prepare: record how long the key queries may wait

@@ -99,14 +99,14 @@ class DownloadPlanner:
             raise ValueError(f"download-fraction must be in (0, 1], got {fraction}")
         if max_staleness < 0:
             raise ValueError(f"max-staleness must be >= 0, got {max_staleness}")
+        if max_replay < 0:
+            raise ValueError(f"seedlog-max-replay must be >= 0, got {max_replay}")
         self.versions = versions
         self.exact_codec = exact_codec
         self.download_codec = download_codec
         self.fraction = fraction
         self.seed = seed
         self.max_staleness = max_staleness
-        if max_replay < 0:
-            raise ValueError(f"seedlog-max-replay must be >= 0, got {max_replay}")
         self.log_downloads = log_downloads
         self.max_replay = max_replay
 

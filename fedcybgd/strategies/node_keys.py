@@ -107,6 +107,12 @@ class NodeKeys:
         wanted = sorted({n for n in nodes if n not in self.keys})
         if not wanted:
             return
+        # of a node's earlier unanswered queries only the oldest is still awaited (a slow node
+        # answers it first), so a node that never answers does not grow the list each round
+        oldest: dict[int, str] = {}
+        for message_id, node in self._pending.items():
+            oldest.setdefault(node, message_id)
+        self._pending = {message_id: node for node, message_id in oldest.items()}
         queries = [key_query(node, server_round) for node in wanted]
         grid.push_messages(queries)
         self._pending.update({q.metadata.message_id: q.metadata.dst_node_id for q in queries})
