@@ -240,6 +240,63 @@ def test_batches_cross_epochs_with_full_batches(tokenizer):
     assert sizes == [4] * 5
 
 
+def test_class_balanced_batches_hold_every_class_evenly(tokenizer):
+    # Prepare: 2 positives among 12 rows
+    frame = pd.DataFrame({"text": [f"review {i}" for i in range(12)],
+                          "label": [1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]})
+
+    # Execute
+    stream = data.batches(frame, tokenizer, 4, 32, seed=5, logit_adjust=True,
+                          class_balance=True)
+    batches = [next(stream) for _ in range(6)]
+    resumed = next(data.batches(frame, tokenizer, 4, 32, seed=5, logit_adjust=True,
+                                class_balance=True, start_step=5))
+    plain = next(data.batches(frame, tokenizer, 4, 32, seed=5, logit_adjust=True))
+
+    # Assert
+    assert all(sorted(b.labels.tolist()) == [0, 0, 1, 1] for b in batches)
+    negatives = [t for b in batches[:5] for t, y in zip(_texts(b, tokenizer), b.labels.tolist(),
+                                                        strict=True) if y == 0]
+    assert sorted(negatives) == sorted(prompts.TEMPLATE.format(text=t) for t in
+                                       frame["text"][frame["label"] == 0])  # one epoch each
+    assert _texts(resumed, tokenizer) == _texts(batches[5], tokenizer)
+    assert batches[0].class_log_prior.tolist() == [0.0, 0.0]  # the batches' own shares
+    assert plain.class_log_prior[1] < -0.5  # the frame's: positives are rare
+
+
+def test_class_balance_leaves_one_class_frames_and_classless_tasks_alone(tokenizer):
+    # Prepare
+    one_class = pd.DataFrame({"text": [f"review {i}" for i in range(6)], "label": [0] * 6})
+
+    # Execute
+    balanced = data.batches(one_class, tokenizer, 3, 32, seed=1, class_balance=True)
+    plain = data.batches(one_class, tokenizer, 3, 32, seed=1)
+
+    # Assert
+    assert [_texts(next(balanced), tokenizer) for _ in range(3)] == \
+        [_texts(next(plain), tokenizer) for _ in range(3)]
+
+
+def test_class_balance_gives_an_absent_class_the_laplace_share(tokenizer):
+    # Prepare: three label words, the frame holds two of them
+    from fedcybgd.config import RunConfig
+    from fedcybgd.tasks.base import build_task
+
+    task = build_task(RunConfig.from_run_config({"label-words": "bad,good,fine"}))
+    frame = pd.DataFrame({"text": [f"review {i}" for i in range(9)],
+                          "label": [0, 0, 0, 0, 0, 0, 0, 1, 1]})
+
+    # Execute
+    batch = next(data.batches(frame, tokenizer, 4, 32, seed=0, logit_adjust=True, task=task,
+                              class_balance=True))
+
+    # Assert
+    assert sorted(batch.labels.tolist()) == [0, 0, 1, 1]
+    prior = batch.class_log_prior.tolist()
+    assert prior[0] == pytest.approx(prior[1])
+    assert prior[2] < prior[0] - 1.0
+
+
 def test_eval_batches_in_order_up_to_limit(tokenizer):
     # Prepare
     frame = data.load_split(DATASET, "validation")

@@ -20,4 +20,5 @@ def training_batches(run: RunConfig, node: NodeConfig, seed: int) -> data.BatchI
             task, run.partitioner, node.partition_id, node.num_partitions,
             run.dirichlet_alpha, run.seed))
     return data.batches(examples, client_tokenizer(run.model), run.batch_size, run.max_seq_len,
-                        seed=seed, shuffle=True, logit_adjust=run.logit_adjust, task=task)
+                        seed=seed, shuffle=True, logit_adjust=run.logit_adjust, task=task,
+                        class_balance=run.class_balance)

@@ -145,6 +145,14 @@ class BatchIterator(Iterator[Batch]):
     (Laplace-smoothed: a class the client lacks is strongly suppressed, not ``-inf``), which the
     training loss adds to the class logits (:func:`fedcybgd.objective.adjusted`); tasks without
     classes carry none. ``task`` (default: :func:`default_task`) encodes the rows.
+
+    ``class_balance`` (a task with classes, a frame holding two or more of them): the stream's
+    positions take the classes the frame holds in turn, each class its own seeded epochs, so
+    every batch holds them evenly (a rare class's rows recur). Label skew then cannot tilt a
+    step's gradient towards the client's common class: logit adjustment balances the classes
+    only in expectation over many batches, and Adam, which sizes each step by the recent
+    gradients, turns the small but consistent push of a batch without the rare class into a
+    full step. The prior the batches carry is then their own: equal for the present classes.
     """
 
     def __init__(
@@ -158,6 +166,7 @@ class BatchIterator(Iterator[Batch]):
         start_step: int = 0,
         logit_adjust: bool = False,
         task: Task | None = None,
+        class_balance: bool = False,
     ) -> None:
         if len(frame) == 0:
             raise ValueError("cannot draw batches from an empty frame")
@@ -169,6 +178,15 @@ class BatchIterator(Iterator[Batch]):
         self._items: list[Any] = self.task.examples(frame)
         self.encoder = self.task.encoder(tokenizer, max_seq_len)
         self._log_prior = self.task.class_log_prior(frame) if logit_adjust else None
+        self._by_class = class_groups(self.task, frame) if class_balance else None
+        if self._by_class is not None and logit_adjust:
+            # the batches' own class shares: the present classes equal, the absent ones
+            # Laplace-small as in the frame's prior
+            present = [len(g) > 0 for g in self._by_class]
+            k = sum(present)
+            self._log_prior = local_log_prior_of_counts(
+                np.array([len(frame) / k if p else 0.0 for p in present]))
+        self._class_orders: dict[tuple[int, int], np.ndarray] = {}
         self._batch_size = batch_size
         self._seed = seed
         self._shuffle = shuffle
@@ -187,11 +205,31 @@ class BatchIterator(Iterator[Batch]):
             self._epoch = epoch
         return self._order
 
+    def _balanced_row(self, position: int) -> int:
+        """Row of stream ``position`` when batches are class-balanced: positions take the
+        present classes in turn, each class its own seeded, reshuffled epochs."""
+        assert self._by_class is not None
+        present = [g for g in self._by_class if len(g)]
+        turn, k = position % len(present), position // len(present)
+        group = present[turn]
+        epoch, offset = divmod(k, len(group))
+        key = (turn, epoch)
+        order = self._class_orders.get(key)
+        if order is None:
+            if len(self._class_orders) > 4 * len(present):
+                self._class_orders.clear()
+            order = np.random.default_rng([self._seed, turn, epoch]).permutation(len(group))
+            self._class_orders[key] = order
+        return int(group[order[offset]])
+
     def __next__(self) -> Batch:
         n = len(self._items)
         start = self.step * self._batch_size
         rows = []
         for position in range(start, start + self._batch_size):
+            if self._by_class is not None:
+                rows.append(self._balanced_row(position))
+                continue
             epoch, offset = divmod(position, n)
             rows.append(int(self._epoch_order(epoch)[offset]))
         self.step += 1
@@ -202,8 +240,25 @@ def local_log_prior(labels: list[int], classes: int) -> torch.Tensor:
     """``[C]`` ``log(C * p_c)`` of ``labels``' shares, ``p_c = (n_c + 1) / (n + C)``: zeros
     for balanced labels."""
     counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=classes)[:classes]
+    return local_log_prior_of_counts(counts.astype(np.float64))
+
+
+def local_log_prior_of_counts(counts: np.ndarray) -> torch.Tensor:
+    """:func:`local_log_prior` from per-class counts."""
+    classes = len(counts)
     shares = (counts + 1.0) / (counts.sum() + classes)
     return torch.tensor(np.log(classes * shares), dtype=torch.float32)
+
+
+def class_groups(task: Task, frame: pd.DataFrame) -> list[np.ndarray] | None:
+    """Row positions of each class of ``frame`` (empty for a class it lacks); ``None`` when
+    the task has no classes or the frame holds only one (nothing to balance)."""
+    found = task.class_labels(frame)
+    if found is None:
+        return None
+    labels, classes = np.asarray(found[0], dtype=np.int64), found[1]
+    groups = [np.flatnonzero(labels == c) for c in range(classes)]
+    return groups if sum(len(g) > 0 for g in groups) > 1 else None
 
 
 def batches(
@@ -216,10 +271,11 @@ def batches(
     start_step: int = 0,
     logit_adjust: bool = False,
     task: Task | None = None,
+    class_balance: bool = False,
 ) -> BatchIterator:
     """Endless training batches over ``frame`` (see :class:`BatchIterator`)."""
     return BatchIterator(frame, tokenizer, batch_size, max_seq_len, seed, shuffle, start_step,
-                         logit_adjust, task)
+                         logit_adjust, task, class_balance)
 
 
 def eval_batches(

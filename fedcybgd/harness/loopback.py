@@ -8,8 +8,11 @@ simulate a timeout.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections import deque
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
@@ -147,3 +150,33 @@ class LoopbackGrid(LocalGrid):
                 self._replies[message.metadata.message_id] = reply
             ids.append(message.metadata.message_id)
         return ids
+
+
+def run_in_process(config: dict[str, Any], nodes: int, out: str | Path,
+                   node_config: Callable[[int], dict[str, Any]] | None = None,
+                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One whole run of ``config`` (a run config) in this process: the ServerApp's own runner
+    for its ``strategy`` and ``nodes`` ClientApps on a :class:`LoopbackGrid`, outputs and node
+    caches under ``out`` (replaced). Returns the run's summary and its ``metrics.jsonl`` rows.
+
+    For experiments that compare learning (no Ray, no SuperLink, no process per node: the
+    fastest real run); what crosses a wire is measured by the process grid instead.
+    """
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.config import RunConfig
+    from fedcybgd.server.app import RUNNERS  # the ServerApp's own table: strategy -> runner
+
+    root = Path(out)
+    shutil.rmtree(root, ignore_errors=True)
+    config = {**config, "output-dir": str(root / "run")}
+
+    def with_cache(i: int) -> dict[str, Any]:
+        extra = node_config(i) if node_config is not None else {}
+        return {"cache-dir": str(root / f"cache-{i}"), **extra}
+
+    grid = LoopbackGrid(client_app, nodes, config, node_config=with_cache, keep_sent=0)
+    run = RunConfig.from_run_config(config)
+    summary = RUNNERS[run.strategy](grid, run)
+    rows = [json.loads(line)
+            for line in (root / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    return summary, rows

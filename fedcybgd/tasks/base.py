@@ -165,6 +165,11 @@ class Task(ABC):
         (``logit-adjust``); ``None``: the task has no classes."""
         return None
 
+    def class_labels(self, frame: pd.DataFrame) -> tuple[list[int], int] | None:
+        """Each row's class index and the number of classes (``class-balance`` draws
+        batches by class); ``None``: the task has no classes."""
+        return None
+
     # --------------------------------------------------------------------------------- loss
 
     def scores(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
