@@ -159,6 +159,36 @@ def best_settings(results: dict[str, dict[str, Any]], partition: str) -> dict[st
     return {method: key[2] for method, key in best.items()}
 
 
+def seed_spread(results: dict[str, dict[str, Any]]) -> list[str]:
+    """For every setting run with several seeds on a partition: the accuracy gain over the
+    model before training, per seed and on average, the spread of the final accuracies, and
+    whether the gain is beyond that spread (every seed gains and the mean gain exceeds the
+    spread), and the same for the eval loss."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in results.values():
+        groups.setdefault((r["method"], r["setting"], r["partition"]), []).append(r)
+    lines = []
+    for (method, setting, partition), runs in groups.items():
+        if len(runs) < 2:
+            continue
+        runs = sorted(runs, key=lambda r: r["seed"])
+        finals = [r["summary"]["final_eval_accuracy"] for r in runs]
+        gains = [r["summary"]["final_eval_accuracy"] - r["summary"]["initial_eval_accuracy"]
+                 for r in runs]
+        losses = [r["summary"]["final_eval_loss"] for r in runs]
+        spread = max(finals) - min(finals)
+        mean = statistics.fmean(gains)
+        beyond = min(gains) > 0 and mean > spread
+        lines.append(
+            f"- {method} ({setting}) on {partition}, seeds {[r['seed'] for r in runs]}: "
+            f"accuracy {', '.join(f'{a:.3f}' for a in finals)}, gain over zero-shot "
+            f"{mean * 100:+.1f} points (min {min(gains) * 100:+.1f}), final spread "
+            f"{spread * 100:.1f} points: {'beyond' if beyond else 'NOT beyond'} the seed "
+            f"spread; eval loss {', '.join(f'{x:.3f}' for x in losses)} (from "
+            f"{runs[0]['summary']['initial_eval_loss']:.3f})")
+    return lines
+
+
 def report(sweep: dict[str, Any], results: dict[str, dict[str, Any]],
            meta: dict[str, Any]) -> str:
     """The Markdown table: one row per setting, a column per partition and seed, the mean per
@@ -201,6 +231,8 @@ def report(sweep: dict[str, Any], results: dict[str, dict[str, Any]],
         "",
         *rows,
         "",
+        *(["## Seed spread", "", *spread_lines, ""] if (spread_lines := seed_spread(results))
+          else []),
     ])
 
 
