@@ -113,7 +113,8 @@ def run_one(plan: dict[str, Any], work: Path, nodes: int) -> dict[str, Any]:
     started = time.perf_counter()
     summary, records = run_in_process(plan["config"], nodes, work / "run")
     keep = ("initial_eval_loss", "initial_eval_accuracy", "final_eval_loss",
-            "final_eval_accuracy", "bytes_down", "bytes_up", "client_peak_mem_mb")
+            "final_eval_accuracy", "bytes_down", "bytes_up", "client_peak_mem_mb",
+            "run_config")
     return {**plan, "summary": {k: summary[k] for k in keep if k in summary},
             "records": records, "wall_s": time.perf_counter() - started}
 
@@ -209,7 +210,8 @@ def report(sweep: dict[str, Any], results: dict[str, dict[str, Any]],
             mark = " **best**" if best[p].get(method) == setting else ""
             cells.append("-" if mean is None else f"{mean[0]:.3f} / {mean[1]:.3f}{mark}")
         rows.append(f"| {method} | {setting} | " + " | ".join(cells) + " |")
-    base = sweep["base"]
+    # the whole run config of a run (every key, defaults included) for the shared sizes
+    base = first.get("run_config", sweep["base"])
     per_round = int(base["clients-per-round"]) * int(base["num-server-rounds"])
     return "\n".join([
         f"# Sweep `{sweep['name']}`",
