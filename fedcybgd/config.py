@@ -39,6 +39,7 @@ from fedcybgd.choices import (
     STRATEGIES,
     UPDATE_RULES,
 )
+from fedcybgd.class_prior import ClassPriorSpec
 from fedcybgd.compression import CodecError, lossy_delta_spec, parse_spec
 from fedcybgd.config_fields import ConfigError, build, closest, coerce, normalize, setting, settings
 from fedcybgd.model.devices import check_device_name
@@ -155,6 +156,8 @@ class RunConfig:
     eval_split: str = setting("test", choices=EVAL_SPLITS)  # validation: for tuning
     logit_adjust: bool = setting(True)  # clients add log(C x own label share) to class logits
     class_balance: bool = setting(False)  # clients draw each batch evenly from their classes
+    # the class shares training aims at: global (the nodes' pooled counts), uniform, or shares
+    class_prior: str = setting("uniform")
     # Placement and precision (fedcybgd.model.devices, fedcybgd.model.precision): the clients'
     # and the server's device (a node's own `device` overrides), and how a client holds the
     # blocks it does not train; the trained block and the server's weights are always fp32.
@@ -177,6 +180,10 @@ class RunConfig:
             raise ConfigError("output-dir must name a folder")
         if not self.lora_modules:
             raise ConfigError("lora-target-modules must name at least one module")
+        try:
+            ClassPriorSpec.parse(self.class_prior)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         specs = [("seedlog-fallback", self.seedlog_fallback)]
         if self.upload_codec != "seedlog":
             specs.append(("upload-codec", self.upload_codec))

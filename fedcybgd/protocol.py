@@ -35,6 +35,9 @@ ZO_TORCH = "zo-torch"  # the server's torch version (seed-log replay check)
 SEEDLOG_FALLBACK = "seedlog-fallback"  # codec for weights when a seed log cannot be replayed
 LOCAL_STEPS = "local-steps"  # steps the server asks for; a seed log may hold no more
 LR = "lr"  # the round's client learning rate (the server's schedule); absent: the run config's
+# the class shares training aims at (fedcybgd.class_prior): a list of floats, one per class;
+# absent: equal shares. Instructions of FedCyBGD and of the FedAvg baselines alike.
+CLASS_PRIOR = "class-prior"
 
 # Keys of the reply's ConfigRecord.
 STATUS = "status"
@@ -63,6 +66,9 @@ NUM_EXAMPLES = "num-examples"
 QUERY_NODE_KEY = "query.node_key"
 IDENTITY = "identity"
 NODE_KEY = "node-key"
+# ... and, with class-prior = global on a task with classes, the node's class counts (a list of
+# ints, one per class) from which the server pools the prior
+CLASS_COUNTS = "class-counts"
 # What a node key may look like (both sides check it): short, no spaces, no path separators.
 NODE_KEY_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,63}"
 
@@ -88,6 +94,19 @@ def get_str(record: Mapping[str, Any], key: str) -> str:
     value = record.get(key)
     if not isinstance(value, str):
         raise ValueError(f"record field {key!r} must be a string, got {value!r}")
+    return value
+
+
+def class_prior(record: Mapping[str, Any]) -> list[float] | None:
+    """The :data:`CLASS_PRIOR` shares of an instruction's record (``None``: absent, equal
+    shares); ``ValueError`` naming the key unless 2 to 4096 finite positive floats."""
+    value = record.get(CLASS_PRIOR)
+    if value is None:
+        return None
+    if (not isinstance(value, list) or not 2 <= len(value) <= 4096
+            or not all(isinstance(x, float) and 0 < x < float("inf") for x in value)):
+        raise ValueError(f"record field {CLASS_PRIOR!r} must be 2 to 4096 positive finite "
+                         f"floats, got {str(value)[:80]}")
     return value
 
 

@@ -31,7 +31,7 @@ from fedcybgd import protocol, seedsync, selfsync, zeroth_order
 from fedcybgd.checksum import content_checksum
 from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
 from fedcybgd.client.feedback import encode_upload
-from fedcybgd.client.local_data import training_batches
+from fedcybgd.client.local_data import stated_class_counts, training_batches
 from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
 from fedcybgd.client.runtime import ClientModel, client_model
 from fedcybgd.client.store import BlockStore
@@ -48,6 +48,7 @@ from fedcybgd.compression import (
     uses_base,
 )
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig
+from fedcybgd.data import target_shares
 from fedcybgd.data.prompts import Batch
 from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule, measured_runtime_mb
 from fedcybgd.memory.measure import PeakMemory, rss_bytes
@@ -164,6 +165,9 @@ def node_key(msg: Message, context: Context) -> Message:
     if context.run_config.get("download-codec") == protocol.SEEDLOG:
         # what its zeroth-order replay runs on: may it be sent step logs from its first round?
         identity[protocol.ZO_NODE] = zo_node(device)
+    counts = stated_class_counts(RunConfig.from_run_config(context.run_config), node)
+    if counts is not None:  # class-prior = global: the server pools the nodes' shares
+        identity[protocol.CLASS_COUNTS] = counts
     return Message(RecordDict({protocol.IDENTITY: identity}), reply_to=msg)
 
 
@@ -215,7 +219,14 @@ def train(msg: Message, context: Context) -> Message:
         return _reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")
     # Before the budget check: the tokenizer and data are then resident, part of what this
     # process measures as its runtime.
-    batches = training_batches(run, node, seed)
+    try:
+        target = protocol.class_prior(cfg)
+        if target is not None:  # one share per class of the task
+            target_shares(target, build_task(run).num_classes())
+    except ValueError as err:
+        log.warning("round %s: refused an instruction (%s)", server_round, err)
+        return _reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")
+    batches = training_batches(run, node, seed, target)
     if node.memory_budget_mb:
         shape = cm.shape
         # An sft batch scores every response token, not one per row (an upper bound here)

@@ -31,6 +31,7 @@ from fedcybgd.client.local_data import training_batches
 from fedcybgd.client.updates.fo import block_loss
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.memory.measure import PeakMemory
+from fedcybgd.protocol import class_prior
 
 __all__ = ["ARRAYS", "METRICS", "build_full", "build_lora", "is_fedavg_message", "train_fedavg"]
 
@@ -58,7 +59,7 @@ def train_fedavg(msg: Message, context: Context) -> Message:
     bm.set(from_record(msg.content.array_records.pop(ARRAYS)))
 
     seed = run.seed * 1_000_003 + server_round * 1009 + node.partition_id
-    batches = training_batches(run, node, seed)
+    batches = training_batches(run, node, seed, class_prior(cfg))
     params = bm.trainable
     for p in params:
         p.requires_grad_(True)

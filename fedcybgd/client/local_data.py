@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
 
 from fedcybgd import data
@@ -10,15 +12,32 @@ from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.tasks.base import build_task
 
 
-def training_batches(run: RunConfig, node: NodeConfig, seed: int) -> data.BatchIterator:
-    """This node's endless training batches, through the run's task: its own ``data-path``
-    file when the node config names one (read here, never sent), else its partition of the
-    run's dataset (the partitioning is cached per process)."""
+def node_frame(run: RunConfig, node: NodeConfig) -> pd.DataFrame:
+    """This node's training rows, through the run's task: its own ``data-path`` file when the
+    node config names one (read here, never sent), else its partition of the run's dataset
+    (the partitioning is cached per process)."""
     task = build_task(run)
-    examples: pd.DataFrame = (
-        task.local_frame(node.data_path) if node.data_path else data.client_examples(
-            task, run.partitioner, node.partition_id, node.num_partitions,
-            run.dirichlet_alpha, run.seed))
-    return data.batches(examples, client_tokenizer(run.model), run.batch_size, run.max_seq_len,
-                        seed=seed, shuffle=True, logit_adjust=run.logit_adjust, task=task,
-                        class_balance=run.class_balance)
+    if node.data_path:
+        return task.local_frame(node.data_path)
+    return data.client_examples(task, run.partitioner, node.partition_id, node.num_partitions,
+                                run.dirichlet_alpha, run.seed)
+
+
+def training_batches(run: RunConfig, node: NodeConfig, seed: int,
+                     target_prior: Sequence[float] | None = None) -> data.BatchIterator:
+    """This node's endless training batches (:func:`node_frame`), aiming at ``target_prior``
+    (the class shares an instruction carries; ``None``: equal shares)."""
+    return data.batches(node_frame(run, node), client_tokenizer(run.model), run.batch_size,
+                        run.max_seq_len, seed=seed, shuffle=True, logit_adjust=run.logit_adjust,
+                        task=build_task(run), class_balance=run.class_balance,
+                        target_prior=target_prior)
+
+
+def stated_class_counts(run: RunConfig, node: NodeConfig) -> list[int] | None:
+    """What the node tells the server of its data for ``class-prior = global``: how many rows
+    of each class it trains on; ``None`` for another ``class-prior`` or a task without
+    classes."""
+    task = build_task(run)
+    if run.class_prior.strip().lower() != "global" or task.num_classes() < 2:
+        return None
+    return data.class_counts(task, node_frame(run, node))

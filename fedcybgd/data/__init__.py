@@ -9,7 +9,7 @@ at a time: a client takes a few batches per round, and tokenizing 8 rows costs ~
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,7 @@ __all__ = [
     "EncodedExamples",
     "batches",
     "builtin_splits",
+    "class_counts",
     "class_token_ids",
     "client_examples",
     "collate",
@@ -53,6 +54,7 @@ __all__ = [
     "encode",
     "eval_batches",
     "load_split",
+    "target_shares",
 ]
 
 DATASETS = tuple(BUILTIN_DATASETS)  # built-in datasets; `dataset` also takes a path
@@ -146,13 +148,20 @@ class BatchIterator(Iterator[Batch]):
     training loss adds to the class logits (:func:`fedcybgd.objective.adjusted`); tasks without
     classes carry none. ``task`` (default: :func:`default_task`) encodes the rows.
 
+    ``target_prior`` (shares over the task's classes, default equal): the class mix training
+    aims the model at. Logit adjustment then adds ``log(p_c / target_c)`` (the frame's shares
+    against the target) instead of ``log(C * p_c)``, so a model trained on skewed shares keeps
+    the target's prior rather than none (``class-prior``: the nodes' pooled shares).
+
     ``class_balance`` (a task with classes, a frame holding two or more of them): the stream's
-    positions take the classes the frame holds in turn, each class its own seeded epochs, so
-    every batch holds them evenly (a rare class's rows recur). Label skew then cannot tilt a
-    step's gradient towards the client's common class: logit adjustment balances the classes
-    only in expectation over many batches, and Adam, which sizes each step by the recent
-    gradients, turns the small but consistent push of a batch without the rare class into a
-    full step. The prior the batches carry is then their own: equal for the present classes.
+    positions take the classes the frame holds in the target's proportions (stride scheduling:
+    each position goes to the class furthest behind its share; equal shares alternate), each
+    class its own seeded epochs, so every batch holds the classes as the target mixes them (a
+    rare class's rows recur). Label skew then cannot tilt a step's gradient towards the client's
+    common class: logit adjustment balances the classes only in expectation over many batches,
+    and Adam, which sizes each step by the recent gradients, turns the small but consistent push
+    of a batch without the rare class into a full step. The prior the batches carry is then
+    their own mix against the target: equal for the present classes.
     """
 
     def __init__(
@@ -167,6 +176,7 @@ class BatchIterator(Iterator[Batch]):
         logit_adjust: bool = False,
         task: Task | None = None,
         class_balance: bool = False,
+        target_prior: Sequence[float] | None = None,
     ) -> None:
         if len(frame) == 0:
             raise ValueError("cannot draw batches from an empty frame")
@@ -179,13 +189,25 @@ class BatchIterator(Iterator[Batch]):
         self.encoder = self.task.encoder(tokenizer, max_seq_len)
         self._log_prior = self.task.class_log_prior(frame) if logit_adjust else None
         self._by_class = class_groups(self.task, frame) if class_balance else None
-        if self._by_class is not None and logit_adjust:
-            # the batches' own class shares: the present classes equal, the absent ones
-            # Laplace-small as in the frame's prior
-            present = [len(g) > 0 for g in self._by_class]
-            k = sum(present)
-            self._log_prior = local_log_prior_of_counts(
-                np.array([len(frame) / k if p else 0.0 for p in present]))
+        self._mix = np.zeros(0)
+        if self._by_class is not None:
+            present = np.array([len(g) > 0 for g in self._by_class])
+            target = target_shares(target_prior, len(present))
+            self._mix = np.where(present, target, 0.0) / target[present].sum()
+            if logit_adjust:
+                # the batches' own class shares: the target's among the present classes, the
+                # absent ones Laplace-small (one row each, as in the frame's prior)
+                absent = ~present
+                shares = (len(frame) * self._mix + absent) / (len(frame) + absent.sum())
+                self._log_prior = torch.tensor(np.log(len(shares) * shares),
+                                               dtype=torch.float32)
+        if self._log_prior is not None and target_prior is not None:
+            target = target_shares(target_prior, len(self._log_prior))
+            self._log_prior = self._log_prior - torch.tensor(
+                np.log(len(target) * target), dtype=torch.float32)
+        self._turns: list[int] = []  # class of each stream position (class_balance)
+        self._ranks: list[int] = []  # how many earlier positions that class had
+        self._taken = np.zeros(len(self._mix))  # positions each class has so far
         self._class_orders: dict[tuple[int, int], np.ndarray] = {}
         self._batch_size = batch_size
         self._seed = seed
@@ -206,17 +228,22 @@ class BatchIterator(Iterator[Batch]):
         return self._order
 
     def _balanced_row(self, position: int) -> int:
-        """Row of stream ``position`` when batches are class-balanced: positions take the
-        present classes in turn, each class its own seeded, reshuffled epochs."""
+        """Row of stream ``position`` when batches follow the class mix (``class_balance``)."""
         assert self._by_class is not None
-        present = [g for g in self._by_class if len(g)]
-        turn, k = position % len(present), position // len(present)
-        group = present[turn]
+        taken = self._taken
+        while len(self._turns) <= position:
+            # stride scheduling: the class furthest behind its share (ties: the lowest)
+            turn = int(np.argmax(self._mix * (len(self._turns) + 1) - taken))
+            self._ranks.append(int(taken[turn]))
+            self._turns.append(turn)
+            taken[turn] += 1
+        turn, k = self._turns[position], self._ranks[position]
+        group = self._by_class[turn]
         epoch, offset = divmod(k, len(group))
         key = (turn, epoch)
         order = self._class_orders.get(key)
         if order is None:
-            if len(self._class_orders) > 4 * len(present):
+            if len(self._class_orders) > 4 * len(self._by_class):
                 self._class_orders.clear()
             order = np.random.default_rng([self._seed, turn, epoch]).permutation(len(group))
             self._class_orders[key] = order
@@ -240,14 +267,34 @@ def local_log_prior(labels: list[int], classes: int) -> torch.Tensor:
     """``[C]`` ``log(C * p_c)`` of ``labels``' shares, ``p_c = (n_c + 1) / (n + C)``: zeros
     for balanced labels."""
     counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=classes)[:classes]
-    return local_log_prior_of_counts(counts.astype(np.float64))
-
-
-def local_log_prior_of_counts(counts: np.ndarray) -> torch.Tensor:
-    """:func:`local_log_prior` from per-class counts."""
-    classes = len(counts)
     shares = (counts + 1.0) / (counts.sum() + classes)
     return torch.tensor(np.log(classes * shares), dtype=torch.float32)
+
+
+def target_shares(prior: Sequence[float] | None, classes: int) -> np.ndarray:
+    """``prior`` as ``classes`` positive shares summing to 1 (``None``: equal shares).
+
+    Raises
+    ------
+    ValueError
+        A prior of another length, or with a share that is not finite and positive.
+    """
+    if prior is None:
+        return np.full(classes, 1.0 / classes)
+    shares = np.asarray(list(prior), dtype=np.float64)
+    if shares.shape != (classes,) or not np.all(np.isfinite(shares)) or np.any(shares <= 0):
+        raise ValueError(f"class-prior needs {classes} finite positive shares, got "
+                         f"{list(prior)[:16]}")
+    return shares / shares.sum()
+
+
+def class_counts(task: Task, frame: pd.DataFrame) -> list[int] | None:
+    """How many rows of ``frame`` each of the task's classes has; ``None``: no classes."""
+    found = task.class_labels(frame)
+    if found is None:
+        return None
+    labels, classes = found
+    return np.bincount(np.asarray(labels, dtype=np.int64), minlength=classes)[:classes].tolist()
 
 
 def class_groups(task: Task, frame: pd.DataFrame) -> list[np.ndarray] | None:
@@ -272,10 +319,11 @@ def batches(
     logit_adjust: bool = False,
     task: Task | None = None,
     class_balance: bool = False,
+    target_prior: Sequence[float] | None = None,
 ) -> BatchIterator:
     """Endless training batches over ``frame`` (see :class:`BatchIterator`)."""
     return BatchIterator(frame, tokenizer, batch_size, max_seq_len, seed, shuffle, start_step,
-                         logit_adjust, task, class_balance)
+                         logit_adjust, task, class_balance, target_prior)
 
 
 def eval_batches(

@@ -34,7 +34,13 @@ from fedcybgd.model.precision import Precision
 from fedcybgd.objective import EvalResult
 from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.server.checkpoint import Checkpointer
-from fedcybgd.server.common import Evaluator, eval_extras, require_nodes, resolve_output_dir
+from fedcybgd.server.common import (
+    Evaluator,
+    class_prior_of,
+    eval_extras,
+    require_nodes,
+    resolve_output_dir,
+)
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.plots import plot_run
@@ -65,8 +71,10 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
     """The FedCyBGD strategy for ``run`` (``shape`` enables memory-aware assignment; step logs
     are replayed on ``device``)."""
 
+    task = build_task(run)
     # the task's scored positions a batch: the LM head's rows (every sft response token)
-    scored = build_task(run).max_scored_tokens(run.batch_size, run.max_seq_len)
+    scored = task.max_scored_tokens(run.batch_size, run.max_seq_len)
+    prior, classes = class_prior_of(run, task.num_classes())
 
     def rule_for_budget(preferred: str, block: str, budget_mb: float) -> str | None:
         assert shape is not None
@@ -114,6 +122,8 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
                                     run.warmup_rounds),
         device=device,
         self_sync=run.self_sync,
+        class_prior=prior,
+        classes=classes,
     )
 
 

@@ -31,10 +31,17 @@ from fedcybgd.baselines import (
     from_record,
     to_record,
 )
+from fedcybgd.class_prior import ClassPriorSpec, with_class_prior
 from fedcybgd.config import RunConfig
 from fedcybgd.message_size import message_bytes
 from fedcybgd.model.loading import load_tokenizer
-from fedcybgd.server.common import Evaluator, eval_extras, require_nodes, resolve_output_dir
+from fedcybgd.server.common import (
+    Evaluator,
+    class_prior_of,
+    eval_extras,
+    require_nodes,
+    resolve_output_dir,
+)
 from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.plots import plot_run
@@ -74,16 +81,22 @@ class CheckedFedAvg(FedAvg):
         The most examples a node can train on in a round (local steps x batch size).
     seed : int
         Seeds node sampling (over nodes in node-key order).
+    class_prior, classes
+        The class shares the nodes' training aims at (as :class:`~fedcybgd.strategies.fedcybgd.
+        FedCyBGD`'s), sent in every round's config.
     **kwargs
         Passed to :class:`flwr.serverapp.strategy.FedAvg`.
     """
 
     def __init__(self, reference: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 max_examples: float = math.inf, seed: int = 0, **kwargs: Any) -> None:
+                 max_examples: float = math.inf, seed: int = 0,
+                 class_prior: ClassPriorSpec | None = None, classes: int = 0,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reference = reference
         self.max_examples = max_examples
         self.seed = seed
+        self.class_prior, self.classes = class_prior, classes
         self.node_keys = NodeKeys()
         self.last_replies: list[Message] = []  # kept replies of the last round
         self.last_dropped: list[Message] = []
@@ -101,6 +114,9 @@ class CheckedFedAvg(FedAvg):
         size = max(int(len(list(grid.get_node_ids())) * self.fraction_train),
                    self.min_train_nodes)
         nodes = self.sample(grid, server_round, size)
+        if self.class_prior is not None:  # after sampling: the new nodes' counts are known
+            config = with_class_prior(config, self.class_prior, self.classes,
+                                      self.node_keys.class_counts)
         config["server-round"] = server_round
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         messages = list(self._construct_messages(record, nodes, MessageType.TRAIN))
@@ -217,6 +233,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         p.requires_grad_(False)
     initial = server.get()
     evaluator = Evaluator(run, server.stack)
+    prior, classes = class_prior_of(run, evaluator.task.num_classes())
     writer = MetricsWriter(out)
     strategy = CheckedFedAvg(
         server.signature(),
@@ -227,6 +244,8 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         min_available_nodes=run.clients_per_round,
         max_examples=run.local_steps * run.batch_size,
         seed=run.seed,
+        class_prior=prior,
+        classes=classes,
     )
     marks: dict[str, float] = {"round_start": 0.0}
 

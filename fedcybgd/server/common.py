@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from flwr.serverapp import Grid
 
+from fedcybgd.class_prior import ClassPriorSpec
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.devices import to_cpu
@@ -75,6 +76,20 @@ class Evaluator:
         # The task's scoring moves each batch to the model's device (fedcybgd.objective).
         return self.task.evaluate(self.stack, self.tokenizer, self.frame,
                                   self.run.eval_batch_size, self.run.max_seq_len)
+
+
+def class_prior_of(run: RunConfig, classes: int) -> tuple[ClassPriorSpec | None, int]:
+    """The run's ``class-prior`` for a task of ``classes`` classes (``None`` for a task
+    without classes), checked against them now: explicit shares of another length fail at
+    start, naming the key."""
+    if classes < 2:
+        return None, classes
+    spec = ClassPriorSpec.parse(run.class_prior)
+    try:
+        spec.resolve(classes, {})
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return spec, classes
 
 
 def eval_extras(result: EvalResult) -> dict[str, float]:

@@ -26,6 +26,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedcybgd import zeroth_order
+from fedcybgd.class_prior import ClassPriorSpec, with_class_prior
 from fedcybgd.message_size import message_bytes
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import SEEDLOG
@@ -96,6 +97,10 @@ class FedCyBGD(Strategy):
     server_lr, parallel_damping, server_optimizer, server_beta1, server_beta2, server_eps
         :class:`~fedcybgd.strategies.server_step.ServerStep` (its state per block is
         checkpointed through :meth:`checkpoint_tensors`).
+    class_prior, classes
+        The class shares the nodes' training aims at (:mod:`fedcybgd.class_prior`; ``global``
+        pools the counts nodes state in their node-key answers) for a task of ``classes``
+        classes; sent with every instruction. ``None`` or ``classes < 2``: none sent (equal).
     self_sync : bool
         A node that trained a block alone keeps its decoded upload and, when the installed block
         is what it can compute from it (``sgd`` server step, no clipping: checked here by
@@ -150,6 +155,8 @@ class FedCyBGD(Strategy):
         client_lr: Callable[[int], float] | None = None,
         device: str = "cpu",
         self_sync: bool = False,
+        class_prior: ClassPriorSpec | None = None,
+        classes: int = 0,
     ) -> None:
         if clients_per_round < 1 or clients_per_block < 1 or clients_per_round % clients_per_block:
             raise ValueError(f"clients-per-round ({clients_per_round}) must be a multiple of "
@@ -196,6 +203,7 @@ class FedCyBGD(Strategy):
                                   max_steps=local_steps, max_examples=local_steps * batch_size,
                                   max_payload_bytes=max_payload_bytes, device=device)
         self.device = device
+        self.class_prior, self.classes = class_prior, classes
         # Self-sync needs one node per block and a server step the node can reproduce.
         self.self_sync = self_sync and clients_per_block == 1 and server_optimizer == "sgd"
         self.installer = BlockInstaller(
@@ -256,6 +264,9 @@ class FedCyBGD(Strategy):
         nodes = self.sampler.sample(grid, server_round, count=self.clients_per_round,
                                     per_block=self.clients_per_block,
                                     excluded=self.nodes.excluded, wait_s=self.node_wait_s)
+        if self.class_prior is not None:  # after sampling: the new nodes' counts are known
+            config = with_class_prior(config, self.class_prior, self.classes,
+                                      self.sampler.keys.class_counts)
         blocks = self.schedule.take(len(nodes) // self.clients_per_block)
         nodes = nodes[: len(blocks) * self.clients_per_block]
         pairs = match(nodes, blocks, per_block=self.clients_per_block, rule=self.update_rule,
@@ -374,6 +385,7 @@ class FedCyBGD(Strategy):
                 "budgets": nodes["budgets"], "promised": nodes["promised"],
                 "retry_seeds": dict(self.installer.retry_seeds),
                 "update_sizes": self.screen.state(), "node_keys": self.sampler.state(),
+                "class_counts": self.sampler.keys.counts_state(),
                 "server_steps": self.step.state(),
                 "traffic_seen": {} if self.budget is None else {
                     c: list(r) for c, r in self.budget.seen.items()}}
@@ -387,6 +399,7 @@ class FedCyBGD(Strategy):
                                       for b, s in state.get("retry_seeds", {}).items()}
         self.screen.load_state(state.get("update_sizes", {}))
         self.sampler.load_state(state.get("node_keys", {}))
+        self.sampler.keys.load_counts_state(state.get("class_counts", {}))
         self.step.load_state(state.get("server_steps", {}))
         if self.budget is not None:
             self.budget.seen = {str(c): [float(x) for x in r]

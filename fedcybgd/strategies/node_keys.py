@@ -8,7 +8,8 @@ node config's ``node-key``, else its ``partition-id`` (:attr:`fedcybgd.config.No
 The server does not see node configs, so it asks: each node it has not met yet gets one small
 QUERY message (:data:`fedcybgd.protocol.QUERY_NODE_KEY`), and the ClientApp answers with its
 key in a ConfigRecord (and, optionally, what its zeroth-order replay runs on,
-:data:`fedcybgd.protocol.ZO_NODE`, so that seed-log downloads can reach it from its first round).
+:data:`fedcybgd.protocol.ZO_NODE`, so that seed-log downloads can reach it from its first round,
+and its class counts, :data:`fedcybgd.protocol.CLASS_COUNTS`, for ``class-prior = global``).
 The reply is untrusted input: it must hold exactly that record, the key a short string matching
 :data:`fedcybgd.protocol.NODE_KEY_PATTERN`; anything else is logged and the node is asked again
 next round. A query still unanswered at its timeout stays awaited: a late answer (a slow cold
@@ -31,6 +32,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedcybgd import protocol
+from fedcybgd.class_prior import check_counts
 from fedcybgd.strategies.replies import (
     CLIENT_ERROR,
     MALFORMED,
@@ -54,21 +56,30 @@ def key_order(key: str) -> tuple[int, int, str]:
     return (1, 0, key)
 
 
-def read_key(reply: Message) -> tuple[str, str]:
-    """The node key (and ``zo-node``, ``""`` if absent) in a reply to the node-key query, or
-    :class:`Dropped` saying why not."""
+_OPTIONAL = (protocol.ZO_NODE, protocol.CLASS_COUNTS)
+
+
+def read_key(reply: Message) -> tuple[str, str, list[int] | None]:
+    """The node key, ``zo-node`` (``""`` if absent) and class counts (``None`` if absent) in a
+    reply to the node-key query, or :class:`Dropped` saying why not."""
     if reply.has_error():
         raise Dropped(CLIENT_ERROR, str(reply.error.reason)[:500])
     content = reply.content
     only_records(content, arrays=set(), metrics=set(), configs={protocol.IDENTITY})
     record = content.config_records[protocol.IDENTITY]
-    if not {protocol.NODE_KEY} <= set(record) <= {protocol.NODE_KEY, protocol.ZO_NODE}:
+    if not {protocol.NODE_KEY} <= set(record) <= {protocol.NODE_KEY, *_OPTIONAL}:
         raise Dropped(MALFORMED, f"identity fields {sorted(record)[:5]}, expected "
-                                 f"['{protocol.NODE_KEY}'] (and '{protocol.ZO_NODE}')")
+                                 f"['{protocol.NODE_KEY}'] (and any of {list(_OPTIONAL)})")
     key = text(record, protocol.NODE_KEY, max_len=64)
     if not _KEY.fullmatch(key):
         raise Dropped(MALFORMED, f"node key {key!r} does not match {protocol.NODE_KEY_PATTERN}")
-    return key, text(record, protocol.ZO_NODE, default="", max_len=128)
+    counts = None
+    if protocol.CLASS_COUNTS in record:
+        try:
+            counts = check_counts(record[protocol.CLASS_COUNTS])
+        except ValueError as err:
+            raise Dropped(MALFORMED, f"{protocol.CLASS_COUNTS}: {err}") from None
+    return key, text(record, protocol.ZO_NODE, default="", max_len=128), counts
 
 
 def key_query(node: int, server_round: int) -> Message:
@@ -93,6 +104,7 @@ class NodeKeys:
         self.timeout_s = timeout_s
         self.keys: dict[int, str] = {}
         self.zo: dict[int, str] = {}  # node -> the "zo-node" its key reply named
+        self.class_counts: dict[int, list[int]] = {}  # node -> the class counts it stated
         self._warned: set[str] = set()
         self._pending: dict[str, int] = {}  # query message id -> node, until answered
 
@@ -145,9 +157,11 @@ class NodeKeys:
         if node in self.keys:
             return node  # a late answer to an earlier query: the key is known already
         try:
-            self.keys[node], zo = guarded(functools.partial(read_key, reply))
+            self.keys[node], zo, counts = guarded(functools.partial(read_key, reply))
             if zo:
                 self.zo[node] = zo
+            if counts is not None:
+                self.class_counts[node] = counts
         except Dropped as drop:
             log.warning("round %d: node %d sent no usable node key (%s: %s); it is not "
                         "sampled until it does", server_round, node, drop.reason,
@@ -190,6 +204,19 @@ class NodeKeys:
     def state(self) -> dict[str, str]:
         """JSON-able: node id (as text) -> key."""
         return {str(node): key for node, key in sorted(self.keys.items())}
+
+    def counts_state(self) -> dict[str, list[int]]:
+        """JSON-able: node id (as text) -> the class counts it stated."""
+        return {str(node): list(c) for node, c in sorted(self.class_counts.items())}
+
+    def load_counts_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`counts_state`'s output (invalid entries are dropped)."""
+        self.class_counts = {}
+        for node, counts in state.items():
+            try:
+                self.class_counts[int(node)] = check_counts(counts)
+            except ValueError as err:
+                log.warning("checkpoint: node %s's class counts are unusable (%s)", node, err)
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state`'s output (a key that is no longer valid is asked again)."""

@@ -165,6 +165,10 @@ class Task(ABC):
         (``logit-adjust``); ``None``: the task has no classes."""
         return None
 
+    def num_classes(self) -> int:
+        """How many classes the task's labels have (0: none; ``class-prior`` applies from 2)."""
+        return 0
+
     def class_labels(self, frame: pd.DataFrame) -> tuple[list[int], int] | None:
         """Each row's class index and the number of classes (``class-balance`` draws
         batches by class); ``None``: the task has no classes."""

@@ -109,6 +109,10 @@ class ClassificationTask(Task):
 
         return local_log_prior(frame["label"].astype(int).tolist(), len(self.words))
 
+    def num_classes(self) -> int:
+        """The number of label words."""
+        return len(self.words)
+
     def class_labels(self, frame: pd.DataFrame) -> tuple[list[int], int] | None:
         """The ``label`` column and the number of label words."""
         return frame["label"].astype(int).tolist(), len(self.words)
