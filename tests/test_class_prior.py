@@ -192,3 +192,30 @@ def test_explicit_shares_of_the_wrong_length_fail_at_start(tiny_run_config, tmp_
     config = dict(tiny_run_config, **{"class-prior": "0.2,0.3,0.5", "num-server-rounds": 1})
     with pytest.raises(ConfigError, match="the task has 2 classes"):
         run_in_process(config, 2, tmp_path / "run")
+
+
+def test_stated_counts_survive_a_checkpoint(tiny_run_config):
+    # Prepare: a strategy that has heard two nodes' counts
+    from fedcybgd.checksum import content_checksum
+    from fedcybgd.model.blocks import BlockMap
+    from fedcybgd.model.loading import load_model
+    from fedcybgd.server.app import build_strategy
+
+    run = RunConfig.from_run_config(dict(tiny_run_config, **{"class-prior": "global"}))
+    model = load_model(run.model)
+    weights = dict(model.named_parameters())
+
+    def strategy() -> Any:
+        return build_strategy(run, BlockMap(model, 1), weights, "l", content_checksum(weights))
+
+    before = strategy()
+    before.sampler.keys.class_counts = {11: [3, 1], 12: [1, 1]}
+
+    # Execute
+    after = strategy()
+    after.load_state(before.state())
+
+    # Assert: the resumed server sends the same prior
+    assert after.sampler.keys.class_counts == {11: [3, 1], 12: [1, 1]}
+    assert after.class_prior.resolve(2, after.sampler.keys.class_counts) == \
+        pytest.approx([(4 + 1) / 8, (2 + 1) / 8])
