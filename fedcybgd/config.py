@@ -155,9 +155,9 @@ class RunConfig:
     warmup_rounds: int = setting(0, ge=0)  # rounds of linear lr warm-up
     eval_split: str = setting("test", choices=EVAL_SPLITS)  # validation: for tuning
     logit_adjust: bool = setting(True)  # clients add log(C x own label share) to class logits
-    class_balance: bool = setting(False)  # clients draw each batch evenly from their classes
+    class_balance: bool = setting(True)  # clients draw each batch evenly from their classes
     # the class shares training aims at: global (the nodes' pooled counts), uniform, or shares
-    class_prior: str = setting("uniform")
+    class_prior: str = setting("global")
     # Placement and precision (fedcybgd.model.devices, fedcybgd.model.precision): the clients'
     # and the server's device (a node's own `device` overrides), and how a client holds the
     # blocks it does not train; the trained block and the server's weights are always fp32.

@@ -39,7 +39,7 @@ BASE: dict[str, Any] = {
     "layers-per-block": 1, "train-embeddings": False, "train-head": False,
     "local-steps": 2, "batch-size": 4, "max-seq-len": 48, "lr": 1e-3,
     "eval-every": 3, "eval-examples": 16, "eval-batch-size": 16, "seed": 7,
-    "logit-adjust": False,
+    "logit-adjust": False, "class-balance": False, "class-prior": "uniform",
     # issue 16's traffic features change what is sent and installed: the golden runs keep the
     # behaviour they were recorded with (tests/test_traffic.py covers the features)
     "self-sync": False, "error-feedback": False, "install-codec": "none",

@@ -157,18 +157,20 @@ def test_global_prior_pools_every_nodes_counts_into_each_instruction(tiny_run_co
     assert not math.isclose(priors[0][0], 0.5, abs_tol=0.01)  # the skew is real
 
 
-def test_uniform_prior_sends_nothing_and_no_counts_leave_a_node(tiny_run_config):
+def test_uniform_prior_sends_nothing_and_no_counts_leave_a_node(tiny_run_config, tmp_path):
     # Prepare
-    config = dict(tiny_run_config, **{"partitioner": "dirichlet", "num-server-rounds": 1})
+    config = dict(tiny_run_config, **{"partitioner": "dirichlet", "num-server-rounds": 1,
+                                      "class-prior": "uniform", "clients-per-round": 1})
+    from tests.test_client_paths import one_round
 
     # Execute
-    grid = LoopbackGrid(client_app, 2, config, keep_sent=None)
-    from fedcybgd.server.app import RUNNERS
-
-    RUNNERS["fedcybgd"](grid, RunConfig.from_run_config(config))
+    strategy, _ = one_round(config, tmp_path / "cache", "lineage0")
 
     # Assert
-    assert _sent_priors(grid) == [None, None]
+    assert strategy.sampler.keys.keys  # the node told its key...
+    assert strategy.sampler.keys.class_counts == {}  # ...and nothing of its labels
+    assert all(protocol.CLASS_PRIOR not in m.content.config_records[protocol.CONFIG]
+               for m in strategy.round.sent)
 
 
 def test_a_node_refuses_an_instruction_with_a_prior_of_the_wrong_length(tiny_run_config,
