@@ -71,6 +71,15 @@ FEATURES: dict[str, dict[str, Any]] = {
     # ... and frozen copies up to one install behind are not refreshed
     "quantized-stale-1": {"self-sync": True, "error-feedback": True,
                           "install-codec": "delta+int8+zstd", "max-staleness": 1},
+    # sparse both ways: top-k uploads with the node's error feedback, and the server installs
+    # each block rounded to a top-k delta (its residual kept for the block's next install), so
+    # every node holding the previous version gets the change as that sparse delta, exactly
+    "sparse": {"upload-codec": "delta+topk+int8+zstd", "download-codec": "delta+topk+int8+zstd",
+               "self-sync": True, "error-feedback": True, "install-codec": "auto"},
+    # two bits a value both ways: int2 uploads with the node's error feedback, int2 installs
+    # with the server's, so a node holding the previous version gets each change exactly
+    "int2": {"upload-codec": "delta+int2+zstd", "download-codec": "delta+int2+zstd",
+             "self-sync": True, "error-feedback": True, "install-codec": "auto"},
     "paper-drop-0.5": {"upload-codec": "fp16", "download-codec": "fp16",
                        "download-fraction": 0.5, "self-sync": False, "error-feedback": False,
                        "install-codec": "none"},

@@ -124,6 +124,7 @@ def test_parse_spec_fields():
     assert parsed == CodecSpec(base="delta", topk=True, quant="int4", zstd=True)
     assert parsed.needs_base and not parsed.lossless
     assert parse_spec("xor+zstd").lossless
+    assert parse_spec("delta+int2+zstd") == CodecSpec(base="delta", quant="int2", zstd=True)
 
 
 @pytest.mark.parametrize(
@@ -269,6 +270,68 @@ def test_int4_packs_two_values_per_byte():
     (entry,) = header.entries
     assert entry.part("q").length == 2048
     assert entry.part("scales").length == 4 * 64  # fp32 scales, one per group
+
+
+def test_int2_packs_four_values_per_byte_with_a_scale_per_256_by_default():
+    # Prepare
+    x = _randn(4096, seed=7)
+
+    # Execute
+    header = read_header(_enc({"w": x}, "int2"))
+
+    # Assert
+    (entry,) = header.entries
+    assert entry.group_size == 256
+    assert entry.part("q").length == 1024
+    assert entry.part("scales").length == 4 * 16
+
+
+def test_int2_reconstructs_values_on_its_levels_exactly():
+    # Prepare: every group holds -3s, -s, s, 3s (its mean |x| is 2s, a step the encoder tries)
+    levels = torch.tensor([-3.0, -1.0, 1.0, 3.0])
+    x = torch.cat([levels * 0.25, levels * 1e-5, torch.zeros(4), levels * 7.0])
+
+    # Execute
+    out = decode(_enc({"w": x}, "int2", group_size=4)).tensors["w"]
+
+    # Assert
+    assert torch.equal(out, x)
+
+
+def test_int2_keeps_a_gaussian_update_direction():
+    # Prepare
+    x = _randn(64, 1024, seed=8, scale=1e-4)
+
+    # Execute
+    base = {"w": torch.zeros_like(x)}
+    out = decode(_enc({"w": x}, "delta+int2+zstd", base=base), base=base).tensors["w"]
+
+    # Assert: Lloyd-Max's 2-bit quantizer keeps cos 0.94 of a Gaussian; a fitted step gets close
+    cos = float((x * out).sum() / (x.norm() * out.norm()))
+    assert cos > 0.93
+    mse = float((x - out).square().mean() / x.square().mean())
+    assert mse < 0.13
+
+
+@FAST
+@given(numel=st.integers(1, 300), group=st.integers(1, 80), log_scale=st.floats(-30, 30),
+       seed=st.integers(0, 2**31))
+def test_property_int2_is_never_worse_than_sending_nothing(numel, group, log_scale, seed):
+    # Prepare
+    x = _randn(numel, seed=seed, scale=10.0**log_scale)
+
+    # Execute
+    out = decode(_enc({"t": x}, "int2+zstd", group_size=group)).tensors["t"]
+
+    # Assert: per group the squared error is at most the group's energy, and every value is one
+    # of the group's four levels (or 0)
+    for start in range(0, numel, group):
+        xs, ys = x[start:start + group].double(), out[start:start + group].double()
+        assert float((xs - ys).square().sum()) <= float(xs.square().sum()) * (1 + 1e-6) + 1e-300
+        scale = float(ys.abs().min())
+        if scale > 0:
+            ratios = (ys.abs() / scale).round()
+            assert set(ratios.tolist()) <= {1.0, 3.0}
 
 
 def test_topk_keeps_exactly_the_largest():
@@ -741,7 +804,7 @@ def fuzz_cases() -> list[tuple[bytes, dict[str, torch.Tensor] | None]]:
     base = {"w": _randn(6, 10, seed=30), "b": _randn(5, seed=31)}
     new = {k: v + _randn(*v.shape, seed=32, scale=0.01) for k, v in base.items()}
     cases: list[tuple[bytes, dict[str, torch.Tensor] | None]] = []
-    for spec in ["fp32", "zstd", "bf16+zstd", "int4+zstd", "topk+int8"]:
+    for spec in ["fp32", "zstd", "bf16+zstd", "int4+zstd", "topk+int8", "int2+zstd"]:
         cases.append((_enc(new, spec, group_size=8), None))
     for spec in ["xor+zstd", "delta+topk+int8+zstd", "delta+fp16"]:
         cases.append((_enc(new, spec, base=base, group_size=8), base))

@@ -1,6 +1,6 @@
 """A node's weights upload, with error feedback for lossy codecs.
 
-Error feedback (EF-SGD style): a lossy codec (top-k, int8/int4, fp16/bf16) drops part of the
+Error feedback (EF-SGD style): a lossy codec (top-k, int8/int4/int2, fp16/bf16) drops part of the
 node's update of a block; the node keeps what was dropped, the residual, and adds it to its
 next upload of that block, so compression error is sent later instead of lost. The residual is
 ``sent - decoded``: what the node meant to send minus what the server will decode from these

@@ -11,7 +11,7 @@ keep). The body is the parts back to back, byte-shuffled and zstd-compressed whe
 ends in ``zstd``.
 
 Specs compose stages with ``+`` in the order ``[delta|xor] [topk] [fp32|fp16|bf16]
-[int8|int4] [zstd]`` (see :mod:`fedcybgd.compression.spec`). ``fp32``, ``zstd`` and
+[int8|int4|int2] [zstd]`` (see :mod:`fedcybgd.compression.spec`). ``fp32``, ``zstd`` and
 ``xor(+zstd)`` are bit-exact; the rest are lossy. Decoding validates everything and raises
 :class:`CodecError` (a ``ValueError``) for any bad input; nothing is ever unpickled.
 """

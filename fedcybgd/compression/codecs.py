@@ -15,6 +15,14 @@ import zstandard
 from fedcybgd.compression.errors import CodecError
 
 _QMAX = {"int8": 127, "int4": 7}
+# int2's four codes are the odd numbers -3, -1, 1, 3 (levels at +-1/2 and +-3/2 of a step)
+INT2_CODES = (-3, -1, 1, 3)
+# int2 steps tried per group, in units of the group's mean |x|; the one with the least squared
+# error wins. Lloyd-Max's step for a Gaussian is 1.25; an Adam update, flatter, wants ~1.
+INT2_STEPS = (0.6, 0.8, 1.0, 1.25, 1.5, 1.8)
+CODES_PER_BYTE = {"int4": 2, "int2": 4}
+QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+DEFAULT_GROUP_SIZE = {"int8": 64, "int4": 64, "int2": 256}
 _CAST_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -29,7 +37,8 @@ def cast_values(values: torch.Tensor, cast: str, *, tensor: str) -> torch.Tensor
 def quantize(
     values: torch.Tensor, quant: str, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-wise absmax quantization of a flat tensor.
+    """Group-wise quantization of a flat tensor: absmax for ``int8``/``int4``, a fitted step
+    for ``int2`` (:func:`quantize_int2`).
 
     Returns
     -------
@@ -44,6 +53,8 @@ def quantize(
     the ``absmax / (2 * qmax)`` error bound. The cost is 2 extra bytes per group (3 % at int8,
     g=64).
     """
+    if quant == "int2":
+        return quantize_int2(values, group_size)
     qmax = _QMAX[quant]
     n = values.numel()
     groups = -(-n // group_size)
@@ -55,6 +66,75 @@ def quantize(
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(grid / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
     return q.reshape(-1)[:n].contiguous(), scales
+
+
+def quantize_int2(values: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two bits a value: codes in {-3, -1, 1, 3}, decoded as ``code * scale``.
+
+    Absmax scaling wastes two bits (with four levels, most values round to the inner pair or
+    zero), so each group's step is fitted instead: of :data:`INT2_STEPS` times the group's mean
+    ``|x|``, the one with the least squared error; values beyond the outer levels are clipped
+    to them. The decoder is the int8/int4 one (``q * scale``), and the encoder's choice is its
+    own business. An all-zero group gets scale 0 (and codes 1).
+    """
+    n = values.numel()
+    groups = -(-n // group_size)
+    padded = torch.zeros(groups * group_size, dtype=torch.float32)
+    padded[:n] = values.to(torch.float32)
+    grid = padded.view(groups, group_size)
+    # the padding of a short last group is not part of its mean
+    counts = torch.full((groups,), float(group_size))
+    counts[-1] = n - (groups - 1) * group_size if n else group_size
+    mean_abs = grid.abs().sum(dim=1) / counts
+    best_q = torch.ones_like(grid, dtype=torch.int8)
+    best_scale = torch.zeros(groups)
+    best_err = grid.square().sum(dim=1)  # what sending zero would cost
+    for factor in INT2_STEPS:
+        step = mean_abs * factor
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        q = (2 * torch.floor(grid / safe[:, None]) + 1).clamp_(-3, 3)
+        scale = step / 2
+        err = (q * scale[:, None] - grid).square().sum(dim=1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_q = torch.where(better[:, None], q.to(torch.int8), best_q)
+    return best_q.reshape(-1)[:n].contiguous(), best_scale
+
+
+def pack_int2(q: torch.Tensor) -> torch.Tensor:
+    """Four int2 codes per byte ({-3, -1, 1, 3} -> {0, 1, 2, 3}); first value in the low bits."""
+    u = ((q.to(torch.int16) + 3) // 2).to(torch.uint8)
+    pad = -u.numel() % 4
+    if pad:
+        u = torch.cat([u, torch.zeros(pad, dtype=torch.uint8)])
+    quads = u.view(-1, 4)
+    return (quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)).contiguous()
+
+
+def unpack_int2(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int2`: ``count`` int8 codes in {-3, -1, 1, 3}."""
+    parts = [((packed >> shift) & 0x03).to(torch.int16) for shift in (0, 2, 4, 6)]
+    codes = torch.stack(parts, dim=1).reshape(-1)[:count]
+    return (2 * codes - 3).to(torch.int8)
+
+
+def pack_codes(q: torch.Tensor, quant: str) -> torch.Tensor:
+    """The stored form of ``quant``'s codes: int8 as they are, int4/int2 packed into bytes."""
+    if quant == "int4":
+        return pack_int4(q)
+    if quant == "int2":
+        return pack_int2(q)
+    return q
+
+
+def unpack_codes(stored: torch.Tensor, quant: str, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`."""
+    if quant == "int4":
+        return unpack_int4(stored, count)
+    if quant == "int2":
+        return unpack_int2(stored, count)
+    return stored
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ the two can never disagree about what a body contains.
 
 from __future__ import annotations
 
+from fedcybgd.compression.codecs import CODES_PER_BYTE
 from fedcybgd.compression.errors import CodecError
 from fedcybgd.compression.spec import CodecSpec
 from fedcybgd.compression.tensors import BITS_DTYPE, FLOAT_DTYPES
@@ -59,7 +60,7 @@ def entry_layout(
     if codec.quant:
         if group_size is None or group_size < 1:
             raise CodecError(f"tensor {name!r}: quantizer group size missing or < 1")
-        codes = count if codec.quant == "int8" else (count + 1) // 2
+        codes = count if codec.quant == "int8" else -(-count // CODES_PER_BYTE[codec.quant])
         parts.append(("q", "int8" if codec.quant == "int8" else "uint8", codes))
         parts.append(("scales", "float32", -(-count // group_size)))
     else:

@@ -3,7 +3,7 @@
 Grammar (stages joined by ``+``, case-insensitive, each at most once)::
 
     spec  := "" | "fp32" | "raw" | stage ("+" stage)*
-    order := [delta | xor] [topk] [fp32 | fp16 | bf16] [int8 | int4] [zstd]
+    order := [delta | xor] [topk] [fp32 | fp16 | bf16] [int8 | int4 | int2] [zstd]
 
 ``topk`` may also be written after the cast or quantizer (``int8+topk``): it always selects
 first and the cast/quantizer then applies to the kept values. ``fp32``/``raw`` means "keep the
@@ -20,7 +20,7 @@ from fedcybgd.compression.errors import CodecError
 
 BaseStage = Literal["delta", "xor"]
 CastStage = Literal["fp16", "bf16"]
-QuantStage = Literal["int8", "int4"]
+QuantStage = Literal["int8", "int4", "int2"]
 
 # Slot of each stage name; slots must appear in increasing rank (topk is checked separately).
 _SLOT = {
@@ -32,9 +32,10 @@ _SLOT = {
     "bf16": 1,
     "int8": 2,
     "int4": 2,
+    "int2": 2,
     "zstd": 3,
 }
-_ALLOWED = "delta, xor, topk, fp32 (= raw), fp16, bf16, int8, int4, zstd"
+_ALLOWED = "delta, xor, topk, fp32 (= raw), fp16, bf16, int8, int4, int2, zstd"
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def parse_spec(spec: str) -> CodecSpec:
         if rank <= last_rank:
             raise CodecError(
                 f"codec {name!r} out of place in spec {spec!r}; "
-                "order: [delta|xor] [topk] [fp32|fp16|bf16] [int8|int4] [zstd]"
+                "order: [delta|xor] [topk] [fp32|fp16|bf16] [int8|int4|int2] [zstd]"
             )
         last_rank = rank
         values[rank] = name

@@ -134,8 +134,7 @@ def _encode_tensor(
         values = codecs.cast_values(values, codec.cast, tensor=name)
     if codec.quant:
         q, scales = codecs.quantize(values, codec.quant, group_size)
-        if codec.quant == "int4":
-            q = codecs.pack_int4(q)
+        q = codecs.pack_codes(q, codec.quant)
         parts.append(("q", dtype_name(q.dtype, tensor=name), q.numel(), tensor_to_bytes(q)))
         parts.append(("scales", "float32", scales.numel(), tensor_to_bytes(scales)))
         return parts, group_size, topk
@@ -170,8 +169,7 @@ def _reconstruct(
         scales = _part_tensor(entry, "scales", body)
         assert isinstance(q, torch.Tensor) and isinstance(scales, torch.Tensor)
         count = entry.topk if entry.topk is not None else entry.numel
-        if codec.quant == "int4":
-            q = codecs.unpack_int4(q, count)
+        q = codecs.unpack_codes(q, codec.quant, count)
         assert entry.group_size is not None
         values = codecs.dequantize(q, scales, entry.group_size)
     else:
@@ -218,7 +216,7 @@ def encode(
     target_version: int,
     base_version: int = 0,
     base: Mapping[str, torch.Tensor] | None = None,
-    group_size: int = 64,
+    group_size: int | None = None,
     zstd_level: int = 3,
     topk_ratio: float = 0.1,
 ) -> bytes:
@@ -236,7 +234,9 @@ def encode(
         The tensors a ``delta``/``xor`` spec is relative to (same names, shapes, dtypes);
         ignored by other specs.
     group_size, zstd_level, topk_ratio
-        Quantizer group size, zstd level, fraction of entries top-k keeps (at least one).
+        Quantizer group size (``None``: 64 for int8/int4, 256 for int2, whose codes are
+        small beside a float32 scale), zstd level, fraction of entries top-k keeps (at least
+        one).
 
     Returns
     -------
@@ -249,6 +249,8 @@ def encode(
         raise CodecError("block name must be a non-empty string")
     _check_int(target_version, "target_version", 0)
     _check_int(base_version, "base_version", 0)
+    if group_size is None:
+        group_size = codecs.DEFAULT_GROUP_SIZE.get(codec.quant or "int8", 64)
     _check_int(group_size, "group_size", 1)
     _check_int(zstd_level, "zstd_level", _MIN_ZSTD_LEVEL, zstandard.MAX_COMPRESSION_LEVEL)
     if not isinstance(topk_ratio, float | int) or not 0.0 < topk_ratio <= 1.0:

@@ -5,9 +5,12 @@ The levels, from the run's own settings down (each keeps what the one before it 
 
 0. ``configured``: the run's download codec, staleness bound and upload codec;
 1. ``int4-down``: frozen blocks through ``delta+int4+zstd``;
-2. ``topk-up``: the upload through ``delta+topk+int8+zstd`` (error feedback keeps what it drops);
-3. ``stale-1``: frozen copies one install behind are not refreshed (``max-staleness = 1``);
-4. ``stale``: frozen blocks are not refreshed at all (only the block a node trains is sent, and
+2. ``int2-down``: frozen blocks through ``delta+int2+zstd``;
+3. ``int2-up``: the upload through ``delta+int2+zstd`` too (error feedback keeps what it drops);
+4. ``topk-up``: the upload through ``delta+topk+int8+zstd`` (fewer bytes than int2, but it keeps
+   far less of an update's direction: cosine 0.44 against int2's 0.98 on a SmolLM2 update);
+5. ``stale-1``: frozen copies one install behind are not refreshed (``max-staleness = 1``);
+6. ``stale``: frozen blocks are not refreshed at all (only the block a node trains is sent, and
    it always arrives exact).
 
 The download's size is known exactly (it is planned, then counted); the upload's is expected
@@ -25,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fedcybgd.compression import parse_spec
+from fedcybgd.compression.codecs import DEFAULT_GROUP_SIZE, QUANT_BITS
 from fedcybgd.protocol import SEEDLOG, Holding
 from fedcybgd.strategies.downloads import Download, DownloadPlanner, PayloadCache
 
@@ -45,24 +49,25 @@ class TrafficLevel:
 LEVELS = (
     TrafficLevel("configured"),
     TrafficLevel("int4-down", download_codec="delta+int4+zstd"),
-    TrafficLevel("topk-up", download_codec="delta+int4+zstd",
+    TrafficLevel("int2-down", download_codec="delta+int2+zstd"),
+    TrafficLevel("int2-up", download_codec="delta+int2+zstd", upload_codec="delta+int2+zstd"),
+    TrafficLevel("topk-up", download_codec="delta+int2+zstd",
                  upload_codec="delta+topk+int8+zstd"),
-    TrafficLevel("stale-1", download_codec="delta+int4+zstd", max_staleness=1,
+    TrafficLevel("stale-1", download_codec="delta+int2+zstd", max_staleness=1,
                  upload_codec="delta+topk+int8+zstd"),
-    TrafficLevel("stale", download_codec="delta+int4+zstd", max_staleness=UNBOUNDED,
+    TrafficLevel("stale", download_codec="delta+int2+zstd", max_staleness=UNBOUNDED,
                  upload_codec="delta+topk+int8+zstd"),
 )
 
 
 def bytes_per_element_bound(spec: str, topk_ratio: float = 0.1) -> float:
     """What one element of an upload through ``spec`` costs at most before zstd: the stored
-    width (plus a scale per 64-element group), times the kept share and its index under top-k."""
+    width (plus a float32 scale per quantizer group), times the kept share and its index under
+    top-k."""
     parsed = parse_spec(spec)
     width = {"fp16": 2.0, "bf16": 2.0}.get(parsed.cast or "", 4.0)
-    if parsed.quant == "int8":
-        width = 1.0 + 4 / 64
-    elif parsed.quant == "int4":
-        width = 0.5 + 4 / 64
+    if parsed.quant:
+        width = QUANT_BITS[parsed.quant] / 8 + 4 / DEFAULT_GROUP_SIZE[parsed.quant]
     return topk_ratio * (width + 4) if parsed.topk else width
 
 
