@@ -36,8 +36,10 @@ def main() -> None:
     for path in args.results:
         data = json.loads(Path(path).read_text())
         for name, curve in data["loss_vs_bytes"].items():
-            curves[name] = [[float(b), float(x)] for b, x in curve]
-            sources[name] = str(path)
+            # a scheme run again in another file (another tag or seed) keeps both curves
+            key = name if name not in curves else f"{name} [{Path(path).stem}]"
+            curves[key] = [[float(b), float(x)] for b, x in curve]
+            sources[key] = str(path)
     print(f"{'scheme':<24}{'MB at each evaluation -> eval loss'}")
     for name, curve in curves.items():
         points = ", ".join(f"{b / 1e6:.0f}: {x:.4f}" for b, x in curve)

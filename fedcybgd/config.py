@@ -122,9 +122,9 @@ class RunConfig:
     overwrite: bool = setting(False)  # allow starting over a non-empty output-dir
     seed: int = setting(0, ge=0, lt=2**32)
     round_timeout: float = setting(3600.0, gt=0)
-    upload_codec: str = setting("delta+int8+zstd")  # a codec spec, or "seedlog" (ZO step log)
+    upload_codec: str = setting("delta+int2+zstd")  # a codec spec, or "seedlog" (ZO step log)
     seedlog_fallback: str = setting("delta+int8+zstd")  # weights codec when no exact replay
-    download_codec: str = setting("delta+int8+zstd")  # frozen blocks, or "seedlog" (ZO step logs)
+    download_codec: str = setting("delta+int2+zstd")  # frozen blocks, or "seedlog" (ZO step logs)
     # most replay work (passes over the block) a seed-log download may cost a node; 0 = no cap
     seedlog_max_replay: float = setting(64.0, ge=0)
     download_fraction: float = setting(1.0, gt=0, le=1)  # the paper's random dropping
