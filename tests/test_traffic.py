@@ -17,6 +17,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.serde import message_to_proto
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedcybgd import protocol, selfsync
 from fedcybgd.checksum import content_checksum
@@ -286,13 +287,17 @@ def test_wire_bytes_are_the_serialised_messages_both_ways(tiny_run_config, tmp_p
     # Execute
     sent = play(strategy, grid, 2, tamper_replies=got.extend)
     # Assert: the record counts what an independent serialisation (the whole proto) gives,
-    # config and holdings included, which the payload bytes leave out
+    # config and holdings included, which the payload bytes leave out. Flower sends a message
+    # as a tree of objects, each with a header naming its children by hash (measured: about
+    # 110 bytes an object here), which the whole proto does not carry: allowed per object.
     record = strategy.history[-1]
     down = sum(len(message_to_proto(m).SerializeToString()) for m in sent)
     up = sum(len(message_to_proto(m).SerializeToString()) for m in got)
+    objects_down = sum(len(get_all_nested_objects(m)) for m in sent)
+    objects_up = sum(len(get_all_nested_objects(m)) for m in got)
     assert record.wire_bytes_down > record.bytes_down and record.wire_bytes_up > record.bytes_up
-    assert abs(record.wire_bytes_down - down) <= 0.02 * down + 512 * len(sent)
-    assert abs(record.wire_bytes_up - up) <= 0.02 * up + 512 * len(got)
+    assert abs(record.wire_bytes_down - down) <= 0.02 * down + 160 * objects_down
+    assert abs(record.wire_bytes_up - up) <= 0.02 * up + 160 * objects_up
     assert record.wire_bytes_up == sum(message_bytes(m) for m in got)
 
 
@@ -317,9 +322,11 @@ def test_fedavg_baselines_count_wire_bytes_the_same_way(tiny_run_config, tmp_pat
 
 def shared_block_config(tiny_run_config: dict[str, Any], tmp_path: Path, install: str
                         ) -> dict[str, Any]:
-    # The app's default shape: every node of a round on one block (clients-per-block = 0)
+    # The app's default shape: every node of a round on one block (clients-per-block = 0),
+    # with the int8 codecs these tests' margins were measured at (the defaults are int2 now)
     return dict(tiny_run_config, **{"clients-per-round": 4, "clients-per-block": 0,
                                     "upload-codec": "delta+int8+zstd",
+                                    "download-codec": "delta+int8+zstd",
                                     "install-codec": install,
                                     "output-dir": str(tmp_path / f"out-{install}")})
 
