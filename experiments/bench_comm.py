@@ -80,6 +80,10 @@ FEATURES: dict[str, dict[str, Any]] = {
     # with the server's, so a node holding the previous version gets each change exactly
     "int2": {"upload-codec": "delta+int2+zstd", "download-codec": "delta+int2+zstd",
              "self-sync": True, "error-feedback": True, "install-codec": "auto"},
+    # ... and frozen copies up to one install behind are not refreshed
+    "int2-stale-1": {"upload-codec": "delta+int2+zstd", "download-codec": "delta+int2+zstd",
+                     "self-sync": True, "error-feedback": True, "install-codec": "auto",
+                     "max-staleness": 1},
     "paper-drop-0.5": {"upload-codec": "fp16", "download-codec": "fp16",
                        "download-fraction": 0.5, "self-sync": False, "error-feedback": False,
                        "install-codec": "none"},
