@@ -286,6 +286,19 @@ def test_int2_packs_four_values_per_byte_with_a_scale_per_256_by_default():
     assert entry.part("scales").length == 4 * 16
 
 
+def test_int2_encodes_empty_and_all_zero_tensors():
+    # Prepare
+    tensors = {"empty": torch.zeros(0, 3), "zeros": torch.zeros(5, 7), "one": torch.tensor([2.5])}
+
+    # Execute
+    out = decode(_enc(tensors, "int2+zstd", group_size=4)).tensors
+
+    # Assert
+    assert out["empty"].shape == (0, 3)
+    assert torch.equal(out["zeros"], tensors["zeros"])
+    assert float((out["one"] - 2.5).abs()) <= 2.5 * 0.25  # a lone value: within its level
+
+
 def test_int2_reconstructs_values_on_its_levels_exactly():
     # Prepare: every group holds -3s, -s, s, 3s (its mean |x| is 2s, a step the encoder tries)
     levels = torch.tensor([-3.0, -1.0, 1.0, 3.0])

@@ -15,8 +15,6 @@ import zstandard
 from fedcybgd.compression.errors import CodecError
 
 _QMAX = {"int8": 127, "int4": 7}
-# int2's four codes are the odd numbers -3, -1, 1, 3 (levels at +-1/2 and +-3/2 of a step)
-INT2_CODES = (-3, -1, 1, 3)
 # int2 steps tried per group, in units of the group's mean |x|; the one with the least squared
 # error wins. Lloyd-Max's step for a Gaussian is 1.25; an Adam update, flatter, wants ~1.
 INT2_STEPS = (0.6, 0.8, 1.0, 1.25, 1.5, 1.8)
@@ -78,13 +76,15 @@ def quantize_int2(values: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     own business. An all-zero group gets scale 0 (and codes 1).
     """
     n = values.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int8), torch.zeros(0)
     groups = -(-n // group_size)
     padded = torch.zeros(groups * group_size, dtype=torch.float32)
     padded[:n] = values.to(torch.float32)
     grid = padded.view(groups, group_size)
     # the padding of a short last group is not part of its mean
     counts = torch.full((groups,), float(group_size))
-    counts[-1] = n - (groups - 1) * group_size if n else group_size
+    counts[-1] = n - (groups - 1) * group_size
     mean_abs = grid.abs().sum(dim=1) / counts
     best_q = torch.ones_like(grid, dtype=torch.int8)
     best_scale = torch.zeros(groups)
