@@ -58,6 +58,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 # Issue 16's feature variants (profiles other than "paper"): "before" is the traffic as it was.
+# Two bits a value both ways: int2 uploads with the node's error feedback, int2 installs with
+# the server's, so a node holding the previous version gets each change exactly (the defaults).
+INT2: dict[str, Any] = {"upload-codec": "delta+int2+zstd", "download-codec": "delta+int2+zstd",
+                        "self-sync": True, "error-feedback": True, "install-codec": "auto"}
 FEATURES: dict[str, dict[str, Any]] = {
     "fp32-uncompressed": {"upload-codec": "fp32", "download-codec": "fp32",
                           "self-sync": False, "error-feedback": False, "install-codec": "none"},
@@ -76,14 +80,9 @@ FEATURES: dict[str, dict[str, Any]] = {
     # every node holding the previous version gets the change as that sparse delta, exactly
     "sparse": {"upload-codec": "delta+topk+int8+zstd", "download-codec": "delta+topk+int8+zstd",
                "self-sync": True, "error-feedback": True, "install-codec": "auto"},
-    # two bits a value both ways: int2 uploads with the node's error feedback, int2 installs
-    # with the server's, so a node holding the previous version gets each change exactly
-    "int2": {"upload-codec": "delta+int2+zstd", "download-codec": "delta+int2+zstd",
-             "self-sync": True, "error-feedback": True, "install-codec": "auto"},
+    "int2": INT2,
     # ... and frozen copies up to one install behind are not refreshed
-    "int2-stale-1": {"upload-codec": "delta+int2+zstd", "download-codec": "delta+int2+zstd",
-                     "self-sync": True, "error-feedback": True, "install-codec": "auto",
-                     "max-staleness": 1},
+    "int2-stale-1": {**INT2, "max-staleness": 1},
     "paper-drop-0.5": {"upload-codec": "fp16", "download-codec": "fp16",
                        "download-fraction": 0.5, "self-sync": False, "error-feedback": False,
                        "install-codec": "none"},

@@ -469,6 +469,34 @@ def test_traffic_budget_prefers_the_least_lossy_level_that_fits(tiny_run_config,
         TrafficBudget(0, strategy.downloads, "delta+int8+zstd")
 
 
+def test_traffic_budget_never_widens_the_runs_own_download_codec(tiny_run_config, tmp_path):
+    # Prepare: a run that downloads int2 (the default), and a budget nothing fits
+    from fedcybgd.strategies.traffic_budget import UNBOUNDED, TrafficBudget
+
+    config = dict(shared_block_config(tiny_run_config, tmp_path, "none"),
+                  **{"upload-codec": "delta+int2+zstd", "download-codec": "delta+int2+zstd"})
+    grid, strategy = setup(config, tmp_path)
+    play(strategy, grid, 1)
+    node = strategy.history[0].clients[0]
+    budget = TrafficBudget(1, strategy.downloads, "delta+int2+zstd")
+    planned: list[tuple[str | None, int | None]] = []
+    plan = strategy.downloads.plan
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        planned.append((kwargs.get("download_codec"), kwargs.get("max_staleness")))
+        return plan(*args, **kwargs)
+
+    strategy.downloads.plan = spy  # type: ignore[method-assign]
+    # Execute
+    choice = budget.choose(2, node, "layer.1", strategy.holdings[node], {})
+    # Assert: int4 (wider than int2) is never encoded; int4-down, int2-down and int2-up repeat
+    # the run's own settings and are skipped (planned: configured, topk-up, stale-1, stale);
+    # the ladder still ends at its last rung
+    assert all(codec != "delta+int4+zstd" for codec, _ in planned), planned
+    assert [staleness for _, staleness in planned] == [None, None, 1, UNBOUNDED], planned
+    assert choice.level == "stale" and not choice.fits
+
+
 def test_traffic_budget_upload_estimate_resists_a_few_hostile_uploads(tiny_run_config, tmp_path):
     # Prepare: honest int8 uploads, then two nodes sending uploads 100x larger per element
     from fedcybgd.strategies.traffic_budget import TrafficBudget

@@ -13,6 +13,10 @@ The levels, from the run's own settings down (each keeps what the one before it 
 6. ``stale``: frozen blocks are not refreshed at all (only the block a node trains is sent, and
    it always arrives exact).
 
+A rung only ever narrows the run's own settings: a download codec no smaller than the run's
+(``int4-down`` in a run that downloads int2) is left at the run's, and a rung that then repeats
+one already tried is skipped, so no frozen block is encoded for a level that cannot be smaller.
+
 The download's size is known exactly (it is planned, then counted); the upload's is expected
 from the median bytes per element of the last uploads through the same codec (a median, so a
 few hostile nodes sending oversized or tiny uploads cannot move it far; before any came, a
@@ -119,18 +123,31 @@ class TrafficBudget:
         recent.append(payload_bytes / max(numel, 1))
         del recent[:-KEPT]
 
+    def narrower_download(self, codec: str | None) -> str | None:
+        """``codec`` if it stores frozen blocks in fewer bytes a value than the run's own
+        download codec, else ``None`` (the run's own). A step-log run takes the level's."""
+        own = self.planner.download_codec
+        if codec is None or own == SEEDLOG:
+            return codec
+        return codec if bytes_per_element_bound(codec) < bytes_per_element_bound(own) else None
+
     def choose(self, server_round: int, node: int, block: str, held: Mapping[str, Holding],
                payloads: PayloadCache) -> Choice:
         """The least lossy level whose planned download and expected upload fit."""
         numel = self.planner.versions.block_map.info(block).numel
         choice: Choice | None = None
+        tried: set[tuple[str | None, str, int | None]] = set()
         for level in LEVELS:
-            down = self.planner.plan(server_round, node, block, held, payloads,
-                                     download_codec=level.download_codec,
-                                     max_staleness=level.max_staleness)
+            download_codec = self.narrower_download(level.download_codec)
             # a step log is what the run asked for: it stays (it is already the smallest)
             codec = (self.upload_codec if self.upload_codec == SEEDLOG
                      else level.upload_codec or self.upload_codec)
+            if (download_codec, codec, level.max_staleness) in tried:
+                continue
+            tried.add((download_codec, codec, level.max_staleness))
+            down = self.planner.plan(server_round, node, block, held, payloads,
+                                     download_codec=download_codec,
+                                     max_staleness=level.max_staleness)
             total = down.bytes + self.expected_upload(codec, numel)
             choice = Choice(down, codec, level.name, total, total <= self.budget_bytes)
             if choice.fits:
