@@ -49,40 +49,76 @@ def load_profile(name: str) -> dict[str, Any]:
     for key in ("profile", "base", "methods"):
         if key not in profile:
             raise SystemExit(f"{path}: missing [{key}]")
-    for partition, methods in profile["profile"]["partitions"].items():
+    settings = profile["profile"]
+    for partition, methods in settings["partitions"].items():
         unknown = [m for m in methods if m not in profile["methods"]]
         if unknown:
             raise SystemExit(f"{path}: partition {partition} names unknown methods {unknown}")
-    checks = profile["profile"].get("seed-check", [])
+    unknown = [m for m in settings.get("bounds", []) if m not in profile["methods"]]
+    if unknown:
+        raise SystemExit(f"{path}: bounds names unknown methods {unknown}")
+    for method, keys in profile["methods"].items():
+        extra = set(keys.get("harness", {})) - HARNESS_KEYS
+        if extra:
+            raise SystemExit(f"{path}: method {method}: unknown harness keys {sorted(extra)} "
+                             f"(known: {sorted(HARNESS_KEYS)})")
+    checks = settings.get("seed-check", [])
     for check in [checks] if isinstance(checks, dict) else checks:
         if check["method"] not in profile["methods"]:
             raise SystemExit(f"{path}: seed-check names unknown method {check['method']!r}")
         if int(profile["base"]["seed"]) in [int(x) for x in check["seeds"]]:
             raise SystemExit(f"{path}: seed-check seeds must differ from the base seed")
+    if "seeds" in settings and int(profile["base"]["seed"]) not in settings["seeds"]:
+        raise SystemExit(f"{path}: [profile] seeds must include the base seed")
     profile["name"] = path.stem
     return profile
 
 
+# Per-method keys for the harness, not the run config: `nodes` (the simulated clients; a
+# centralized bound is one node holding the whole training set).
+HARNESS_KEYS = {"nodes"}
+CENTRAL = "central"  # the partition name of a bound's runs (one node, iid: all the data)
+
+
 def planned_runs(profile: dict[str, Any], only: set[str] | None) -> list[dict[str, Any]]:
-    """(run id, method, partition, seed, run config) for every run of the profile."""
+    """(run id, method, task, partition, seed, nodes, run config) for every run of the profile.
+
+    A profile with ``[profile.tasks]`` runs every method on each task (the task's keys over
+    ``[base]``; run ids ``method@task@partition``); with ``[profile] seeds`` on each seed (ids end
+    ``@seedN`` but for the base seed); ``[profile] bounds`` are run once per task and seed on
+    one node that holds the whole training set (partition ``central``)."""
     base = dict(profile["base"])
+    settings = profile["profile"]
+    tasks: dict[str, dict[str, Any]] = settings.get("tasks", {"": {}})
+    seeds = [int(x) for x in settings.get("seeds", [base["seed"]])]
     runs = []
 
-    def add(method: str, partition: str, seed: int) -> None:
+    def add(method: str, task: str, partition: str, seed: int) -> None:
         if only and method not in only:
             return
-        config = {**base, **profile["methods"][method], "partitioner": partition, "seed": seed}
-        run_id = f"{method}@{partition}" + (f"@seed{seed}" if seed != base["seed"] else "")
-        runs.append({"id": run_id, "method": method, "partition": partition, "seed": seed,
+        keys = dict(profile["methods"][method])
+        harness = keys.pop("harness", {})
+        bound = partition == CENTRAL
+        config = {**base, **tasks[task], **keys,
+                  "partitioner": "iid" if bound else partition, "seed": seed}
+        run_id = "@".join([method, *([task] if task else []), partition])
+        run_id += f"@seed{seed}" if seed != base["seed"] else ""
+        runs.append({"id": run_id, "method": method, "task": task, "partition": partition,
+                     "seed": seed, "nodes": int(harness.get("nodes", settings["nodes"])),
                      "config": config})
 
-    for partition, methods in profile["profile"]["partitions"].items():
-        for method in methods:
-            add(method, partition, int(base["seed"]))
-    checks = profile["profile"].get("seed-check", [])
+    for seed in seeds:
+        for task in tasks:
+            for partition, methods in settings["partitions"].items():
+                for method in methods:
+                    add(method, task, partition, seed)
+            for method in settings.get("bounds", []):
+                add(method, task, CENTRAL, seed)
+    checks = settings.get("seed-check", [])
     for check in [checks] if isinstance(checks, dict) else checks:
         for seed in check["seeds"]:
-            add(check["method"], check["partition"], int(seed))
+            for task in tasks:
+                add(check["method"], task, check["partition"], int(seed))
     return runs
 
 
@@ -109,6 +145,7 @@ def run_one(plan: dict[str, Any], work: Path, nodes: int, threads: int) -> dict[
     trained = [r for r in records if r["round"] > 0]
     result = {
         **{k: plan[k] for k in ("id", "method", "partition", "seed", "config")},
+        "task": plan.get("task", ""), "nodes": nodes,
         "summary": {k: v for k, v in summary.items() if k not in ("cycle", "block_versions")},
         "records": records,
         "wire_bytes_down": sum(e.bytes_down for e in exchanges),
@@ -278,7 +315,8 @@ def seed_spread(results: dict[str, dict[str, Any]]) -> list[str]:
     """Final accuracy and loss of runs that differ only by seed."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in results.values():
-        groups.setdefault(f"{r['method']}@{r['partition']}", []).append(r)
+        key = "@".join([r["method"], *([r["task"]] if r.get("task") else []), r["partition"]])
+        groups.setdefault(key, []).append(r)
     lines = []
     for key, runs in groups.items():
         if len(runs) < 2:
@@ -363,7 +401,7 @@ def main() -> None:
 
     profile = load_profile(args.profile)
     settings = profile["profile"]
-    nodes, threads = int(settings["nodes"]), int(settings["threads"])
+    threads = int(settings["threads"])
     out = Path(args.results) / profile["name"]
     out.mkdir(parents=True, exist_ok=True)
     saved_path = out / "results.json"
@@ -395,7 +433,8 @@ def main() -> None:
             print(f"--- {item['id']}: done before, kept", flush=True)
             continue
         print(f"--- {item['id']} ({time.perf_counter() - began:.0f} s in)", flush=True)
-        results[item["id"]] = run_one(item, Path(args.work) / profile["name"], nodes, threads)
+        results[item["id"]] = run_one(item, Path(args.work) / profile["name"], item["nodes"],
+                                      threads)
         meta["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
         saved_path.write_text(json.dumps({"meta": meta, "inference_mb": inference_mb,
                                           "runs": results}, indent=1))
@@ -408,7 +447,14 @@ def main() -> None:
                                       "runs": ordered}, indent=1))
     report = table(ordered, inference_mb, meta)
     (out / "table.md").write_text(report)
-    plot(ordered, out, inference_mb)
+    if "tasks" in settings or "seeds" in settings:  # several seeds per method: the payoff
+        import payoff
+
+        (out / "payoff.md").write_text(payoff.report(ordered, meta))
+        payoff.plot(ordered, out)
+        report = (out / "payoff.md").read_text()
+    else:
+        plot(ordered, out, inference_mb)
     print(report)
     print(f"saved {out} (this invocation: {time.perf_counter() - began:.0f} s)")
 

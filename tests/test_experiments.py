@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -121,3 +123,108 @@ def test_sweep_runs_every_setting_and_marks_each_methods_best(tmp_path):
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "table.md").read_text() == table
+
+
+def payoff_run(method: str, seed: int, accuracies: list[float], mb: list[float],
+               seconds: list[float], peak: float, partition: str = "dirichlet") -> dict:
+    """A results.json run with evaluations at rounds 0.. (cumulative MB and seconds given)."""
+    records, prev_mb, prev_s = [], 0.0, 0.0
+    for i, (acc, m, s) in enumerate(zip(accuracies, mb, seconds, strict=True)):
+        records.append({"round": i, "eval_accuracy": acc, "eval_loss": 1.0 - acc,
+                        "bytes_down": (m - prev_mb) * 2**20, "bytes_up": 0,
+                        "client_train_s": s - prev_s})
+        prev_mb, prev_s = m, s
+    return {"id": f"{method}@t@{partition}@seed{seed}", "method": method, "task": "t",
+            "partition": partition, "seed": seed, "client_process_peak_mb": peak,
+            "client_rounds": 4, "wall_s": 1.0, "records": records}
+
+
+def test_payoff_names_each_budgets_winner_and_whether_it_beats_the_seed_spread():
+    # Prepare: "cheap" reaches 0.80/0.82 with 1 MB, 10 s, 500 MB; "rich" 0.90/0.91 with
+    # 100 MB, 50 s, 2,000 MB, and 0.70 halfway; a bound on one node
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    runs = {}
+    for seed, (cheap, rich) in enumerate([(0.80, 0.90), (0.82, 0.91)]):
+        for r in (payoff_run("cheap", seed, [0.5, cheap], [0, 1], [0, 10], 500.0),
+                  payoff_run("rich", seed, [0.5, 0.70, rich], [0, 50, 100], [0, 25, 50], 2000.0),
+                  payoff_run("bound", seed, [0.5, 0.95], [0, 0], [0, 60], 3000.0, "central")):
+            runs[r["id"]] = r
+
+    # Execute
+    rows = payoff.comparisons(payoff.groups(runs)[("t", "dirichlet")])
+    text = payoff.report(runs, {"profile": "x"})
+
+    # Assert
+    def row(start: str) -> str:
+        return next(r for r in rows if r.startswith(start))
+
+    assert "| rich 0.905 [0.900-0.910]" in row("| (a) equal client-rounds")
+    assert "+9.5 points | clear |" in row("| (a)")
+    # with cheap's 1 MB, rich has only its round 0: cheap wins
+    assert "| cheap 0.810" in row("| (b) bytes <= 1.00 MB (cheap's total)")
+    assert "| rich 0.905" in row("| (b) bytes <= 100.00 MB (rich's total)")
+    # at 500 MB only cheap fits; at 2,000 MB both do
+    assert "| cheap 0.810 [0.800-0.820], loss 0.190 | (alone)" in row("| (c) client peak <= 500 MB")
+    assert "| rich 0.905" in row("| (c) client peak <= 2,000 MB")
+    assert "| cheap 0.810" in row("| (d) client compute <= 10.00 s")
+    assert [r[:5] for r in rows[2:]] == ["| (a)", "| (b)", "| (b)", "| (c)", "| (c)", "| (d)",
+                                         "| (d)"]
+    assert "| bound: bound | 2 | 0.500 | 0.950 [0.950-0.950]" in text  # listed, not competing
+    assert "bound 0.95" not in "\n".join(rows)
+
+
+def test_payoff_calls_overlapping_seeds_inside_the_spread():
+    # Prepare: a 1-point lead whose seeds overlap
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    runs = {}
+    for seed, (a, b) in enumerate([(0.80, 0.78), (0.78, 0.80), (0.82, 0.79)]):
+        for r in (payoff_run("a", seed, [0.5, a], [0, 1], [0, 1], 1.0),
+                  payoff_run("b", seed, [0.5, b], [0, 1], [0, 1], 1.0)):
+            runs[r["id"]] = r
+
+    # Execute
+    rows = payoff.comparisons(payoff.groups(runs)[("t", "dirichlet")])
+
+    # Assert
+    assert "| a 0.800 [0.780-0.820]" in rows[2] and "+1.0 points | inside the spread |" in rows[2]
+
+
+@pytest.mark.slow
+def test_payoff_smoke_profile_runs_tasks_seeds_and_bounds(tmp_path):
+    # Prepare: FedCyBGD-fo and the centralized LoRA bound of the payoff smoke profile (two
+    # tasks, two seeds, two partitions)
+    common = ["--profile", "payoff-smoke", "--results", str(tmp_path / "results"),
+              "--work", str(tmp_path / "work")]
+
+    # Execute
+    done = run_harness(*common, "--only", "fedcybgd-fo,central-lora")
+
+    # Assert
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "results" / "payoff-smoke"
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert list(runs)[:3] == ["fedcybgd-fo@rotten-tomatoes@dirichlet",
+                              "fedcybgd-fo@rotten-tomatoes@iid",
+                              "central-lora@rotten-tomatoes@central"]
+    assert len(runs) == 2 * 2 * 3 and "central-lora@tomi@central@seed1" in runs
+    bound = runs["central-lora@tomi@central@seed1"]
+    assert bound["nodes"] == 1 and bound["config"]["partitioner"] == "iid"
+    assert bound["config"]["dataset"] == "tomi" and bound["config"]["seed"] == 1
+    assert bound["client_rounds"] == 1
+    assert runs["fedcybgd-fo@tomi@iid"]["config"]["max-seq-len"] == 96
+    text = (out / "payoff.md").read_text()
+    for section in ("## rotten-tomatoes / dirichlet", "## tomi / iid"):
+        assert section in text
+    assert "| (a) equal client-rounds (4) | fedcybgd-fo" in text
+    assert "| bound: central-lora | 2 |" in text
+    for name in ("rotten-tomatoes_dirichlet", "tomi_iid"):
+        assert (out / f"pareto_{name}.png").stat().st_size > 1000
+    # the report is rebuilt from results.json alone, identically
+    (out / "payoff.md").unlink()
+    again = run_harness(*common, "--report-only")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (out / "payoff.md").read_text() == text
