@@ -245,12 +245,16 @@ class CalibrationReport:
     kl_calibrated: float = math.nan  # the same through the fitted translator
 
     def metrics(self) -> dict[str, float]:
-        """As ``zerolock_calib_*`` reply metrics."""
-        return {"zerolock_calib_fitted": float(self.fitted),
-                "zerolock_calib_fit_s": self.fit_s,
-                "zerolock_calib_moved": self.moved,
-                "zerolock_calib_kl_lens": self.kl_lens,
-                "zerolock_calib_kl": self.kl_calibrated}
+        """As ``zerolock_calib_*`` reply metrics. The KLs only when a translator was fitted
+        this round: a NaN metric makes the server drop the upload, and a round whose heads
+        all came from the cache (or read the last layer, the model's own head) has none."""
+        out = {"zerolock_calib_fitted": float(self.fitted),
+               "zerolock_calib_fit_s": self.fit_s,
+               "zerolock_calib_moved": self.moved}
+        if math.isfinite(self.kl_lens) and math.isfinite(self.kl_calibrated):
+            out |= {"zerolock_calib_kl_lens": self.kl_lens,
+                    "zerolock_calib_kl": self.kl_calibrated}
+        return out
 
 
 def calibrated_translators(
