@@ -295,6 +295,7 @@ def test_run_configs_in_the_repository_use_only_known_keys():
     try:
         import compare_rules
         import run_experiments
+        import sweep
     finally:
         sys.path.pop(0)
     from fedcybgd.deploy.local import QUICK_RUN_CONFIG
@@ -304,6 +305,9 @@ def test_run_configs_in_the_repository_use_only_known_keys():
             RunConfig.from_run_config(plan["config"])
     for variant in compare_rules.VARIANTS.values():
         RunConfig.from_run_config(variant)
+    for name in ("sweep", "sweep-smoke", "confirm", "sweep-payoff"):
+        for plan in sweep.planned_runs(sweep.load_sweep(name), None):
+            RunConfig.from_run_config(plan["config"])
     RunConfig.from_run_config(QUICK_RUN_CONFIG)
 
 
