@@ -103,7 +103,8 @@ class Score:
 
     def cell(self) -> str:
         lo, hi = min(self.values), max(self.values)
-        return f"{self.mean:.3f} [{lo:.3f}-{hi:.3f}], loss {self.loss:.3f}"
+        untrained = " (untrained: round 0)" if all(p.round == 0 for p in self.points) else ""
+        return f"{self.mean:.3f} [{lo:.3f}-{hi:.3f}], loss {self.loss:.3f}{untrained}"
 
 
 def within(run: Run, cost: Callable[[Point], float], budget: float) -> Point:
@@ -118,12 +119,16 @@ def verdict(scores: list[Score]) -> str:
     ranked = sorted(scores, key=lambda s: (-s.mean, s.loss))
     if not ranked:
         return "no method | | | |"
+    if all(p.round == 0 for s in ranked for p in s.points):
+        return "none: no method has an evaluation after round 0 within this budget | | | |"
     best = ranked[0]
     if len(ranked) == 1:
         return f"{best.method} {best.cell()} | (alone) | | |"
     second = ranked[1]
     margin = best.mean - second.mean
-    if min(best.values) > max(second.values):
+    if min(len(best.values), len(second.values)) < 2:
+        spread = "one seed: no spread to judge by"
+    elif min(best.values) > max(second.values):
         spread = "clear"
     elif margin == 0 and min(best.values) == max(best.values) == min(second.values):
         spread = "a tie (the loss decides the order)"

@@ -228,3 +228,24 @@ def test_payoff_smoke_profile_runs_tasks_seeds_and_bounds(tmp_path):
     again = run_harness(*common, "--report-only")
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "payoff.md").read_text() == text
+
+
+def test_payoff_says_when_nothing_trained_within_a_budget_or_one_seed_cannot_judge():
+    # Prepare: one seed each; the cheaper method's budget is below the other's first round
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    runs = {r["id"]: r for r in (payoff_run("a", 0, [0.5, 0.6], [0, 10], [0, 1], 1.0),
+                                 payoff_run("b", 0, [0.5, 0.7], [0, 20], [0, 1], 1.0))}
+
+    # Execute
+    rows = payoff.comparisons(payoff.groups(runs)[("t", "dirichlet")])
+
+    # Assert
+    assert "+10.0 points | one seed: no spread to judge by |" in rows[2]
+    budget = next(r for r in rows if r.startswith("| (b) bytes <= 10.00 MB"))
+    assert "| a 0.600" in budget  # a has trained; b is still at round 0
+    # a budget (a mean over seeds) that no seed's first round fits: nothing to rank
+    untrained = payoff.Point(0, 0.5, 1.0, 0.0, 0.0)
+    assert payoff.verdict([payoff.Score("a", (untrained, untrained)),
+                           payoff.Score("b", (untrained, untrained))]).startswith("none: ")
