@@ -247,6 +247,7 @@ def plot(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
             ax.set_ylabel("eval accuracy")
             ax.grid(alpha=0.3)
         axes[0].set_xscale("symlog", linthresh=0.01)
+        axes[0].set_xlim(left=0)
         axes[0].legend(fontsize=7)
         fig.suptitle(f"{task or 'task'} / partition {part}: mean over seeds, band = range")
         fig.tight_layout()
