@@ -4,6 +4,7 @@ Flower's FedAvg (full model, LoRA) and whole-stack MeZO with seed-log uploads.
     python experiments/run_experiments.py                     # the quick profile (~1 h, 2 CPUs)
     python experiments/run_experiments.py --profile full      # experiments/configs/full.toml
     python experiments/run_experiments.py --only fedcybgd-fo  # some methods (all partitions)
+    python experiments/run_experiments.py --profile payoff    # 3 seeds, bounds: payoff.md
 
 A profile (``experiments/configs/<name>.toml``) names the methods, the run config they share and
 the partitions to run them on. Each run is a real federated run: the ServerApp logic in this
@@ -18,6 +19,8 @@ records and measurements), ``table.md`` (the table and the targets, pass or miss
 ``accuracy_vs_round.png``, ``accuracy_vs_bytes.png`` and ``client_memory.png``. Results are
 saved after every run; ``--resume`` keeps the runs already saved with the same config (after an
 interruption), ``--report-only`` rewrites the table and plots from ``results.json``.
+A profile with several seeds or tasks (``payoff``) also gets ``payoff.md`` and its Pareto plots
+(``payoff.py``: the best method at equal client-rounds, bytes, client memory and client time).
 """
 
 from __future__ import annotations
@@ -450,9 +453,9 @@ def main() -> None:
     if "tasks" in settings or "seeds" in settings:  # several seeds per method: the payoff
         import payoff
 
-        (out / "payoff.md").write_text(payoff.report(ordered, meta))
+        report = payoff.report(ordered, meta)
+        (out / "payoff.md").write_text(report)
         payoff.plot(ordered, out)
-        report = (out / "payoff.md").read_text()
     else:
         plot(ordered, out, inference_mb)
     print(report)
