@@ -27,7 +27,7 @@ from statistics import mean
 from typing import Any
 
 MB = 2**20
-CENTRAL = "central"  # the partition of centralized bounds: one node, iid, all the data
+CENTRAL = "central"
 
 
 @dataclass(frozen=True)

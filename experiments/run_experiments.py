@@ -39,8 +39,6 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import payoff  # beside this script: the report of multi-seed profiles
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CLIENT_APP = "fedcybgd.client.app:app"
@@ -82,6 +80,7 @@ def load_profile(name: str) -> dict[str, Any]:
 # Per-method keys for the harness, not the run config: `nodes` (the simulated clients; a
 # centralized bound is one node holding the whole training set).
 HARNESS_KEYS = {"nodes"}
+CENTRAL = "central"  # the partition name of a bound's runs (one node, iid: all the data)
 
 
 def planned_runs(profile: dict[str, Any], only: set[str] | None) -> list[dict[str, Any]]:
@@ -102,7 +101,7 @@ def planned_runs(profile: dict[str, Any], only: set[str] | None) -> list[dict[st
             return
         keys = dict(profile["methods"][method])
         harness = keys.pop("harness", {})
-        bound = partition == payoff.CENTRAL
+        bound = partition == CENTRAL
         config = {**base, **tasks[task], **keys,
                   "partitioner": "iid" if bound else partition, "seed": seed}
         run_id = "@".join([method, *([task] if task else []), partition])
@@ -117,7 +116,7 @@ def planned_runs(profile: dict[str, Any], only: set[str] | None) -> list[dict[st
                 for method in methods:
                     add(method, task, partition, seed)
             for method in settings.get("bounds", []):
-                add(method, task, payoff.CENTRAL, seed)
+                add(method, task, CENTRAL, seed)
     checks = settings.get("seed-check", [])
     for check in [checks] if isinstance(checks, dict) else checks:
         for seed in check["seeds"]:
@@ -452,6 +451,8 @@ def main() -> None:
     report = table(ordered, inference_mb, meta)
     (out / "table.md").write_text(report)
     if "tasks" in settings or "seeds" in settings:  # several seeds per method: the payoff
+        import payoff
+
         report = payoff.report(ordered, meta)
         (out / "payoff.md").write_text(report)
         payoff.plot(ordered, out)
