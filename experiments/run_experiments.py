@@ -80,7 +80,10 @@ def load_profile(name: str) -> dict[str, Any]:
 # Per-method keys for the harness, not the run config: `nodes` (the simulated clients; a
 # centralized bound is one node holding the whole training set).
 HARNESS_KEYS = {"nodes"}
-CENTRAL = "central"  # the partition name of a bound's runs (one node, iid: all the data)
+# The partition name of a bound's runs (one node, iid: all the data); payoff.py has it too. Not
+# imported from there: the inference probe imports this module as experiments.run_experiments,
+# where payoff.py is not on the path.
+CENTRAL = "central"
 
 
 def planned_runs(profile: dict[str, Any], only: set[str] | None) -> list[dict[str, Any]]:
