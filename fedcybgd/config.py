@@ -117,6 +117,8 @@ class RunConfig:
     eval_every: int = setting(4, ge=0)  # 0 = only before and after training
     eval_examples: int = setting(200, ge=1)
     eval_batch_size: int = setting(32, ge=1)
+    # the untrained model's evaluation kept on disk, keyed by weights, rows and settings
+    eval_cache: bool = setting(True)
     output_dir: str = setting("outputs/demo")
     resume: bool = setting(False)
     overwrite: bool = setting(False)  # allow starting over a non-empty output-dir

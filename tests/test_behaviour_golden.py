@@ -43,6 +43,8 @@ BASE: dict[str, Any] = {
     # issue 16's traffic features change what is sent and installed: the golden runs keep the
     # behaviour they were recorded with (tests/test_traffic.py covers the features)
     "self-sync": False, "error-feedback": False, "install-codec": "none",
+    # every run evaluates round 0 itself: its row then never says it came from the cache
+    "eval-cache": False,
 }
 # name -> (run config overrides, number of nodes, node budgets (MB) by partition, silenced
 # (round, partition) pairs: the node's train reply of that round is lost)

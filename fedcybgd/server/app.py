@@ -197,10 +197,10 @@ def run_server(
     if resumed and saved.get("initial_eval"):
         initial = EvalResult(**saved["initial_eval"])
     else:
-        initial = evaluator()
+        initial, cached = evaluator.initial()
         writer.write(RoundRecord(0, eval_loss=initial.loss, eval_accuracy=initial.accuracy,
                                  eval_examples=initial.examples,
-                                 extra=eval_extras(initial)).to_json())
+                                 extra=eval_extras(initial, cached)).to_json())
     log.info("round 0: eval loss %.4f, accuracy %.3f", initial.loss, initial.accuracy)
     last_eval = initial
 

@@ -259,9 +259,9 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
             run.eval_every and server_round % run.eval_every == 0
         ):
             server.set(from_record(arrays))
-            result = evaluator()
+            result, cached = evaluator.initial() if server_round == 0 else (evaluator(), False)
             record.eval_loss, record.eval_accuracy = result.loss, result.accuracy
-            record.extra.update(eval_extras(result))
+            record.extra.update(eval_extras(result, cached))
         now = time.perf_counter()
         record.eval_s = now - began
         if server_round > 0:

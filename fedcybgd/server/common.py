@@ -8,6 +8,8 @@ Shared by the FedCyBGD loop (:mod:`fedcybgd.server.app`) and the FedAvg baseline
 from __future__ import annotations
 
 import copy
+import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -20,10 +22,13 @@ from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.devices import to_cpu
 from fedcybgd.model.layerwise import LayerStack
-from fedcybgd.model.loading import load_tokenizer
+from fedcybgd.model.loading import cache_root, load_tokenizer
 from fedcybgd.model.precision import FrozenBlocks, Precision
 from fedcybgd.objective import EvalResult
+from fedcybgd.server.eval_cache import EvalCache, eval_key
 from fedcybgd.tasks.base import build_task
+
+log = logging.getLogger(__name__)
 
 
 def resolve_output_dir(path: str) -> Path:
@@ -77,6 +82,23 @@ class Evaluator:
         return self.task.evaluate(self.stack, self.tokenizer, self.frame,
                                   self.run.eval_batch_size, self.run.max_seq_len)
 
+    def initial(self) -> tuple[EvalResult, bool]:
+        """The evaluation before any training, and whether it came from the cache
+        (``eval-cache``: runs from the same weights on the same rows share it)."""
+        if not self.run.eval_cache:
+            return self(), False
+        cache = EvalCache(cache_root() / "evals")
+        key = eval_key(self.run, self.task, self.frame, self._master, self.device)
+        cached = cache.get(key)
+        if cached is not None:
+            log.info("round 0: the evaluation of these weights on these rows is cached (%s)",
+                     cache.path(key))
+            return cached, True
+        result = self()
+        if math.isfinite(result.loss) and math.isfinite(result.accuracy):
+            cache.put(key, result)
+        return result, False
+
 
 def class_prior_of(run: RunConfig, classes: int) -> tuple[ClassPriorSpec | None, int]:
     """The run's ``class-prior`` for a task of ``classes`` classes (``None`` for a task
@@ -92,9 +114,13 @@ def class_prior_of(run: RunConfig, classes: int) -> tuple[ClassPriorSpec | None,
     return spec, classes
 
 
-def eval_extras(result: EvalResult) -> dict[str, float]:
-    """The task's metrics besides loss and accuracy, as ``metrics.jsonl`` keys."""
-    return {f"eval_{name}": value for name, value in result.metrics.items()}
+def eval_extras(result: EvalResult, cached: bool = False) -> dict[str, float]:
+    """The task's metrics besides loss and accuracy, as ``metrics.jsonl`` keys (and
+    ``eval_cached = 1`` when the figures came from the evaluation cache)."""
+    extras = {f"eval_{name}": value for name, value in result.metrics.items()}
+    if cached:
+        extras["eval_cached"] = 1.0
+    return extras
 
 
 def require_nodes(grid: Grid, wanted: int, wait_s: float) -> int:
