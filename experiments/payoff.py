@@ -10,10 +10,13 @@ Pareto figure per task and partition, ``pareto_<task>_<partition>.png``.
 Quality is the task's eval accuracy (exact match for a generative task). A method's quality at
 a budget is, per seed, that of its last evaluation reached within the budget (round 0, the
 untrained model, is always within it); the budget ladder of each axis is every method's own
-mean total, so each row answers "with as much as method X spends, who is best?". Memory is a
-threshold, not a running sum: at a budget of M MB, the methods whose client peak is at most M
-compete with their final quality. A winner is *clear* when its worst seed beats the runner-up's
-best seed; otherwise the difference is inside the seed spread.
+total at its costliest seed (so all its seeds finish within its own rung), and each row
+answers "with as much as method X spends, who is best?". Memory is a threshold, not a running
+sum: at a budget of M MB, the methods whose client peak (the largest over seeds) is at most M
+compete with their final quality. The untrained model (round 0) competes at every budget: it
+costs nothing, and a method that has not beaten it has not paid off. A winner is *clear* when
+its worst seed beats the runner-up's best seed; otherwise the difference is inside the seed
+spread.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 MB = 2**20
 CENTRAL = "central"
+UNTRAINED = "the untrained model"
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,14 @@ class Score:
     def loss(self) -> float:
         return mean(p.loss for p in self.points)
 
+    @property
+    def untrained(self) -> bool:
+        """No seed has an evaluation after round 0: this is the untrained model."""
+        return all(p.round == 0 for p in self.points)
+
     def cell(self) -> str:
         lo, hi = min(self.values), max(self.values)
-        untrained = " (untrained: round 0)" if all(p.round == 0 for p in self.points) else ""
-        return f"{self.mean:.3f} [{lo:.3f}-{hi:.3f}], loss {self.loss:.3f}{untrained}"
+        return f"{self.mean:.3f} [{lo:.3f}-{hi:.3f}], loss {self.loss:.3f}"
 
 
 def within(run: Run, cost: Callable[[Point], float], budget: float) -> Point:
@@ -113,18 +121,17 @@ def within(run: Run, cost: Callable[[Point], float], budget: float) -> Point:
     return reached[-1] if reached else run.points[0]
 
 
-def verdict(scores: list[Score]) -> str:
+def verdict(scores: list[Score], start: Score) -> str:
     """The winner (highest mean accuracy, then lowest mean loss), its margin over the
-    runner-up and whether it exceeds the seed spread."""
-    ranked = sorted(scores, key=lambda s: (-s.mean, s.loss))
-    if not ranked:
-        return "no method | | | |"
-    if all(p.round == 0 for s in ranked for p in s.points):
-        return "none: no method has an evaluation after round 0 within this budget | | | |"
-    best = ranked[0]
+    runner-up and whether it exceeds the seed spread. ``start`` (the untrained model, which
+    costs nothing) competes at every budget; a method with no evaluation after round 0
+    within the budget is that same model, so it is left out."""
+    ranked = sorted([s for s in scores if not s.untrained] + [start],
+                    key=lambda s: (-s.mean, s.loss))
     if len(ranked) == 1:
-        return f"{best.method} {best.cell()} | (alone) | | |"
-    second = ranked[1]
+        return (f"none: no method has an evaluation after round 0 within this budget | "
+                f"{start.method} {start.cell()} | | |")
+    best, second = ranked[0], ranked[1]
     margin = best.mean - second.mean
     if min(len(best.values), len(second.values)) < 2:
         spread = "one seed: no spread to judge by"
@@ -138,28 +145,38 @@ def verdict(scores: list[Score]) -> str:
             f"{margin * 100:+.1f} points | {spread} |")
 
 
+def untrained(methods: dict[str, list[Run]]) -> Score:
+    """The untrained model's evaluation per seed (round 0; every method of a task and
+    partition evaluates the same weights on the same rows, so any method's will do)."""
+    runs = next(iter(methods.values()))
+    return Score(UNTRAINED, tuple(r.points[0] for r in runs))
+
+
 def comparisons(methods: dict[str, list[Run]]) -> list[str]:
     """The four comparisons for one task and partition, as Markdown table rows."""
     rows = ["| budget | winner: accuracy, mean [min-max over seeds] | runner-up | margin | "
             "against the seeds |", "|---|---|---|---|---|"]
     finals = [Score(m, tuple(r.final for r in runs)) for m, runs in methods.items()]
+    start = untrained(methods)
     rounds = sorted({r.client_rounds for runs in methods.values() for r in runs})
-    rows.append(f"| (a) equal client-rounds ({', '.join(map(str, rounds))}) | {verdict(finals)}")
+    rows.append(f"| (a) equal client-rounds ({', '.join(map(str, rounds))}) | "
+                f"{verdict(finals, start)}")
     axes: list[tuple[str, str, Callable[[Point], float], Callable[[Run], float]]] = [
         ("(b) bytes", "MB", lambda p: p.mb, lambda r: r.final.mb),
         ("(d) client compute", "s", lambda p: p.client_s, lambda r: r.final.client_s),
     ]
     for label, unit, cost, total in axes:
-        ladder = sorted((mean(total(r) for r in runs), m) for m, runs in methods.items())
+        ladder = sorted((max(total(r) for r in runs), m) for m, runs in methods.items())
         for budget, owner in ladder:
             scores = [Score(m, tuple(within(r, cost, budget) for r in runs))
                       for m, runs in methods.items()]
-            rows.append(f"| {label} <= {budget:,.2f} {unit} ({owner}'s total) | "
-                        f"{verdict(scores)}")
-    for budget, owner in sorted((mean(r.peak_mb for r in runs), m) for m, runs in methods.items()):
+            rows.append(f"| {label} <= {budget:,.2f} {unit} ({owner}'s costliest seed) | "
+                        f"{verdict(scores, start)}")
+    for budget, owner in sorted((max(r.peak_mb for r in runs), m) for m, runs in methods.items()):
         fits = [Score(m, tuple(r.final for r in runs)) for m, runs in methods.items()
-                if mean(r.peak_mb for r in runs) <= budget * (1 + 1e-9)]
-        rows.append(f"| (c) client peak <= {budget:,.0f} MB ({owner}'s) | {verdict(fits)}")
+                if max(r.peak_mb for r in runs) <= budget * (1 + 1e-9)]
+        rows.append(f"| (c) client peak <= {budget:,.0f} MB ({owner}'s largest) | "
+                    f"{verdict(fits, start)}")
     # keep the table's order (a), (b), (c), (d)
     head, body = rows[:2], rows[2:]
     return head + sorted(body, key=lambda row: row.split(")")[0])

@@ -305,7 +305,8 @@ def test_run_configs_in_the_repository_use_only_known_keys():
             RunConfig.from_run_config(plan["config"])
     for variant in compare_rules.VARIANTS.values():
         RunConfig.from_run_config(variant)
-    for name in ("sweep", "sweep-smoke", "confirm", "sweep-payoff"):
+    for name in ("sweep", "sweep-smoke", "confirm", "sweep-payoff", "sweep-bounds",
+                 "sweep-payoff-baselines"):
         for plan in sweep.planned_runs(sweep.load_sweep(name), None):
             RunConfig.from_run_config(plan["config"])
     RunConfig.from_run_config(QUICK_RUN_CONFIG)

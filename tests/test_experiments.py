@@ -163,10 +163,11 @@ def test_payoff_names_each_budgets_winner_and_whether_it_beats_the_seed_spread()
     assert "| rich 0.905 [0.900-0.910]" in row("| (a) equal client-rounds")
     assert "+9.5 points | clear |" in row("| (a)")
     # with cheap's 1 MB, rich has only its round 0: cheap wins
-    assert "| cheap 0.810" in row("| (b) bytes <= 1.00 MB (cheap's total)")
-    assert "| rich 0.905" in row("| (b) bytes <= 100.00 MB (rich's total)")
+    assert "| cheap 0.810" in row("| (b) bytes <= 1.00 MB (cheap's costliest seed)")
+    assert "| rich 0.905" in row("| (b) bytes <= 100.00 MB (rich's costliest seed)")
     # at 500 MB only cheap fits; at 2,000 MB both do
-    assert "| cheap 0.810 [0.800-0.820], loss 0.190 | (alone)" in row("| (c) client peak <= 500 MB")
+    assert ("| cheap 0.810 [0.800-0.820], loss 0.190 | the untrained model 0.500 [0.500-0.500]"
+            in row("| (c) client peak <= 500 MB"))
     assert "| rich 0.905" in row("| (c) client peak <= 2,000 MB")
     assert "| cheap 0.810" in row("| (d) client compute <= 10.00 s")
     assert [r[:5] for r in rows[2:]] == ["| (a)", "| (b)", "| (b)", "| (c)", "| (c)", "| (d)",
@@ -247,5 +248,45 @@ def test_payoff_says_when_nothing_trained_within_a_budget_or_one_seed_cannot_jud
     assert "| a 0.600" in budget  # a has trained; b is still at round 0
     # a budget (a mean over seeds) that no seed's first round fits: nothing to rank
     untrained = payoff.Point(0, 0.5, 1.0, 0.0, 0.0)
+    start = payoff.Score(payoff.UNTRAINED, (untrained, untrained))
     assert payoff.verdict([payoff.Score("a", (untrained, untrained)),
-                           payoff.Score("b", (untrained, untrained))]).startswith("none: ")
+                           payoff.Score("b", (untrained, untrained))], start).startswith("none: ")
+
+
+def test_payoff_rungs_hold_every_seed_of_their_own_method():
+    # Prepare: "a" moves 300 MB on seed 0 and 500 MB on seed 1 (its mean, 400 MB, would leave
+    # seed 1 at round 0 on its own rung); "b" 1,000 MB
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    runs = {}
+    for seed, mb in enumerate([300.0, 500.0]):
+        for r in (payoff_run("a", seed, [0.5, 0.8], [0, mb], [0, 1], 1.0),
+                  payoff_run("b", seed, [0.5, 0.9], [0, 1000], [0, 1], 1.0)):
+            runs[r["id"]] = r
+
+    # Execute
+    rows = payoff.comparisons(payoff.groups(runs)[("t", "dirichlet")])
+
+    # Assert: a's rung is its costliest seed, 500 MB, where both its seeds have trained
+    rung = next(r for r in rows if r.startswith("| (b) bytes <= 500.00 MB (a's costliest seed)"))
+    assert "| a 0.800 [0.800-0.800]" in rung
+
+
+def test_payoff_lets_the_untrained_model_win_when_training_lowered_accuracy():
+    # Prepare: two seeds of two methods that both end below their round-0 accuracy
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    runs = {}
+    for seed, (a, b) in enumerate([(0.70, 0.60), (0.72, 0.62)]):
+        for r in (payoff_run("a", seed, [0.8, a], [0, 1], [0, 1], 1.0),
+                  payoff_run("b", seed, [0.8, b], [0, 1], [0, 1], 1.0)):
+            runs[r["id"]] = r
+
+    # Execute
+    rows = payoff.comparisons(payoff.groups(runs)[("t", "dirichlet")])
+
+    # Assert: doing nothing beats both, clearly; the best trained method is the runner-up
+    assert ("| the untrained model 0.800 [0.800-0.800], loss 0.200 | a 0.710 [0.700-0.720], "
+            "loss 0.290 | +9.0 points | clear |") in rows[2]
