@@ -128,7 +128,8 @@ def loopback_run(config: dict[str, Any], tmp_path: Path, name: str, salt: str,
                  monkeypatch: pytest.MonkeyPatch, fedavg: bool = False) -> tuple[Any, Path]:
     monkeypatch.setattr(loopback, "node_configs", shuffled_ids(salt))
     out = tmp_path / name
-    config = dict(config, **{"output-dir": str(out)})
+    # eval-cache off: the second run must compute round 0, not read the first run's figures
+    config = dict(config, **{"output-dir": str(out), "eval-cache": False})
     grid = LoopbackGrid(client_app, 5, config,
                         node_config=lambda i: {"cache-dir": str(tmp_path / f"{name}-cache")})
     run = RunConfig.from_run_config(config)
@@ -171,7 +172,7 @@ def test_process_grid_same_seed_same_metrics(repro_config, tmp_path, monkeypatch
     records = []
     for i, salt in enumerate(SALTS):
         out = tmp_path / f"run{i}"
-        config = dict(repro_config, **{"output-dir": str(out)})
+        config = dict(repro_config, **{"output-dir": str(out), "eval-cache": False})
         node_config = {"cache-dir": str(tmp_path / f"cache{i}")}
         configs = shuffled_ids(salt)(5, lambda _, c=node_config: c, 0)
         monkeypatch.setattr(procgrid, "node_configs", shuffled_ids(salt))
@@ -365,7 +366,7 @@ def flwr_home(private_flower: Path) -> Iterator[Path]:
 def test_flwr_run_simulation_twice_gives_the_same_metrics(tmp_path, flwr_home):
     overrides = ("model='tiny-llama' layers-per-block=1 num-server-rounds=3 clients-per-round=2 "
                  "local-steps=2 batch-size=4 max-seq-len=48 eval-examples=16 eval-every=1 "
-                 "lr=0.001 seed=5")
+                 "lr=0.001 seed=5 eval-cache=false")
     runs = []
     for name in ("first", "second"):
         out = tmp_path / name
