@@ -300,7 +300,8 @@ def test_run_configs_in_the_repository_use_only_known_keys():
         sys.path.pop(0)
     from fedcybgd.deploy.local import QUICK_RUN_CONFIG
 
-    for profile in ("smoke", "quick", "full", "payoff", "payoff-smoke", "payoff-full"):
+    for profile in ("smoke", "quick", "full", "payoff", "payoff-smoke", "payoff-full",
+                    "payoff-tomi"):
         for plan in run_experiments.planned_runs(run_experiments.load_profile(profile), None):
             RunConfig.from_run_config(plan["config"])
     for variant in compare_rules.VARIANTS.values():
