@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Round-0 evaluations the tests cache stay in a folder of this session (subprocesses inherit
+# it), not in the user's ~/.cache/fedcybgd/evals.
+os.environ.setdefault("FEDCYBGD_EVAL_CACHE", tempfile.mkdtemp(prefix="fedcybgd-evals-"))
 
 from collections.abc import Iterator
 from pathlib import Path

@@ -300,16 +300,19 @@ def test_run_configs_in_the_repository_use_only_known_keys():
         sys.path.pop(0)
     from fedcybgd.deploy.local import QUICK_RUN_CONFIG
 
-    for profile in ("smoke", "quick", "full", "payoff", "payoff-smoke", "payoff-full",
-                    "payoff-tomi"):
-        for plan in run_experiments.planned_runs(run_experiments.load_profile(profile), None):
+    # Every file under experiments/configs: a profile has [profile], a sweep has not.
+    configs = sorted((ROOT / "experiments" / "configs").glob("*.toml"))
+    profiles = [c for c in configs if "profile" in tomllib.loads(c.read_text())]
+    assert {"payoff", "payoff-tomi", "payoff-skew"} <= {c.stem for c in profiles}
+    for path in configs:
+        if path in profiles:
+            plans = run_experiments.planned_runs(run_experiments.load_profile(path.stem), None)
+        else:
+            plans = sweep.planned_runs(sweep.load_sweep(path.stem), None)
+        for plan in plans:
             RunConfig.from_run_config(plan["config"])
     for variant in compare_rules.VARIANTS.values():
         RunConfig.from_run_config(variant)
-    for name in ("sweep", "sweep-smoke", "confirm", "sweep-payoff", "sweep-bounds",
-                 "sweep-payoff-baselines"):
-        for plan in sweep.planned_runs(sweep.load_sweep(name), None):
-            RunConfig.from_run_config(plan["config"])
     RunConfig.from_run_config(QUICK_RUN_CONFIG)
 
 

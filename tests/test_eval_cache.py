@@ -15,7 +15,6 @@ import torch
 from fedcybgd.config import RunConfig
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model
-from fedcybgd.server import common
 from fedcybgd.server.common import Evaluator
 
 
@@ -28,8 +27,8 @@ def model() -> torch.nn.Module:
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # the evaluations alone go to a private folder (the converted model and tokenizer stay
     # where every test finds them)
-    monkeypatch.setattr(common, "cache_root", lambda: tmp_path / "cache")
-    return tmp_path / "cache" / "evals"
+    monkeypatch.setenv("FEDCYBGD_EVAL_CACHE", str(tmp_path / "evals"))
+    return tmp_path / "evals"
 
 
 def _evaluator(config: dict[str, Any], model: torch.nn.Module, **overrides: Any) -> Evaluator:
@@ -112,3 +111,14 @@ def test_fedcybgd_and_fedavg_runs_share_round_0_and_say_so(tiny_run_config, mode
     assert rows[1][0]["eval_loss"] == rows[0][0]["eval_loss"]
     assert second["initial_eval_loss"] == first["initial_eval_loss"]
     assert "eval_cached" not in rows[1][1]  # trained rounds are always evaluated
+
+
+def test_the_eval_cache_folder_is_under_the_cache_folder_unless_overridden(
+        monkeypatch, tmp_path):
+    from fedcybgd.server.eval_cache import eval_cache_root
+
+    monkeypatch.delenv("FEDCYBGD_EVAL_CACHE", raising=False)
+    monkeypatch.setenv("FEDCYBGD_CACHE", str(tmp_path / "c"))
+    assert eval_cache_root() == tmp_path / "c" / "evals"
+    monkeypatch.setenv("FEDCYBGD_EVAL_CACHE", str(tmp_path / "e"))
+    assert eval_cache_root() == tmp_path / "e"

@@ -22,10 +22,10 @@ from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.devices import to_cpu
 from fedcybgd.model.layerwise import LayerStack
-from fedcybgd.model.loading import cache_root, load_tokenizer
+from fedcybgd.model.loading import load_tokenizer
 from fedcybgd.model.precision import FrozenBlocks, Precision
 from fedcybgd.objective import EvalResult
-from fedcybgd.server.eval_cache import EvalCache, eval_key
+from fedcybgd.server.eval_cache import EvalCache, eval_cache_root, eval_key
 from fedcybgd.tasks.base import build_task
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Evaluator:
         (``eval-cache``: runs from the same weights on the same rows share it)."""
         if not self.run.eval_cache:
             return self(), False
-        cache = EvalCache(cache_root() / "evals")
+        cache = EvalCache(eval_cache_root())
         key = eval_key(self.run, self.task, self.frame, self._master, self.device)
         cached = cache.get(key)
         if cached is not None:

@@ -17,6 +17,7 @@ import inspect
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import transformers
 from fedcybgd.atomic import write_bytes
 from fedcybgd.checksum import content_checksum
 from fedcybgd.config import RunConfig
+from fedcybgd.model.loading import cache_root
 from fedcybgd.objective import EvalResult
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,14 @@ def eval_key(run: RunConfig, task: object, frame: pd.DataFrame, model: torch.nn.
         "model": content_checksum(dict(model.state_dict())),
     }
     return _sha256(json.dumps(parts, sort_keys=True, default=str).encode())
+
+
+def eval_cache_root() -> Path:
+    """Where evaluations are kept: ``FEDCYBGD_EVAL_CACHE``, else ``evals`` under the cache
+    folder (``FEDCYBGD_CACHE`` or ``~/.cache/fedcybgd``). The tests point it at a temporary
+    folder, so they neither read nor leave a user's entries."""
+    override = os.environ.get("FEDCYBGD_EVAL_CACHE")
+    return Path(override) if override else cache_root() / "evals"
 
 
 class EvalCache:
