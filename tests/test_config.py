@@ -303,7 +303,8 @@ def test_run_configs_in_the_repository_use_only_known_keys():
     # Every file under experiments/configs: a profile has [profile], a sweep has not.
     configs = sorted((ROOT / "experiments" / "configs").glob("*.toml"))
     profiles = [c for c in configs if "profile" in tomllib.loads(c.read_text())]
-    assert {"payoff", "payoff-tomi", "payoff-skew"} <= {c.stem for c in profiles}
+    payoffs = {"payoff", "payoff-tomi", "payoff-skew", "payoff-tomi-skew"}
+    assert payoffs <= {c.stem for c in profiles}
     for path in configs:
         if path in profiles:
             plans = run_experiments.planned_runs(run_experiments.load_profile(path.stem), None)
