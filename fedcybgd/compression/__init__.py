@@ -13,7 +13,10 @@ ends in ``zstd``.
 Specs compose stages with ``+`` in the order ``[delta|xor] [topk] [fp32|fp16|bf16]
 [int8|int4|int2] [zstd]`` (see :mod:`fedcybgd.compression.spec`). ``fp32``, ``zstd`` and
 ``xor(+zstd)`` are bit-exact; the rest are lossy. Decoding validates everything and raises
-:class:`CodecError` (a ``ValueError``) for any bad input; nothing is ever unpickled.
+:class:`CodecError` (a ``ValueError``) for any bad input; nothing is ever unpickled. Every decode
+is bounded before it allocates: the payload by ``max_bytes``, what it decodes to by the caller's
+shapes or ``max_decoded_bytes`` (default :data:`MAX_DECODED_BYTES`), shapes, strides and header by
+:mod:`fedcybgd.compression.limits`.
 """
 
 from fedcybgd.compression.errors import CodecError
@@ -24,6 +27,7 @@ from fedcybgd.compression.header import (
     TensorEntry,
     read_header,
 )
+from fedcybgd.compression.limits import MAX_DECODED_BYTES
 from fedcybgd.compression.records import PAYLOAD_STYPE, payload_from_array, payload_to_array
 from fedcybgd.compression.spec import CodecSpec, lossy_delta_spec, parse_spec, uses_base
 from fedcybgd.compression.tensors import raw_fp32_bytes
@@ -31,6 +35,7 @@ from fedcybgd.compression.wire import DecodedPayload, decode, encode
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_DECODED_BYTES",
     "PAYLOAD_STYPE",
     "CodecError",
     "CodecSpec",

@@ -22,6 +22,7 @@ CODES_PER_BYTE = {"int4": 2, "int2": 4}
 QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 DEFAULT_GROUP_SIZE = {"int8": 64, "int4": 64, "int2": 256}
 _CAST_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+ZSTD_READ_CHUNK = 1 << 20  # zstd output is read this much at a time
 
 
 def cast_values(values: torch.Tensor, cast: str, *, tensor: str) -> torch.Tensor:
@@ -30,6 +31,15 @@ def cast_values(values: torch.Tensor, cast: str, *, tensor: str) -> torch.Tensor
     if out.numel() and not bool(torch.isfinite(out).all()):
         raise CodecError(f"tensor {tensor!r}: values out of {cast} range")
     return out
+
+
+def _tight_group(group_size: int, n: int) -> int:
+    """The group size that groups ``n`` values exactly as ``group_size`` does, without padding
+    past them: a group larger than all the values is one group of ``n`` (at least 1).
+
+    Padding is what a header's group size could otherwise blow up (``2**33`` for one value).
+    """
+    return min(group_size, max(n, 1))
 
 
 def quantize(
@@ -55,6 +65,7 @@ def quantize(
         return quantize_int2(values, group_size)
     qmax = _QMAX[quant]
     n = values.numel()
+    group_size = _tight_group(group_size, n)
     groups = -(-n // group_size)
     padded = torch.zeros(groups * group_size, dtype=torch.float32)
     padded[:n] = values.to(torch.float32)
@@ -78,6 +89,7 @@ def quantize_int2(values: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     n = values.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.int8), torch.zeros(0)
+    group_size = _tight_group(group_size, n)
     groups = -(-n // group_size)
     padded = torch.zeros(groups * group_size, dtype=torch.float32)
     padded[:n] = values.to(torch.float32)
@@ -141,6 +153,9 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.
     """Inverse of :func:`quantize`: float32 values, ``q * scale`` of their group."""
     n = q.numel()
     groups = scales.numel()
+    group_size = _tight_group(group_size, n)
+    if groups != -(-n // group_size):
+        raise CodecError(f"{groups} scales for {n} codes in groups of {group_size}")
     padded = torch.zeros(groups * group_size, dtype=torch.float32)
     padded[:n] = q.to(torch.float32)
     return (padded.view(groups, group_size) * scales[:, None]).reshape(-1)[:n].contiguous()
@@ -225,11 +240,14 @@ def zstd_compress(buf: bytes, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(buf)
 
 
-def zstd_decompress(buf: bytes | memoryview, raw_length: int) -> bytes:
+def zstd_decompress(buf: bytes | memoryview, raw_length: int) -> bytearray:
     """Decompress exactly ``raw_length`` bytes from one frame, refusing anything bigger.
 
-    The size comes from our header, not from the frame, and output is read in a bounded call,
-    so a frame that expands further (a zip bomb) is refused without being materialised.
+    The size comes from our header (which the caller has already checked against its decode
+    limit), not from the frame. Output is read in bounded chunks into a buffer that grows only as
+    real output arrives, and reading stops one byte past ``raw_length``: a frame that expands
+    further (a zip bomb) costs at most ``raw_length`` bytes plus one chunk, and a frame that ends
+    early costs what it held.
     """
     try:
         # -1: the frame does not say (our encoder always writes it; the bounded read still holds)
@@ -241,22 +259,20 @@ def zstd_decompress(buf: bytes | memoryview, raw_length: int) -> bytes:
         reader = zstandard.ZstdDecompressor().stream_reader(
             io.BytesIO(buf), read_across_frames=True
         )
-        chunks: list[bytes] = []
-        got = 0
-        while got < raw_length:
-            chunk = reader.read(raw_length - got)
+        out = bytearray()
+        while len(out) < raw_length:
+            chunk = reader.read(min(ZSTD_READ_CHUNK, raw_length - len(out)))
             if not chunk:
                 break
-            chunks.append(chunk)
-            got += len(chunk)
+            out += chunk
         extra = reader.read(1)
     except zstandard.ZstdError as exc:
         raise CodecError(f"zstd decompression failed: {exc}") from None
-    if got != raw_length:
+    if len(out) != raw_length:
         raise CodecError(
-            f"zstd decompression failed: body ends after {got} of the {raw_length} bytes "
+            f"zstd decompression failed: body ends after {len(out)} of the {raw_length} bytes "
             "the header records"
         )
     if extra:
         raise CodecError(f"zstd body decompresses to more than the recorded {raw_length} bytes")
-    return b"".join(chunks)
+    return out

@@ -16,6 +16,7 @@ from typing import Any, TypeVar, cast
 
 from fedcybgd.compression.errors import CodecError
 from fedcybgd.compression.layout import entry_layout
+from fedcybgd.compression.limits import MAX_DIMS, MAX_HEADER_BYTES, MAX_NUMEL
 from fedcybgd.compression.spec import CodecSpec, parse_spec
 from fedcybgd.compression.tensors import PART_ITEMSIZE, TENSOR_DTYPES
 
@@ -23,10 +24,6 @@ MAGIC = b"FCYB"
 FORMAT_VERSION = 1
 _FRAME = struct.Struct("<4sHI")
 FRAME_SIZE = _FRAME.size
-MAX_NUMEL = 2**40  # far above any block; keeps shape arithmetic inside int64
-# A real header is a few kB (about 300 bytes per tensor); the cap keeps a hostile header from
-# costing seconds and hundreds of MB of JSON parsing before any other check.
-MAX_HEADER_BYTES = 1 << 20
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _T = TypeVar("_T")
 
@@ -187,6 +184,29 @@ def _hex(obj: Mapping[str, Any], key: str, where: str) -> str:
     return value
 
 
+def _shape(raw: list[Any], name: str) -> tuple[int, ...]:
+    """A tensor shape whose every size, element count and stride fits :data:`MAX_NUMEL`.
+
+    Strides are products of the later sizes whatever the others are, so a shape such as
+    ``[0, 2**40, 2**40]`` holds no element yet overflows torch's stride arithmetic: the product
+    of the non-zero sizes is what is bounded.
+    """
+    if len(raw) > MAX_DIMS:
+        raise CodecError(f"tensor {name!r}: {len(raw)} dimensions, more than {MAX_DIMS}")
+    for size in raw:
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_NUMEL:
+            raise CodecError(
+                f"tensor {name!r}: shape {raw!r:.200} is not a list of sizes in [0, {MAX_NUMEL}]"
+            )
+    shape = tuple(cast(list[int], raw))
+    strides = math.prod(max(size, 1) for size in shape)
+    if strides > MAX_NUMEL:
+        raise CodecError(
+            f"tensor {name!r}: shape {shape} spans {strides} elements, more than {MAX_NUMEL}"
+        )
+    return shape
+
+
 def _parse_entry(item: object, codec: CodecSpec, index: int) -> TensorEntry:
     if not isinstance(item, dict):
         raise CodecError(f"header: entry {index} is not an object")
@@ -195,13 +215,10 @@ def _parse_entry(item: object, codec: CodecSpec, index: int) -> TensorEntry:
     dtype = _field(item, "dtype", str, where)
     if dtype not in TENSOR_DTYPES:
         raise CodecError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    raw_shape = _field(item, "shape", list, where)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw_shape):
-        raise CodecError(f"tensor {name!r}: shape {raw_shape!r} is not a list of sizes >= 0")
-    shape = tuple(cast(list[int], raw_shape))
-    if len(shape) > 64 or math.prod(shape) > MAX_NUMEL:
-        raise CodecError(f"tensor {name!r}: shape {shape} is too large")
+    shape = _shape(_field(item, "shape", list, where), name)
     group_size = _optional_count(item, "group_size", where)
+    if group_size is not None and group_size > MAX_NUMEL:
+        raise CodecError(f"tensor {name!r}: group size {group_size} exceeds {MAX_NUMEL}")
     topk = _optional_count(item, "topk", where)
     layout = entry_layout(
         codec, name=name, dtype=dtype, numel=math.prod(shape), group_size=group_size, topk=topk
@@ -340,6 +357,8 @@ def split_frame(
     except TypeError as exc:  # e.g. a non-contiguous view
         raise CodecError(f"payload is not a contiguous byte buffer: {exc}") from None
     size = view.nbytes
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
+        raise CodecError(f"max_bytes must be an int >= 0, got {max_bytes!r:.40}")
     if size > max_bytes:
         raise CodecError(f"payload is {size} bytes, larger than max_bytes={max_bytes}")
     if size < FRAME_SIZE:

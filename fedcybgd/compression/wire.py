@@ -22,6 +22,7 @@ from fedcybgd.compression.header import (
     split_frame,
 )
 from fedcybgd.compression.layout import MAX_TOPK_NUMEL
+from fedcybgd.compression.limits import MAX_DECODED_BYTES
 from fedcybgd.compression.spec import CodecSpec, parse_spec
 from fedcybgd.compression.tensors import (
     BITS_DTYPE,
@@ -354,7 +355,11 @@ def decode(
         Refuse payloads larger than this, before any parsing (mandatory: every decode of
         untrusted bytes is bounded).
     max_decoded_bytes
-        Refuse payloads whose body or reconstructed tensors would exceed this many bytes.
+        Refuse payloads whose uncompressed body or reconstructed tensors would exceed this many
+        bytes, from the header alone: before anything is decompressed or allocated. ``None``:
+        the shapes bound it when ``expect_shapes`` is given, and
+        :data:`fedcybgd.compression.limits.MAX_DECODED_BYTES` (1 GiB) otherwise. Decoding
+        holds a small multiple of this at its peak.
 
     Raises
     ------
@@ -362,6 +367,10 @@ def decode(
         Anything wrong with the payload or the arguments; no other exception escapes for bad
         bytes.
     """
+    if max_decoded_bytes is not None:
+        _check_int(max_decoded_bytes, "max_decoded_bytes", 0)
+    elif expect_shapes is None:
+        max_decoded_bytes = MAX_DECODED_BYTES
     max_entries = len(expect_shapes) if expect_shapes is not None else None
     header, stored = split_frame(data, max_bytes=max_bytes, max_entries=max_entries)
     codec = header.codec
