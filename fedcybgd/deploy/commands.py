@@ -85,6 +85,24 @@ def superlink_command(
     return cmd
 
 
+def gateway_command(*, host: str, port: int, upstream: str, tls: ServerTls) -> list[str]:
+    """The Fleet gateway (``fedcybgd.deploy.gateway``): the address SuperNodes dial.
+
+    It serves ``tls.cert`` on ``host:port`` and forwards only the Fleet API (and ``/health``) to
+    the SuperLink at ``upstream`` (``host:port``), whose certificate it checks against
+    ``tls.ca``. The SuperLink's Control and Runtime APIs stay off this address.
+    """
+    return [
+        "python", "-m", "fedcybgd.deploy.gateway",
+        "--host", host,
+        "--port", str(port),
+        "--upstream", upstream,
+        "--ssl-ca-certfile", tls.ca,
+        "--ssl-certfile", tls.cert,
+        "--ssl-keyfile", tls.key,
+    ]
+
+
 def supernode_command(
     *,
     superlink: str,

@@ -5,7 +5,9 @@ N ``flower-supernode`` (each with its ``partition-id`` / ``num-partitions`` / ``
 ``config.toml`` connection, then ``flwr run`` and a poll of ``flwr ls`` until the run finishes.
 With ``--tls`` the SuperLink serves HTTPS with a freshly made CA and server certificate and
 requires SuperNode authentication; each node's key is registered with
-``flwr supernode register`` before the node starts.
+``flwr supernode register`` before the node starts. The SuperNodes then dial a Fleet gateway
+(``fedcybgd.deploy.gateway``) on a port of its own, which forwards only the Fleet API: the
+SuperLink's port, with its unauthenticated Control and Runtime APIs, is the operator's alone.
 
     python -m fedcybgd.deploy.local --nodes 3 [--tls] [--run-config "num-server-rounds=2"]
 
@@ -38,6 +40,7 @@ from fedcybgd.deploy import certs
 from fedcybgd.deploy.commands import (
     ServerTls,
     format_config,
+    gateway_command,
     merge_config,
     node_config,
     parse_config,
@@ -105,6 +108,7 @@ class LocalDeployment:
     threads_per_process: int | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
     port: int = 0
+    fleet_port: int = 0
     procs: dict[str, Proc] = field(default_factory=dict)
     cert_files: certs.CertFiles | None = None
 
@@ -119,6 +123,7 @@ class LocalDeployment:
         self.port = self.port or free_port()
         if self.tls:
             self.cert_files = certs.make_ca_and_server_cert(self.state / "certs")
+            self.fleet_port = self.fleet_port or free_port()
         ca = str(self.cert_files.ca_cert) if self.cert_files else None
         self.control = Control(self.state / "flwr-cli", self.address, root_certificates=ca,
                                env=self.env(self.state / "flwr-cli"),
@@ -127,8 +132,20 @@ class LocalDeployment:
     # -- plumbing ---------------------------------------------------------------------------
     @property
     def address(self) -> str:
-        """The SuperLink's ``host:port`` (Fleet, Control and Runtime APIs)."""
+        """The SuperLink's own ``host:port`` (Fleet, Control and Runtime APIs): the operator's."""
         return f"{HOST}:{self.port}"
+
+    @property
+    def fleet_address(self) -> str:
+        """The ``host:port`` SuperNodes dial: the Fleet gateway under TLS, else the SuperLink."""
+        return f"{HOST}:{self.fleet_port}" if self.tls else self.address
+
+    def server_tls(self) -> ServerTls | None:
+        """The CA, certificate and key the SuperLink and the gateway serve (None: insecure)."""
+        if self.cert_files is None:
+            return None
+        return ServerTls(str(self.cert_files.ca_cert), str(self.cert_files.server_cert),
+                         str(self.cert_files.server_key))
 
     def env(self, flwr_home: Path) -> dict[str, str]:
         """Environment of every process: offline hub, no runtime dependency installation."""
@@ -167,29 +184,38 @@ class LocalDeployment:
     # -- SuperLink --------------------------------------------------------------------------
     def superlink_args(self) -> list[str]:
         """The SuperLink's command (what ``docker-compose.yml`` runs, with local paths)."""
-        tls = None
-        if self.cert_files:
-            tls = ServerTls(str(self.cert_files.ca_cert), str(self.cert_files.server_cert),
-                            str(self.cert_files.server_key))
         return superlink_command(host=HOST, port=self.port,
                                  database=str(self.state / "superlink" / "state.db"),
-                                 tls=tls, supernode_auth=self.tls)
+                                 tls=self.server_tls(), supernode_auth=self.tls)
+
+    def gateway_args(self) -> list[str]:
+        """The Fleet gateway's command (what ``docker-compose.tls.yml`` runs); TLS only."""
+        tls = self.server_tls()
+        if tls is None:
+            raise DeployError("the Fleet gateway serves TLS deployments only")
+        return gateway_command(host=HOST, port=self.fleet_port, upstream=self.address, tls=tls)
 
     def start_superlink(self, timeout: float = 60.0) -> Proc:
-        """Start the SuperLink and wait until ``GET /health`` answers."""
+        """Start the SuperLink (and, under TLS, the Fleet gateway before it); wait until
+        ``GET /health`` answers at both addresses."""
         proc = self._spawn("superlink", self.superlink_args())
-        self.wait_health(timeout)
+        self.wait_health(timeout, self.address, "superlink")
+        if self.tls:
+            self._spawn("fleet-gateway", self.gateway_args())
+            self.wait_health(timeout, self.fleet_address, "fleet-gateway")
         return proc
 
-    def wait_health(self, timeout: float) -> None:
-        """Poll the SuperLink's ``/health`` until it answers 200."""
+    def wait_health(self, timeout: float, address: str | None = None,
+                    name: str = "superlink") -> None:
+        """Poll ``address``'s ``/health`` (default: the SuperLink's) until it answers 200."""
+        address = address or self.address
         ca = str(self.cert_files.ca_cert) if self.cert_files else None
         deadline = time.monotonic() + timeout
-        while not healthy(self.address, ca):
+        while not healthy(address, ca):
             self.check_alive()
             if time.monotonic() > deadline:
-                raise DeployError(f"no answer from {self.address}/health after {timeout:.0f} s;"
-                                  f" see {self.procs['superlink'].log}")
+                raise DeployError(f"no answer from {address}/health after {timeout:.0f} s;"
+                                  f" see {self.procs[name].log}")
             time.sleep(0.5)
 
     # -- SuperNodes -------------------------------------------------------------------------
@@ -204,7 +230,7 @@ class LocalDeployment:
                        key: certs.NodeKey | None = None) -> list[str]:
         """A SuperNode's command (what ``docker-compose.yml`` runs, with local paths)."""
         ca = str(self.cert_files.ca_cert) if self.cert_files else None
-        return supernode_command(superlink=self.address, port=port, node_config=config,
+        return supernode_command(superlink=self.fleet_address, port=port, node_config=config,
                                  root_certificates=ca,
                                  auth_private_key=str(key.private) if key else None)
 
@@ -230,10 +256,11 @@ class LocalDeployment:
                 for i in range(count)]
 
     def check_alive(self, nodes: int = 0) -> None:
-        """Raise if the SuperLink died, or fewer than ``nodes`` SuperNodes still run."""
-        link = self.procs.get("superlink")
-        if link and link.exit_code() is not None:
-            raise DeployError(f"the SuperLink exited with {link.exit_code()}; see {link.log}")
+        """Raise if the SuperLink or the gateway died, or fewer than ``nodes`` SuperNodes run."""
+        for name, title in (("superlink", "the SuperLink"), ("fleet-gateway", "the Fleet gateway")):
+            proc = self.procs.get(name)
+            if proc and proc.exit_code() is not None:
+                raise DeployError(f"{title} exited with {proc.exit_code()}; see {proc.log}")
         alive = [p for n, p in self.procs.items()
                  if n.startswith("supernode") and p.exit_code() is None]
         if len(alive) < nodes:
@@ -361,6 +388,9 @@ def run_deployment(
             print(f"SuperLink on {'https' if tls else 'http'}://{dep.address} "
                   f"({'TLS, SuperNode authentication' if tls else 'insecure'}; state {state})",
                   flush=True)
+            if tls:
+                print(f"SuperNodes dial the Fleet gateway on https://{dep.fleet_address}",
+                      flush=True)
             dep.start_supernodes(nodes, per_node)
             dep.wait_nodes(nodes)
             print(f"{nodes} SuperNodes online; flwr run --run-config \"{overrides}\"",
