@@ -345,6 +345,14 @@ class NodeConfig:
     # The node's own training data (a file or folder on this device; never sent anywhere):
     # it replaces the node's partition of the run's dataset. Empty: use the partition.
     data_path: str = setting("")
+    # What a server may ask of this node (fedcybgd.client.limits); beyond it, refused by name
+    max_local_steps: int = setting(1000, ge=1)  # training steps of one round
+    max_lr: float = setting(1.0, gt=0)  # the round's learning rate
+    max_batch_size: int = setting(256, ge=1)  # rows of one training batch
+    max_replay_steps: int = setting(4096, ge=1)  # steps replayed from one round's step logs
+    max_replay_logs: int = setting(1024, ge=1)  # step logs (chain length) of one round
+    max_download_mb: float = setting(8192.0, gt=0)  # payload bytes of one round's downloads
+    max_decoded_mb: float = setting(8192.0, gt=0)  # tensors one downloaded block decodes to
 
     def __post_init__(self) -> None:
         normalize(self)

@@ -37,7 +37,7 @@ import torch
 from fedcybgd.checksum import content_checksum
 from fedcybgd.compression.seedlog import decode_seedlog
 from fedcybgd.selfsync import Tensors, sgd_step, weighted_mean
-from fedcybgd.zeroth_order import replay
+from fedcybgd.zeroth_order import SeedLog, replay
 
 MAGIC = b"FCSD"
 FORMAT_VERSION = 1
@@ -115,7 +115,7 @@ def _positive(value: Any, what: str) -> float:
 
 def decode_chain(data: bytes, *, max_bytes: int) -> LogChain:
     """Parse :func:`encode_chain` output; ``ValueError`` naming what is malformed. The logs
-    are kept encoded (:func:`apply_chain` decodes them, bounded by the steps asked for)."""
+    are kept encoded (:func:`read_log` decodes them, bounded by the steps asked for)."""
     data = bytes(data)
     if len(data) > max_bytes:
         raise ValueError(f"seed-log download of {len(data)} bytes exceeds {max_bytes}")
@@ -178,29 +178,47 @@ def decode_chain(data: bytes, *, max_bytes: int) -> LogChain:
     return LogChain(header["block"], base_version, base_checksum, tuple(installs))
 
 
-def apply_chain(start: Mapping[str, torch.Tensor], chain: LogChain,
-                layout: Sequence[Sequence[str]], *, max_steps: int,
-                device: torch.device | str = "cpu") -> Tensors:
+def read_log(chain: LogChain, encoded: bytes, *, max_steps: int) -> SeedLog:
+    """One step log of ``chain``, decoded (none replayed): ``ValueError`` if it is malformed,
+    holds more than ``max_steps`` steps or is a log of another block. Reading a chain's logs
+    first tells a node the replay's cost before it does any of it."""
+    log = decode_seedlog(encoded, max_steps=max_steps)
+    if log.block != chain.block:
+        raise ValueError(f"seed-log download for block '{chain.block}' holds a log of "
+                         f"'{log.block[:64]}'")
+    return log
+
+
+def replay_chain(start: Mapping[str, torch.Tensor], chain: LogChain,
+                 logs: Sequence[Sequence[SeedLog]], layout: Sequence[Sequence[str]], *,
+                 device: torch.device | str = "cpu") -> Tensors:
     """The block's newest version, rebuilt from ``start`` (its ``base_version``) through every
-    install of ``chain``; ``ValueError`` if a log is malformed, for another block, or a
-    rebuilt version's checksum differs from the chain's."""
+    install of ``chain``, whose logs ``logs`` holds decoded (:func:`read_log`), install by
+    install; ``ValueError`` if a log does not fit the block or a rebuilt version's checksum
+    differs from the chain's."""
+    if [len(x) for x in logs] != [len(i.logs) for i in chain.installs]:
+        raise ValueError(f"block '{chain.block}': the decoded logs do not match the chain")
     current: Tensors = dict(start)
-    for install in chain.installs:
-        replays = []
-        for encoded in install.logs:
-            log = decode_seedlog(encoded, max_steps=max_steps)
-            if log.block != chain.block:
-                raise ValueError(f"seed-log download for block '{chain.block}' holds a log of "
-                                 f"'{log.block[:64]}'")
-            replays.append(replay(current, log, layout, device=device))
-        weights = install.weights
-        current = rebuild(current, list(zip(weights, replays, strict=True)), install.size)
+    for install, decoded in zip(chain.installs, logs, strict=True):
+        replays = [replay(current, log, layout, device=device) for log in decoded]
+        current = rebuild(current, list(zip(install.weights, replays, strict=True)),
+                          install.size)
         got = content_checksum(current)
         if got != install.checksum:
             raise ValueError(f"block '{chain.block}' rebuilt from step logs at version "
                              f"{install.version} has checksum {got[:12]}, the server's is "
                              f"{install.checksum[:12]} (z or arithmetic differ here)")
     return current
+
+
+def apply_chain(start: Mapping[str, torch.Tensor], chain: LogChain,
+                layout: Sequence[Sequence[str]], *, max_steps: int,
+                device: torch.device | str = "cpu") -> Tensors:
+    """:func:`read_log` for every log of ``chain`` (each at most ``max_steps`` steps), then
+    :func:`replay_chain`: the block's newest version, or ``ValueError``."""
+    logs = [[read_log(chain, encoded, max_steps=max_steps) for encoded in install.logs]
+            for install in chain.installs]
+    return replay_chain(start, chain, logs, layout, device=device)
 
 
 def _reject_constant(name: str) -> Any:

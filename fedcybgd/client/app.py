@@ -11,15 +11,19 @@ the block is not sent back. Error feedback (``error-feedback``): with a lossy up
 the codec dropped of the node's update is kept per block and added to its next upload of it.
 Seed-log downloads (:mod:`fedcybgd.seedsync`): a block may arrive as the step logs that made its
 new versions, which the node replays on its exact copy and checks by checksum.
+The instruction is untrusted (:mod:`fedcybgd.client.instruction`), and what it asks is bounded
+by the node's own limits (:mod:`fedcybgd.client.limits`): training steps, learning rate, batch
+size, download bytes and decoded sizes, step logs and steps to replay, all checked before the
+work they bound; beyond one the node answers ``refused``, naming it.
 Messages from Flower's own FedAvg (the baselines) go to :mod:`fedcybgd.client.baselines`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +33,11 @@ from flwr.clientapp import ClientApp
 
 from fedcybgd import protocol, seedsync, selfsync, zeroth_order
 from fedcybgd.checksum import content_checksum
+from fedcybgd.client import limits
 from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
 from fedcybgd.client.feedback import encode_upload
+from fedcybgd.client.instruction import Instruction, read_instruction
+from fedcybgd.client.limits import Refusal
 from fedcybgd.client.local_data import stated_class_counts, training_batches
 from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
 from fedcybgd.client.runtime import ClientModel, client_model
@@ -58,6 +65,7 @@ from fedcybgd.model.precision import Precision
 from fedcybgd.protocol import Holding
 from fedcybgd.rules import rule_spec
 from fedcybgd.tasks.base import build_task, warn_cut
+from fedcybgd.zeroth_order import SeedLog
 
 log = logging.getLogger(__name__)
 app = ClientApp()
@@ -84,17 +92,69 @@ def _reply(
     return Message(RecordDict({protocol.STATE: state, **records}), reply_to=msg)
 
 
-def apply_downloads(
-    cm: ClientModel, store: BlockStore, downloads: ArrayRecord, max_bytes: int
-) -> int:
-    """Decode and install every downloaded block; returns the bytes received.
+@dataclass
+class Downloads:
+    """An instruction's downloads, read (headers, chains, step logs) but none decoded or
+    replayed: what the node's limits were checked against."""
+
+    weights: dict[str, bytes] = field(default_factory=dict)  # block -> payload
+    chains: dict[str, tuple[seedsync.LogChain, list[list[SeedLog]]]] = field(
+        default_factory=dict)  # block -> its chain and that chain's decoded logs, per install
+    received: int = 0  # payload bytes
+
+
+def read_downloads(weights: ArrayRecord, logs: ArrayRecord, node: NodeConfig, max_bytes: int,
+                   max_steps: int) -> Downloads:
+    """Read the instruction's downloads and check them against the node's limits before any
+    is decoded or replayed: their bytes, what each weights payload decodes to, and the step
+    logs' number and steps (each log at most ``max_steps``, the instruction's local steps).
+
+    Raises
+    ------
+    Refusal
+        Beyond a limit of the node (named; nothing was decoded or replayed).
+    CodecError
+        A malformed payload, chain or step log (the node asks for a resync).
+    """
+    out = Downloads(received=limits.check_download_bytes(
+        {protocol.DOWNLOAD: weights, protocol.DOWNLOAD_LOGS: logs}, node))
+    for block, array in weights.items():
+        payload = payload_from_array(array)
+        limits.check_decoded(protocol.DOWNLOAD, block,
+                             read_header(payload, max_bytes=max_bytes), node)
+        out.weights[block] = payload
+    chains = {}
+    for block, array in logs.items():
+        try:
+            chains[block] = seedsync.decode_chain(payload_from_array(array), max_bytes=max_bytes)
+        except ValueError as err:
+            raise CodecError(f"block '{block}': {err}") from None
+    limits.check_replay_logs(sum(len(i.logs) for c in chains.values() for i in c.installs),
+                             node)
+    counted = 0
+    for block, chain in chains.items():
+        decoded: list[list[SeedLog]] = []
+        for install in chain.installs:
+            decoded.append([])
+            for encoded in install.logs:
+                try:
+                    step_log = seedsync.read_log(chain, encoded, max_steps=max_steps)
+                except ValueError as err:
+                    raise CodecError(f"block '{block}': {err}") from None
+                counted += len(step_log.steps)
+                limits.check_replay_steps(counted, node)  # before any replay, or more reading
+                decoded[-1].append(step_log)
+        out.chains[block] = (chain, decoded)
+    return out
+
+
+def apply_downloads(cm: ClientModel, store: BlockStore, payloads: Mapping[str, bytes],
+                    max_bytes: int, max_decoded_bytes: int) -> None:
+    """Decode and install every downloaded block (:func:`read_downloads` read them).
 
     Raises ``CodecError`` on a bad payload; blocks already installed stay (each was verified).
     """
-    received = 0
-    for block, array in downloads.items():
-        payload = payload_from_array(array)
-        received += len(payload)
+    for block, payload in payloads.items():
         header = read_header(payload, max_bytes=max_bytes)
         base = None
         if uses_base(header.spec):
@@ -117,25 +177,19 @@ def apply_downloads(
             expect_block=block,
             expect_shapes=cm.shapes(block),
             max_bytes=max_bytes,
+            max_decoded_bytes=max_decoded_bytes,
         )
         holding = store.put(block, header.target_version, decoded.tensors)
         cm.set_block(block, decoded.tensors, holding)
-    return received
 
 
-def apply_log_downloads(cm: ClientModel, store: BlockStore, logs: ArrayRecord, max_bytes: int,
-                        max_steps: int, device: torch.device) -> int:
-    """Rebuild every block sent as step logs from this node's exact copy and install it;
-    returns the bytes received. Raises ``CodecError`` on a malformed chain, one that does not
-    start from what this node holds, or a rebuilt version whose checksum differs."""
-    received = 0
-    for block, array in logs.items():
-        payload = payload_from_array(array)
-        received += len(payload)
-        try:
-            chain = seedsync.decode_chain(payload, max_bytes=max_bytes)
-        except ValueError as err:
-            raise CodecError(f"block '{block}': {err}") from None
+def apply_log_downloads(cm: ClientModel, store: BlockStore,
+                        chains: Mapping[str, tuple[seedsync.LogChain, list[list[SeedLog]]]],
+                        device: torch.device) -> None:
+    """Rebuild every block sent as step logs (:func:`read_downloads` read them) from this
+    node's exact copy and install it. Raises ``CodecError`` on a chain that does not start
+    from what this node holds, or a rebuilt version whose checksum differs."""
+    for block, (chain, logs) in chains.items():
         held = store.holdings.get(block)
         base = Holding(chain.base_version, chain.base_checksum) if chain.base_version else None
         if chain.block != block or held != base:
@@ -144,14 +198,13 @@ def apply_log_downloads(cm: ClientModel, store: BlockStore, logs: ArrayRecord, m
                              f"{held.version if held else 0}")
         start = cm.exact(block, store) if base is not None else cm.pretrained(block)
         try:
-            tensors = seedsync.apply_chain(start, chain,
-                                           zeroth_order.unit_layout(cm.blocks, block),
-                                           max_steps=max_steps, device=device)
+            tensors = seedsync.replay_chain(start, chain, logs,
+                                            zeroth_order.unit_layout(cm.blocks, block),
+                                            device=device)
         except ValueError as err:
             raise CodecError(str(err)) from None
         holding = store.put(block, chain.installs[-1].version, tensors)
         cm.set_block(block, tensors, holding)
-    return received
 
 
 @app.query("node_key")
@@ -178,11 +231,14 @@ def train(msg: Message, context: Context) -> Message:
         return train_fedavg(msg, context)
     run = RunConfig.from_run_config(context.run_config)
     node = NodeConfig.from_node_config(context.node_config)
-    cfg = msg.content.config_records[protocol.CONFIG]
-    block = protocol.get_str(cfg, protocol.BLOCK)
-    server_round = protocol.get_int(cfg, protocol.ROUND)
-    seed = protocol.get_int(cfg, protocol.SEED)
-    rule_name = node.update_rule or protocol.get_str(cfg, protocol.RULE)
+    try:
+        ins = read_instruction(msg.content.config_records.get(protocol.CONFIG))
+        lr = limits.check_training(run, node, ins.lr, ins.local_steps)
+    except Refusal as err:
+        log.warning("refused an instruction (%s)", err)
+        return _reply(msg, protocol.REFUSED, None, str(err))
+    block, server_round, seed = ins.block, ins.server_round, ins.seed
+    rule_name = node.update_rule or ins.rule
     # Registered once the run's rule-modules are loaded (RunConfig above); the node's own
     # choice is checked only here, so a misspelt one names the key.
     try:
@@ -190,37 +246,45 @@ def train(msg: Message, context: Context) -> Message:
     except ConfigError as err:
         raise ConfigError(f"update-rule = {rule_name!r} (node config or instruction): {err}"
                           ) from None
-    upload_codec = protocol.get_str(cfg, protocol.UPLOAD_CODEC)
-    lineage = protocol.get_str(cfg, protocol.LINEAGE)
-    server_base = protocol.get_str(cfg, protocol.BASE_HASH)
-    max_bytes = int(run.max_payload_mb * 2**20)
+    upload_codec = ins.upload_codec
+    # the run's bound on one payload, and the node's own
+    max_bytes = int(min(run.max_payload_mb, node.max_download_mb) * limits.MB)
 
     device = node_device(run.device, node.device)
     precision = Precision(run.frozen_dtype, run.frozen_quant)
     cm = client_model(run.model, run.layers_per_block, str(device), precision)
-    if server_base != cm.base_hash:
+    if ins.base_hash != cm.base_hash:
         return _reply(
             msg, protocol.REJECTED, None,
-            f"pretrained weights differ: server {server_base}, client {cm.base_hash}",
+            f"pretrained weights differ: server {ins.base_hash}, client {cm.base_hash}",
         )
     cache_dir = Path(node.cache_dir) if node.cache_dir else cache_root()
     downloads = msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord())
     log_downloads = msg.content.array_records.get(protocol.DOWNLOAD_LOGS, ArrayRecord())
-    promotions = (selfsync.load_promotions(protocol.get_str(cfg, protocol.PROMOTE))
-                  if protocol.PROMOTE in cfg else {})
+    promotions = ins.promotions
     try:
         # Names the server sends become paths: checked before anything is touched.
-        dirs = node_dirs(cache_dir, lineage, context.node_id)
+        dirs = node_dirs(cache_dir, ins.lineage, context.node_id)
         for name in (block, *downloads.keys(), *log_downloads.keys(), *promotions):
             if block_name(name) not in cm.blocks.names:
                 raise UnsafeName(f"block {name!r} is not one of this model's {cm.blocks.names}")
     except UnsafeName as err:
         log.warning("round %s: refused an instruction (%s)", server_round, err)
         return _reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")
+    store = BlockStore(dirs.store, cm.base_hash)
+    # The downloads' cost against the node's limits, before any is decoded or replayed.
+    try:
+        incoming = read_downloads(downloads, log_downloads, node, max_bytes, ins.local_steps)
+    except Refusal as err:
+        log.warning("round %s: refused an instruction (%s)", server_round, err)
+        return _reply(msg, protocol.REFUSED, store, str(err), budget=node.memory_budget_mb)
+    except CodecError as err:
+        return _resync_after_bad_download(msg, server_round, cm, store, err,
+                                          node.memory_budget_mb)
     # Before the budget check: the tokenizer and data are then resident, part of what this
     # process measures as its runtime.
+    target = ins.class_prior
     try:
-        target = protocol.class_prior(cfg)
         if target is not None:  # one share per class of the task
             target_shares(target, build_task(run).num_classes())
     except ValueError as err:
@@ -245,23 +309,19 @@ def train(msg: Message, context: Context) -> Message:
                 budget=node.memory_budget_mb,
             )
         rule_name = fit
-    store = BlockStore(dirs.store, cm.base_hash)
     cm.sync(store)
     # before the downloads: a block sent as a delta may be one against a self-synced version
     self_sync_blocks(cm, store, promotions)
 
     try:
-        bytes_down = apply_downloads(cm, store, downloads, max_bytes)
-        bytes_down += apply_log_downloads(cm, store, log_downloads, max_bytes,
-                                          protocol.get_int(cfg, protocol.LOCAL_STEPS), device)
+        apply_downloads(cm, store, incoming.weights, max_bytes,
+                        int(node.max_decoded_mb * limits.MB))
+        apply_log_downloads(cm, store, incoming.chains, device)
     except CodecError as err:
-        log.warning("round %s: rejected a download (%s); asking for a resync", server_round, err)
-        store.clear()
-        cm.sync(store)
-        return _reply(msg, protocol.RESYNC, store, f"bad download: {err}",
-                      budget=node.memory_budget_mb)
-    expected = protocol.load_holdings(protocol.get_str(cfg, protocol.EXPECT))
-    if store.holdings != expected:
+        return _resync_after_bad_download(msg, server_round, cm, store, err,
+                                          node.memory_budget_mb)
+    bytes_down = incoming.received
+    if store.holdings != ins.expect:
         return _reply(msg, protocol.RESYNC, store, "cache differs from the server's record",
                       budget=node.memory_budget_mb)
 
@@ -285,7 +345,7 @@ def train(msg: Message, context: Context) -> Message:
         block=block,
         batches=iter(feed),
         steps=run.local_steps,
-        lr=_round_lr(cfg, run.lr),
+        lr=lr,
         weight_decay=run.weight_decay,
         seed=seed,
         options=dict(run.options),
@@ -307,12 +367,12 @@ def train(msg: Message, context: Context) -> Message:
 
     kind, note = protocol.WEIGHTS, ""
     if upload_codec == protocol.SEEDLOG:
-        payload, note = _seedlog_payload(rule_name, outcome, cfg)
+        payload, note = _seedlog_payload(rule_name, outcome, ins)
         kind = protocol.SEEDLOG if payload is not None else protocol.WEIGHTS
-        upload_codec = protocol.get_str(cfg, protocol.SEEDLOG_FALLBACK)
+        upload_codec = ins.seedlog_fallback
     pending = ""
     if kind == protocol.WEIGHTS:
-        keep = cfg.get(protocol.SELF_SYNC) is True  # the server asks for the pending copy
+        keep = ins.keep_pending  # the server asks for the pending copy
         feedback = run.error_feedback and not parse_spec(upload_codec).lossless
         up = encode_upload(trained, start, upload_codec, block=block, version=server_round,
                            base_version=start_holding.version,
@@ -398,23 +458,23 @@ def self_sync_blocks(cm: ClientModel, store: BlockStore,
     return done
 
 
-def _round_lr(cfg: ConfigRecord, default: float) -> float:
-    """The round's learning rate from the instruction (the server's schedule), else ours."""
-    value = cfg.get(protocol.LR, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"instruction field {protocol.LR!r} = {value!r} is not a rate > 0")
-    return float(value)
+def _resync_after_bad_download(msg: Message, server_round: int, cm: ClientModel,
+                               store: BlockStore, err: CodecError, budget: float) -> Message:
+    """Forget the cache and ask for a resync: a download was malformed or does not fit."""
+    log.warning("round %s: rejected a download (%s); asking for a resync", server_round, err)
+    store.clear()
+    cm.sync(store)
+    return _reply(msg, protocol.RESYNC, store, f"bad download: {err}", budget=budget)
 
 
 def _seedlog_payload(
-    rule_name: str, outcome: TrainOutcome, cfg: ConfigRecord
+    rule_name: str, outcome: TrainOutcome, ins: Instruction
 ) -> tuple[bytes | None, str]:
     """The round's step log, or ``None`` and why the server could not replay it exactly."""
     step_log = step_log_of(rule_name, outcome)  # the rule declares whether it keeps one
     if step_log is None:
         return None, f"seedlog fallback: rule {rule_name!r} keeps no step log"
-    server_z = str(cfg.get(protocol.ZO_FINGERPRINT, ""))
-    server_torch = str(cfg.get(protocol.ZO_TORCH, ""))
+    server_z, server_torch = ins.zo_fingerprint, ins.zo_torch
     if step_log.torch != server_torch or step_log.z != server_z:
         return None, (
             f"seedlog fallback: client torch {step_log.torch} / z {step_log.z}, "

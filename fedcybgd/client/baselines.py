@@ -13,7 +13,7 @@ import math
 import time
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedcybgd.baselines import (  # build_full, build_lora: re-exported for earlier callers
     ARRAYS,
@@ -27,6 +27,7 @@ from fedcybgd.baselines import (  # build_full, build_lora: re-exported for earl
     is_fedavg_message,
     to_record,
 )
+from fedcybgd.client import limits
 from fedcybgd.client.local_data import training_batches
 from fedcybgd.client.updates.fo import block_loss
 from fedcybgd.config import NodeConfig, RunConfig
@@ -49,9 +50,17 @@ def _client_model(run: RunConfig) -> BaselineModel:
 
 
 def train_fedavg(msg: Message, context: Context) -> Message:
-    """Train the exchanged tensors for ``local-steps`` AdamW steps; reply FedAvg-style."""
+    """Train the exchanged tensors for ``local-steps`` AdamW steps; reply FedAvg-style.
+
+    Beyond one of the node's limits (:mod:`fedcybgd.client.limits`) the round is not trained:
+    the :class:`~fedcybgd.client.limits.Refusal` naming it becomes Flower's error reply, which
+    FedAvg leaves out of its average.
+    """
     run = RunConfig.from_run_config(context.run_config)
     node = NodeConfig.from_node_config(context.node_config)
+    limits.check_training(run, node)
+    limits.check_download_bytes({ARRAYS: msg.content.array_records.get(ARRAYS, ArrayRecord())},
+                                node)
     cfg = msg.content.config_records.get(CONFIG, ConfigRecord())
     server_round = int(cfg.get("server-round", 0))  # type: ignore[arg-type]
     bm = _client_model(run)

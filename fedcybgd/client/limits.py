@@ -1,0 +1,116 @@
+"""What a node lets a server ask of it, checked before the work it bounds.
+
+A server's instruction, and the run config it started the run with, are untrusted: a hostile
+server could ask a node for a million training steps, a learning rate of ``1e30``, or step logs
+whose replay costs minutes. Each such demand is capped by a key of the node's own
+``--node-config`` (:class:`fedcybgd.config.NodeConfig`, where the defaults live):
+
+================== ===========================================================================
+``max-local-steps`` training steps of a round (run config ``local-steps``) and the steps the
+                    instruction's ``local-steps`` lets one downloaded step log hold
+``max-lr``          the round's learning rate (instruction ``lr``, else run config ``lr``)
+``max-batch-size``  rows of one training batch (run config ``batch-size``)
+``max-replay-steps`` steps replayed from all of one instruction's step-log downloads
+``max-replay-logs`` step logs (the chains' length) of one instruction's step-log downloads
+``max-download-mb`` payload bytes of one instruction's downloads, both records together
+``max-decoded-mb``  bytes the tensors of one downloaded block decode to
+================== ===========================================================================
+
+Beyond a limit the node does none of the work and answers ``refused``
+(:data:`fedcybgd.protocol.REFUSED`) with a :class:`Refusal` naming the instruction or run-config
+field, the value asked and the node's limit. The checks read only sizes, counts and headers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from flwr.app import ArrayRecord
+
+from fedcybgd.compression.header import PayloadHeader
+from fedcybgd.config import NodeConfig, RunConfig
+
+MB = 2**20
+
+
+class Refusal(ValueError):
+    """An instruction this node does not carry out: malformed, or beyond one of its limits.
+
+    The message names the field, the value asked and, for a limit, the node-config key.
+    """
+
+
+def beyond(field: str, asked: object, key: str, limit: object) -> Refusal:
+    """The refusal of ``field`` = ``asked`` over the node's ``key`` = ``limit``."""
+    return Refusal(f"{field} = {asked} is beyond this node's limit {key} = {limit} "
+                   "(node config)")
+
+
+def check_training(run: RunConfig, node: NodeConfig, lr: float | None = None,
+                   local_steps: int | None = None) -> float:
+    """Check the round's training work against the node's limits; returns the learning rate.
+
+    Parameters
+    ----------
+    run : RunConfig
+        The run config (the server's too): ``local-steps``, ``batch-size``, ``lr``.
+    node : NodeConfig
+        The node's limits.
+    lr : float, optional
+        The instruction's ``lr`` (the server's schedule); ``None``: the run config's is used.
+    local_steps : int, optional
+        The instruction's ``local-steps`` (what one downloaded step log may hold).
+
+    Raises
+    ------
+    Refusal
+        A value beyond its limit, named.
+    """
+    if local_steps is not None and local_steps > node.max_local_steps:
+        raise beyond("instruction field 'local-steps'", local_steps, "max-local-steps",
+                     node.max_local_steps)
+    if run.local_steps > node.max_local_steps:
+        raise beyond("run-config 'local-steps'", run.local_steps, "max-local-steps",
+                     node.max_local_steps)
+    if run.batch_size > node.max_batch_size:
+        raise beyond("run-config 'batch-size'", run.batch_size, "max-batch-size",
+                     node.max_batch_size)
+    field, rate = ("instruction field 'lr'", lr) if lr is not None else ("run-config 'lr'", run.lr)
+    if rate > node.max_lr:
+        raise beyond(field, f"{rate:g}", "max-lr", f"{node.max_lr:g}")
+    return rate
+
+
+def check_download_bytes(records: Mapping[str, ArrayRecord], node: NodeConfig) -> int:
+    """The payload bytes of ``records`` (record name -> block -> payload Array), refused over
+    ``max-download-mb`` before any is read; returns the total."""
+    total = sum(len(array.data) for record in records.values() for array in record.values())
+    if total > node.max_download_mb * MB:
+        names = " + ".join(f"'{name}'" for name, record in records.items() if len(record))
+        raise beyond(f"instruction records {names}", f"{total / MB:.1f} MB", "max-download-mb",
+                     node.max_download_mb)
+    return total
+
+
+def check_decoded(record: str, block: str, header: PayloadHeader, node: NodeConfig) -> None:
+    """Refuse a payload whose tensors (or decompressed body) would exceed ``max-decoded-mb``;
+    ``header`` is the payload's, read without decoding."""
+    size = max(header.decoded_bytes, header.raw_body_length)
+    if size > node.max_decoded_mb * MB:
+        raise beyond(f"instruction record '{record}' block '{block}' (decoded)",
+                     f"{size / MB:.1f} MB", "max-decoded-mb", node.max_decoded_mb)
+
+
+def check_replay_logs(count: int, node: NodeConfig) -> None:
+    """Refuse step-log downloads holding more than ``max-replay-logs`` logs in all."""
+    if count > node.max_replay_logs:
+        raise beyond("instruction record 'download-logs' (step logs)", count,
+                     "max-replay-logs", node.max_replay_logs)
+
+
+def check_replay_steps(counted: int, node: NodeConfig) -> None:
+    """Refuse step-log downloads as soon as the steps counted so far exceed
+    ``max-replay-steps`` (the logs not yet counted are not read)."""
+    if counted > node.max_replay_steps:
+        raise beyond("instruction record 'download-logs' (steps to replay)",
+                     f"at least {counted}", "max-replay-steps", node.max_replay_steps)
