@@ -86,15 +86,47 @@ def test_build_context_is_the_package_and_docker_extra() -> None:
 
 
 # -- ports -----------------------------------------------------------------------------------
-def test_only_the_superlink_publishes_and_on_loopback_by_default() -> None:
+def test_only_the_superlink_and_the_gateway_publish_and_on_loopback_by_default() -> None:
     for files in ((COMPOSE,), (COMPOSE, COMPOSE_TLS)):
         services = _services(*files)
         published = {name: spec["ports"] for name, spec in services.items() if "ports" in spec}
-        assert list(published) == ["superlink"]
+        tls = COMPOSE_TLS in files
+        assert sorted(published) == (["fleet-gateway", "superlink"] if tls else ["superlink"])
         (port,) = published["superlink"]
         host, _, container = port.rpartition(":")
         assert container == "8000"
         assert _default(host) == "127.0.0.1:8000"
+        if tls:  # the gateway: a free loopback port unless FEDCYBGD_FLEET_PUBLISH says otherwise
+            (port,) = published["fleet-gateway"]
+            host, _, container = port.rpartition(":")
+            assert container == "8000"
+            assert host.startswith("${FEDCYBGD_FLEET_PUBLISH:-")
+            assert _default(host) == "127.0.0.1:"
+
+
+def test_tls_nodes_reach_only_the_gateway() -> None:
+    """Under the TLS overlay the SuperNodes sit on the `fleet` network alone, where `superlink`
+    is the Fleet gateway; the SuperLink (Control and Runtime APIs too) is not on it."""
+    services = _services(COMPOSE, COMPOSE_TLS)
+    nodes = [n for n in services if n.startswith("supernode-")]
+    assert nodes
+    for name in nodes:
+        assert services[name]["networks"] == ["fleet"], name
+        command = services[name]["command"]
+        assert command[command.index("--superlink") + 1] == "superlink:8000"
+        assert services[name]["depends_on"]["fleet-gateway"] == {"condition": "service_healthy"}
+    gateway = services["fleet-gateway"]["networks"]
+    assert gateway["fleet"] == {"aliases": ["superlink"]}
+    assert "default" in gateway
+    link = services["superlink"]["networks"]
+    assert set(link) == {"default"}
+    assert "superlink-internal" in link["default"]["aliases"]
+    upstream = services["fleet-gateway"]["command"]
+    assert upstream[upstream.index("--upstream") + 1] == "superlink-internal:8000"
+    sans = services["certs"]["command"]
+    assert {"DNS:superlink", "DNS:superlink-internal"} <= set(sans)
+    for name in ("register", "runner"):  # the operator's tools stay off the fleet network
+        assert "fleet" not in (services[name].get("networks") or [])
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["base", "with-tls-overlay"])
@@ -105,7 +137,16 @@ def test_docker_compose_resolves_the_port_to_loopback(tls: bool) -> None:
     files = ["-f", str(COMPOSE)] + (["-f", str(COMPOSE_TLS)] if tls else [])
     config = subprocess.run([binary, *files, "config"], capture_output=True, text=True,
                             cwd=PROJECT, env=_clean_env(), timeout=60, check=True).stdout
-    ports = yaml.safe_load(config)["services"]["superlink"]["ports"]
+    services = yaml.safe_load(config)["services"]
+    assert ("fleet-gateway" in services) == tls
+    if tls:
+        (gateway,) = services["fleet-gateway"]["ports"]
+        if isinstance(gateway, dict):
+            assert (gateway.get("host_ip"), gateway["target"]) == ("127.0.0.1", 8000), gateway
+            assert not gateway.get("published"), gateway  # a free port, the engine's pick
+        else:
+            assert str(gateway).startswith("127.0.0.1::8000"), gateway
+    ports = services["superlink"]["ports"]
     assert len(ports) == 1
     port = ports[0]
     if isinstance(port, dict):  # long syntax (newer compose)

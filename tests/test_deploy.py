@@ -27,6 +27,7 @@ from fedcybgd.deploy import certs
 from fedcybgd.deploy.commands import (
     ServerTls,
     format_config,
+    gateway_command,
     merge_config,
     node_config,
     parse_config,
@@ -125,7 +126,7 @@ def _compose_services(*files: Path) -> dict[str, dict[str, Any]]:
 
 _VALUE_FLAGS = {"--host", "--port", "--superlink", "--database", "--ssl-ca-certfile",
                 "--ssl-certfile", "--ssl-keyfile", "--root-certificates",
-                "--auth-supernode-private-key"}
+                "--auth-supernode-private-key", "--upstream"}
 
 
 def _normalize(cmd: list[str]) -> list[str]:
@@ -157,6 +158,13 @@ def test_compose_services_run_the_launchers_commands(tmp_path: Path, tls: bool) 
         assert services["superlink"]["command"] == superlink_command(
             host="0.0.0.0", port=8000, database="/state/state.db",
             tls=CONTAINER_TLS if tls else None, supernode_auth=tls)
+        assert ("fleet-gateway" in services) == tls
+        if tls:  # the nodes' door: the gateway forwarding the Fleet API to the SuperLink
+            gateway = services["fleet-gateway"]["command"]
+            assert _normalize(gateway) == _normalize(dep.gateway_args())
+            assert gateway == gateway_command(host="0.0.0.0", port=8000,
+                                              upstream="superlink-internal:8000",
+                                              tls=CONTAINER_TLS)
         seen = []
         for i, name in enumerate(nodes):
             command = services[name]["command"]
