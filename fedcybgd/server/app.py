@@ -15,7 +15,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from fedcybgd.model.devices import resolve_device
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model, load_tokenizer, read_tensors, safetensors_index
 from fedcybgd.model.precision import Precision
-from fedcybgd.objective import EvalResult
 from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.server.checkpoint import Checkpointer
 from fedcybgd.server.common import (
@@ -45,6 +43,7 @@ from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.server.resume import Resumed, checkpoint_state, read_checkpoint
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.lr_schedule import build_lr_schedule
 from fedcybgd.strategies.plugins import check_names
@@ -156,53 +155,53 @@ def run_server(
 
     lineage = uuid.uuid4().hex[:16]
     first_round = 1
-    resumed = run.resume and checkpointer.exists()
-    saved: dict[str, Any] = {}
-    saved_blocks: dict[str, dict[str, torch.Tensor]] = {}
-    if resumed:
-        saved, saved_blocks = checkpointer.load()
-        if saved.get("base_hash") != base_hash:
-            raise ValueError(
-                f"resume: the checkpoint in {checkpointer.root} was made from other pretrained "
-                "weights (base hash differs); use another output-dir or resume = false"
-            )
-        lineage = str(saved["lineage"])
-        first_round = int(saved["round"]) + 1
-        log.info("resuming from %s after round %d", checkpointer.root, first_round - 1)
+    resumed: Resumed | None = None
+    if run.resume and checkpointer.exists():
+        # Checked before anything is installed: the files, the weights, the run config.
+        resumed = read_checkpoint(checkpointer, run, blocks, weights, base_hash)
+        lineage = resumed.lineage
+        first_round = resumed.round + 1
+        log.info("resuming from %s after round %d", checkpointer.root, resumed.round)
     elif run.resume:
         log.info("resume requested but %s holds no checkpoint: starting fresh",
                  checkpointer.root)
 
     strategy = build_strategy(run, blocks, weights, lineage, base_hash,
                               ModelShape.of(model, blocks), device=str(device))
-    if resumed:
-        for name, tensors in saved_blocks.items():
-            strategy.install_checkpoint(name, tensors)
-        strategy.load_state(saved["strategy"])
+    if resumed is not None:
+        resumed.install(strategy)
     strategy.summary()
     # Resuming: rows after the checkpoint belong to rounds about to be redone. Without a
     # checkpoint, any rows are those of a run that never reached one (it starts again).
     keep_through: int | None = None
     if run.resume:
-        keep_through = first_round - 1 if resumed else -1
+        keep_through = resumed.round if resumed is not None else -1
     writer = MetricsWriter(out, keep_through)
-    if resumed and not writer.has_round(first_round - 1) and saved.get("record"):
+    if resumed is not None and not writer.has_round(resumed.round) and resumed.record:
         # Stopped between the checkpoint and its metrics row: the row is in the checkpoint.
         log.warning("metrics.jsonl lacks round %d; restoring its row from the checkpoint",
-                    first_round - 1)
-        writer.write(dict(saved["record"]))
+                    resumed.round)
+        writer.write(dict(resumed.record))
     evaluator = Evaluator(run, stack, blocks, device)
 
-    initial: EvalResult | None = None
-    if resumed and saved.get("initial_eval"):
-        initial = EvalResult(**saved["initial_eval"])
+    if resumed is not None:
+        initial = resumed.initial_eval
     else:
         initial, cached = evaluator.initial()
         writer.write(RoundRecord(0, eval_loss=initial.loss, eval_accuracy=initial.accuracy,
                                  eval_examples=initial.examples,
                                  extra=eval_extras(initial, cached)).to_json())
     log.info("round 0: eval loss %.4f, accuracy %.3f", initial.loss, initial.accuracy)
-    last_eval = initial
+    # The latest evaluation and its round; after the loop, the final one.
+    last_eval, last_eval_round = initial, 0
+    if resumed is not None and resumed.last_eval is not None:
+        last_eval, last_eval_round = resumed.last_eval, resumed.round
+    if resumed is not None and first_round > run.num_server_rounds and \
+            last_eval_round != resumed.round:
+        # Nothing left to train, and the checkpoint's model was not evaluated: do it now.
+        log.info("the checkpoint holds no evaluation of round %d; evaluating it",
+                 resumed.round)
+        last_eval, last_eval_round = evaluator(), resumed.round
 
     for server_round in range(first_round, run.num_server_rounds + 1):
         round_start = time.perf_counter()
@@ -213,7 +212,7 @@ def run_server(
         is_last = server_round == run.num_server_rounds
         if is_last or (run.eval_every and server_round % run.eval_every == 0):
             eval_start = time.perf_counter()
-            last_eval = evaluator()
+            last_eval, last_eval_round = evaluator(), server_round
             record.eval_loss, record.eval_accuracy = last_eval.loss, last_eval.accuracy
             record.extra.update(eval_extras(last_eval))
             record.eval_s = time.perf_counter() - eval_start
@@ -224,14 +223,8 @@ def run_server(
         checkpointer.save(
             server_round,
             strategy.checkpoint_tensors(),
-            {
-                "lineage": lineage,
-                "base_hash": base_hash,
-                "strategy": strategy.state(),
-                "initial_eval": asdict(initial),
-                "run_config": run.to_run_config(),
-                "record": row,
-            },
+            checkpoint_state(lineage, base_hash, strategy, initial,
+                             (last_eval_round, last_eval), run, row),
         )
         writer.write(row)
         print_progress(row, run.num_server_rounds)
@@ -246,7 +239,7 @@ def run_server(
         "update_rule": run.update_rule,
         "rounds": run.num_server_rounds,
         **run_totals(writer.records),
-        # the evaluations this process holds (the round-0 one may come from the checkpoint)
+        # round 0's and the last round's evaluations (either may come from the checkpoint)
         "initial_eval_loss": initial.loss,
         "initial_eval_accuracy": initial.accuracy,
         "final_eval_loss": last_eval.loss,

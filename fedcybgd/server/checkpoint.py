@@ -7,6 +7,11 @@ files behind, but never one that a later save would mistake for its own. ``state
 written last (atomically, fsync'd) and names each file with its checksum; :meth:`load` checks
 every file against it. Files no state refers to are removed afterwards, each one logged.
 
+Loading trusts nothing it reads: ``state.json`` is checked field by field (:meth:`read_state`),
+and each block file against its checksum and, given a :data:`Layout`, against what the model
+expects of it (tensor names, shapes, dtypes: nothing is broadcast or cast into place). Anything
+wrong is a :class:`CheckpointError` naming the file.
+
 Crash tests: ``on_file_written`` is called after every file the checkpoint writes (block files
 first, ``state.json`` last), so a test can stop the server between any two of them.
 """
@@ -17,6 +22,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +37,60 @@ log = logging.getLogger(__name__)
 
 STATE = "state.json"
 FORMAT = 2  # 2: block files named and verified by content checksum
-_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@v[0-9]+-[0-9a-f]{64}\.safetensors")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_CHECKSUM = re.compile(r"[0-9a-f]{64}")
+_FILE = re.compile(rf"{_NAME.pattern}@v[0-9]+-{_CHECKSUM.pattern}\.safetensors")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read back as written (missing, damaged or altered file)."""
+    """A checkpoint cannot be read back as written (missing, damaged, altered or malformed
+    file, or tensors that are not what the model holds)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What one saved tensor must be.
+
+    Attributes
+    ----------
+    shape : tuple of (int or None)
+        Its exact shape; ``None`` stands for a dimension of any length.
+    dtype : torch.dtype
+        Its exact dtype (a tensor of another dtype is refused, never cast).
+    """
+
+    shape: tuple[int | None, ...]
+    dtype: torch.dtype
+
+    def matches(self, tensor: torch.Tensor) -> bool:
+        """Does ``tensor`` have this shape (same rank, no broadcasting) and this dtype?"""
+        shape = tuple(tensor.shape)
+        return tensor.dtype == self.dtype and len(shape) == len(self.shape) and all(
+            want is None or want == got for want, got in zip(self.shape, shape, strict=True))
+
+    def describe(self) -> str:
+        dims = ", ".join("*" if d is None else str(d) for d in self.shape)
+        return f"shape ({dims}{',' if len(self.shape) == 1 else ''}) {self.dtype}"
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    """The tensors one checkpoint entry (a block, or state kept with a block) must hold.
+
+    Attributes
+    ----------
+    tensors : Mapping[str, TensorSpec]
+        Tensor name -> what it must be.
+    complete : bool
+        Every tensor must be there (``True``), or any non-empty subset of them.
+    """
+
+    tensors: Mapping[str, TensorSpec]
+    complete: bool = True
+
+
+# entry name -> what it must hold, or None for a name that is no entry of this model's
+Layout = Callable[[str], EntryLayout | None]
 
 
 def block_file(name: str, version: int, checksum: str) -> str:
@@ -126,44 +181,111 @@ class Checkpointer:
             fsync_dir(self.root)
         self._referenced = keep
 
-    def load(self) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-        """The saved state and the saved blocks' tensors, each file checked against the state.
+    def load(
+        self, layout: Layout | None = None
+    ) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+        """The saved state and the saved blocks' tensors: :meth:`read_state`, then
+        :meth:`load_blocks`.
 
         Raises
         ------
         CheckpointError
-            ``state.json`` is unreadable or of another format, or a block file is missing,
-            unreadable or not the content ``state.json`` names (the message names the file).
+            See :meth:`read_state` and :meth:`load_blocks`.
         """
-        state_path = self.root / STATE
+        state = self.read_state()
+        return state, self.load_blocks(state, layout)
+
+    def read_state(self) -> dict[str, Any]:
+        """``state.json``, its format, round and block entries checked (the rest of it is the
+        caller's to check).
+
+        Raises
+        ------
+        CheckpointError
+            ``state.json`` is missing, unreadable, not JSON (truncated, garbage, nested too
+            deeply to parse), of another format, or its ``round`` or ``blocks`` are malformed;
+            the message names the file.
+        """
+        path = self.root / STATE
         try:
-            state = json.loads(state_path.read_bytes())
+            state = json.loads(path.read_bytes())
         except (OSError, ValueError) as err:
-            raise CheckpointError(f"checkpoint state {state_path} is unreadable: {err}") from err
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
-            found = state.get("format", 1) if isinstance(state, dict) else "?"
+            raise CheckpointError(f"checkpoint state {path} is unreadable: {err}") from err
+        except RecursionError:
+            raise CheckpointError(f"checkpoint state {path} is unreadable: its JSON is nested "
+                                  "too deeply to parse") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint state {path} is malformed: it holds a "
+                                  f"{type(state).__name__}, not an object")
+        if state.get("format") != FORMAT:
+            found = state.get("format", 1)
             raise CheckpointError(
-                f"checkpoint state {state_path} has format {found}, expected {FORMAT} (block "
+                f"checkpoint state {path} has format {_short(found)}, expected {FORMAT} (block "
                 "files verified by checksum); it cannot be resumed: start with overwrite = "
                 "true or use another output-dir"
             )
+        server_round: Any = state.get("round")
+        if not _is_int(server_round) or server_round < 0:
+            raise CheckpointError(f"checkpoint state {path} is malformed: round = "
+                                  f"{_short(server_round)}, expected an integer >= 0")
+        entries = state.get("blocks")
+        if not isinstance(entries, dict):
+            raise CheckpointError(f"checkpoint state {path} is malformed: blocks = "
+                                  f"{_short(entries)}, expected an object of block entries")
+        for name, entry in entries.items():
+            self._check_entry(name, entry)
+        return state
+
+    def _check_entry(self, name: str, entry: Any) -> None:
+        where = f"checkpoint state {self.root / STATE} is malformed: block entry {_short(name)}"
+        if not _NAME.fullmatch(name):
+            raise CheckpointError(f"{where} is not a block name")
+        if not isinstance(entry, dict) or set(entry) != {"version", "checksum", "file"}:
+            raise CheckpointError(f"{where} = {_short(entry)}, expected an object of version, "
+                                  "checksum and file")
+        version, checksum, file = entry["version"], entry["checksum"], entry["file"]
+        if not _is_int(version) or version < 1:
+            raise CheckpointError(f"{where} has version {_short(version)}, expected an "
+                                  "integer >= 1")
+        if not isinstance(checksum, str) or not _CHECKSUM.fullmatch(checksum):
+            raise CheckpointError(f"{where} has checksum {_short(checksum)}, expected 64 hex "
+                                  "digits")
+        if not isinstance(file, str) or file != block_file(name, version, checksum):
+            raise CheckpointError(f"{where} names file {_short(file)}, not the file of that "
+                                  f"block, version and checksum "
+                                  f"({block_file(name, version, checksum)})")
+
+    def load_blocks(
+        self, state: Mapping[str, Any], layout: Layout | None = None
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Every block file ``state`` (from :meth:`read_state`) names, checked against its
+        checksum and, with ``layout``, against what the model expects of that entry.
+
+        Raises
+        ------
+        CheckpointError
+            A block file is missing, unreadable, not the content ``state.json`` names, an entry
+            the layout does not know, or a tensor of another name, shape or dtype than the
+            layout's (the message names the file, the tensor, expected and found).
+        """
         blocks: dict[str, dict[str, torch.Tensor]] = {}
-        try:
-            for name, entry in state["blocks"].items():
-                blocks[name] = self._load_block(name, entry)
-                self._checksums[(name, int(entry["version"]))] = str(entry["checksum"])
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise CheckpointError(f"checkpoint state {state_path} is malformed: {err!r}") from err
-        self._referenced = {str(e["file"]) for e in state["blocks"].values()}
-        return state, blocks
+        for name, entry in state["blocks"].items():
+            if layout is not None and layout(name) is None:
+                raise CheckpointError(
+                    f"checkpoint state {self.root / STATE} names block {name!r}, which this "
+                    "model has not (another model, or other layers-per-block?)"
+                )
+            tensors = self._load_block(name, entry)
+            if layout is not None:
+                self._check_layout(name, entry["file"], tensors, layout(name))
+            blocks[name] = tensors
+        for name, entry in state["blocks"].items():
+            self._checksums[(name, entry["version"])] = entry["checksum"]
+        self._referenced = {e["file"] for e in state["blocks"].values()}
+        return blocks
 
     def _load_block(self, name: str, entry: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        file, expected = str(entry["file"]), str(entry["checksum"])
-        if not _FILE.fullmatch(file) or not file.endswith(f"-{expected}.safetensors"):
-            raise CheckpointError(
-                f"checkpoint state {self.root / STATE} names {file!r} for block {name}, "
-                f"which is not the file of checksum {expected}"
-            )
+        file, expected = entry["file"], entry["checksum"]
         path = self.root / file
         try:
             tensors = load_file(str(path))
@@ -177,3 +299,31 @@ class Checkpointer:
                 f"checksum is {actual}, state.json expects {expected}"
             )
         return tensors
+
+    def _check_layout(self, name: str, file: str, tensors: Mapping[str, torch.Tensor],
+                      layout: EntryLayout | None) -> None:
+        assert layout is not None
+        where = f"checkpoint file {self.root / file} (block {name})"
+        extra = sorted(set(tensors) - set(layout.tensors))
+        missing = sorted(set(layout.tensors) - set(tensors))
+        if extra or (layout.complete and missing) or not tensors:
+            raise CheckpointError(f"{where} holds tensors {_short(sorted(tensors))}; unexpected "
+                                  f"{_short(extra)}, missing {_short(missing)}")
+        for key, tensor in sorted(tensors.items()):
+            spec = layout.tensors[key]
+            found = TensorSpec(tuple(tensor.shape), tensor.dtype)
+            if not spec.matches(tensor):
+                raise CheckpointError(f"{where}: tensor {key!r} has {found.describe()}, the "
+                                      f"model expects {spec.describe()}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(f"{where}: tensor {key!r} holds NaN or infinite values")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short (a damaged file may hold anything)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...({len(text)} characters)"
