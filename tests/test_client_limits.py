@@ -18,7 +18,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from fedcybgd import protocol, seedsync, zeroth_order
 from fedcybgd.checksum import content_checksum
-from fedcybgd.client import limits
 from fedcybgd.client.app import app as client_app
 from fedcybgd.compression import encode, payload_to_array, seedlog
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig
@@ -281,6 +280,8 @@ def test_an_honest_run_within_the_limits_is_unaffected(tiny_run_config, tmp_path
 
 
 def test_the_defaults_are_documented_once_and_must_be_positive():
+    from fedcybgd.client import limits
+
     node = NodeConfig()
     assert (node.max_local_steps, node.max_lr, node.max_batch_size) == (1000, 1.0, 256)
     assert limits.check_training(RunConfig(), node) == RunConfig().lr
