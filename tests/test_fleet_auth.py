@@ -156,6 +156,10 @@ def test_a_stranger_with_the_ca_cannot_act_at_the_nodes_address(tmp_path: Path) 
 
         for method, path in NOT_FOR_NODES:  # the APIs themselves, not only through the CLI
             assert _http(dialled, method, path, ca) == 404, (method, path)
+        # what is left there: the Fleet API, which wants a registered node's signature
+        assert _http(dialled, "POST", "/v1/fleet/pull-messages", ca) == 401
+        assert _http(dialled, "POST", "/v1/fleet/get-fab", ca) == 401
+        assert _http(dialled, "GET", "/health", ca) == 200
         # the same request reaches the SuperLink at the operator's address
         assert _http(operator.address, "POST", "/v1/control/list-nodes", ca) == 200
 
