@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"status: {status}")
     print(f"outputs: {out} (metrics.jsonl, summary.json, final/, checkpoint/)")
-    print(f"logs: {out / 'logs'} (superlink.log, supernode-*.log, flwr-cli.log, run-*.log)")
+    print(f"logs: {out / 'logs'} (superlink.log, {'fleet-gateway.log, ' if args.tls else ''}"
+          "supernode-*.log, flwr-cli.log, run-*.log)")
     return 0 if status == "finished:completed" else 1
 
 
