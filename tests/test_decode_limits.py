@@ -42,7 +42,11 @@ from fedcybgd.compression import (
     seedlog,
 )
 from fedcybgd.compression.layout import entry_layout
-from fedcybgd.compression.limits import MAX_NUMEL, MAX_SEEDLOG_BYTES
+from fedcybgd.compression.limits import (
+    MAX_NUMEL,
+    MAX_SEEDLOG_BYTES,
+    MAX_SEEDLOG_HEADER_BYTES,
+)
 from fedcybgd.compression.tensors import PART_ITEMSIZE
 
 MiB = 1 << 20
@@ -369,6 +373,20 @@ def test_seed_log_size_is_bounded_before_parsing():
     assert seedlog.decode_seedlog(small, max_bytes=len(small)) == _seed_log(30, 2)
     with pytest.raises(ValueError, match="body has"):  # a larger bound reads it, and finds junk
         seedlog.decode_seedlog(big, max_bytes=len(big))
+
+
+def test_a_caller_can_bound_a_seed_log_by_its_steps_and_units():
+    # Prepare: a log at the most steps and units the caller allows, and one whose extra steps
+    # (54 bytes each) outgrow the room the bound leaves for a header
+    honest = seedlog.encode_seedlog(_seed_log(300, 8))
+    longer = seedlog.encode_seedlog(_seed_log(300, 8 + MAX_SEEDLOG_HEADER_BYTES // 54 + 1))
+    bound = seedlog.max_log_bytes(8, 300)
+    assert len(honest) <= bound < len(longer)
+
+    # Execute / Assert
+    assert seedlog.decode_seedlog(honest, max_steps=8, max_bytes=bound) == _seed_log(300, 8)
+    with pytest.raises(ValueError, match=f"larger than max_bytes={bound}"):
+        seedlog.decode_seedlog(longer, max_steps=8, max_bytes=bound)
 
 
 def test_seed_log_names_the_first_step_with_a_unit_out_of_range():

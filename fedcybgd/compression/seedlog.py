@@ -29,6 +29,13 @@ def _mask_bytes(units: int) -> int:
     return (units + 7) // 8
 
 
+def max_log_bytes(steps: int, units: int) -> int:
+    """The most bytes an honest log of at most ``steps`` steps over ``units`` units can take:
+    a tight ``max_bytes`` for :func:`decode_seedlog` when the caller knows both."""
+    step = _STEP_HEAD.size + _mask_bytes(units)
+    return _PREAMBLE.size + MAX_SEEDLOG_HEADER_BYTES + steps * step
+
+
 def encode_seedlog(log: SeedLog) -> bytes:
     """Serialize ``log`` (see the module docstring); ``ValueError`` if it cannot be."""
     check_log(log)

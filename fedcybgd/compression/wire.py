@@ -358,8 +358,8 @@ def decode(
         Refuse payloads whose uncompressed body or reconstructed tensors would exceed this many
         bytes, from the header alone: before anything is decompressed or allocated. ``None``:
         the shapes bound it when ``expect_shapes`` is given, and
-        :data:`fedcybgd.compression.limits.MAX_DECODED_BYTES` (1 GiB) otherwise. Decoding
-        holds a small multiple of this at its peak.
+        :data:`fedcybgd.compression.limits.MAX_DECODED_BYTES` (1 GiB) otherwise. Peak memory
+        is a small multiple of it (float32 work arrays: up to about 8x for a bf16 ``delta``).
 
     Raises
     ------
