@@ -10,7 +10,9 @@ FedKSeed style). The server records an install as a :class:`LoggedInstall` only 
 computing it once more through :func:`rebuild` itself and finding it bit-equal to what it
 installed, so a server step, an aggregator or a rounding a node cannot reproduce falls back to
 weights instead of giving a node a wrong copy. The node checks the checksum of every version it
-rebuilds; a mismatch is a bad download (the node asks for a resync).
+rebuilds; a mismatch is a bad download (the node asks for a resync). A node reads every log
+of a chain (:func:`read_log`) before it replays any (:func:`replay_chain`), so it knows the
+replay's cost, and can refuse it by its own limits (:mod:`fedcybgd.client.limits`), first.
 
 The wire form of a :class:`LogChain`, every number little-endian, nothing ever unpickled::
 
