@@ -244,8 +244,10 @@ def train(msg: Message, context: Context) -> Message:
     try:
         rule_spec(rule_name)
     except ConfigError as err:
-        raise ConfigError(f"update-rule = {rule_name!r} (node config or instruction): {err}"
-                          ) from None
+        if not node.update_rule:  # the server's: refused
+            return _reply(msg, protocol.REFUSED, None,
+                          f"instruction field {protocol.RULE!r} = {rule_name[:80]!r}: {err}")
+        raise ConfigError(f"update-rule = {rule_name!r} (node config): {err}") from None
     upload_codec = ins.upload_codec
     # the run's bound on one payload, and the node's own
     max_bytes = int(min(run.max_payload_mb, node.max_download_mb) * limits.MB)
