@@ -290,3 +290,24 @@ def test_the_defaults_are_documented_once_and_must_be_positive():
                 "max-replay-logs", "max-download-mb", "max-decoded-mb"):
         with pytest.raises(ConfigError, match=key):
             NodeConfig.from_node_config({key: 0})
+
+
+def test_a_fedavg_round_beyond_the_nodes_limits_is_not_trained(tiny_run_config, tmp_path):
+    # Prepare: a FedAvg baseline round (the global model under "arrays") asking lr 0.5
+    from flwr.app import MessageType, RecordDict
+
+    from fedcybgd.baselines import ARRAYS, build_baseline, to_record
+
+    config = dict(tiny_run_config, **{"strategy": "fedavg", "fedavg-params": "full",
+                                      "lr": 0.5})
+    grid = LoopbackGrid(client_app, 1, config, node_config=lambda i: {"max-lr": 0.1})
+    arrays = to_record(build_baseline(RunConfig.from_run_config(config)).get())
+    message = Message(RecordDict({ARRAYS: arrays, "config": ConfigRecord({"server-round": 1})}),
+                      dst_node_id=grid.node_ids[0], message_type=MessageType.TRAIN,
+                      group_id="1")
+    # Execute
+    (reply,) = grid.send_and_receive([message])
+    # Assert: Flower's error reply (FedAvg leaves it out of its average), naming the limit
+    assert reply.has_error()
+    assert "run-config 'lr' = 0.5" in reply.error.reason
+    assert "max-lr = 0.1" in reply.error.reason
