@@ -309,5 +309,6 @@ def test_a_fedavg_round_beyond_the_nodes_limits_is_not_trained(tiny_run_config, 
     (reply,) = grid.send_and_receive([message])
     # Assert: Flower's error reply (FedAvg leaves it out of its average), naming the limit
     assert reply.has_error()
-    assert "run-config 'lr' = 0.5" in reply.error.reason
-    assert "max-lr = 0.1" in reply.error.reason
+    reason = str(reply.error.reason)
+    assert "run-config 'lr' = 0.5" in reason
+    assert "max-lr = 0.1" in reason
