@@ -21,7 +21,8 @@ MAX_DIMS = 64
 MAX_HEADER_BYTES = 1 << 20
 
 # Largest zeroth-order step log :func:`fedcybgd.compression.seedlog.decode_seedlog` reads unless
-# told otherwise. An honest step is 16 bytes plus a bit per unit, so this is over 100,000 steps;
-# decoding costs at most about 64 times the log's size (8 bytes per chosen unit).
-MAX_SEEDLOG_BYTES = 4 << 20
+# told otherwise (callers that know the steps and units pass ``seedlog.max_log_bytes``). An honest
+# step is 16 bytes plus a bit per unit: 1,000 steps of a 30-unit block take 20 kB. Decoding costs
+# about 75 times the log's size in memory at most (8 bytes per chosen unit), time linear in it.
+MAX_SEEDLOG_BYTES = 1 << 20
 MAX_SEEDLOG_HEADER_BYTES = 1 << 16
