@@ -15,7 +15,8 @@ TASKS: tuple[str, ...] = ("classification", "sft", "multiple-choice")  # task (b
 AUTO_TASK = "auto"  # task: the built-in dataset's own kind; classification for other data
 STRATEGIES: tuple[str, ...] = ("fedcybgd", "fedavg")  # strategy (fedavg: Flower's own FedAvg)
 FEDAVG_PARAMS: tuple[str, ...] = ("full", "lora")  # fedavg-params
-AGGREGATES: tuple[str, ...] = ("mean", "median", "trimmed-mean")  # aggregate
+AGGREGATES: tuple[str, ...] = ("mean", "median", "trimmed-mean", "geometric-median",
+                                 "centered-clip")  # aggregate
 ZEROLOCK_HEADS: tuple[str, ...] = ("frozen-lm", "tuned", "calibrated")  # zerolock-head
 ZEROLOCK_OBJECTIVES: tuple[str, ...] = ("label", "next-token")  # zerolock-objective
 DAMPINGS: tuple[str, ...] = ("none", "inverse", "inverse-sqrt")  # parallel-damping

@@ -144,6 +144,8 @@ class RunConfig:
     max_payload_mb: float = setting(2048.0, gt=0)
     max_update_norm: float = setting(0.0, ge=0)  # clip a node's block delta (L2); 0 = off
     outlier_factor: float = setting(10.0, ge=0)  # refuse a delta > factor x median; 0 = off
+    # refuse a delta whose RMS exceeds this share of the block's own RMS (a wipe); 0 = off
+    max_update_ratio: float = setting(0.5, ge=0, le=10)
     # clients-per-block > 1: a registered aggregator (built-ins: AGGREGATES), checked at start
     aggregate: str = setting("mean")
     trim_fraction: float = setting(0.2, ge=0, lt=0.5)  # trimmed-mean: share cut at each end

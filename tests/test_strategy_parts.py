@@ -466,7 +466,8 @@ def reply_with(block: str, payload: bytes, *, status: str = protocol.OK, example
 
 
 def reader_for(versions: BlockVersions, **limits: Any) -> ReplyReader:
-    options = {"upload_codec": "delta+fp16+zstd", "max_steps": 2, "max_examples": 8,
+    options = {"upload_codec": "delta+fp16+zstd", "seedlog_fallback": "delta+int8+zstd",
+               "max_steps": 2, "max_examples": 8,
                "max_payload_bytes": 2**31, **limits}
     return ReplyReader(versions, NodeBook(), **options)
 

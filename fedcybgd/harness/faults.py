@@ -78,11 +78,14 @@ def _not_a_payload(reply: Message, rng: random.Random) -> None:
 
 
 def _huge_weights(reply: Message, rng: random.Random) -> None:
-    # finite fp32 values at the edge of the range, in a valid exact payload
+    # finite fp32 values at the edge of the range, in a valid exact payload for the honest
+    # upload's block and versions (its codec when that needs no base, else fp32)
     block, payload = upload_of(reply)
     header = read_header(payload, max_bytes=len(payload))
     tensors = {e.name: torch.full(e.shape, 3e38) for e in header.entries}
-    set_upload(reply, encode(tensors, "fp32", block=block, target_version=1, base_version=0))
+    spec = "fp32" if header.codec.needs_base else header.spec
+    set_upload(reply, encode(tensors, spec, block=block, target_version=header.target_version,
+                             base_version=header.base_version))
 
 
 def _seedlog_bytes(block: str, header: dict[str, Any], steps: bytes) -> bytes:

@@ -2,9 +2,24 @@
 
 An aggregator takes ``[(weight, tensors), ...]`` (weights are example counts, already bounded
 by the reply gate) and returns the merged tensors. All uploads of a block started from the same
-tensors, so merging weights equals merging deltas. ``median`` and ``trimmed-mean`` are
-coordinate-wise and unweighted: they bound what a minority of hostile nodes can move, which a
-weighted mean cannot.
+tensors, so merging weights equals merging deltas.
+
+What each built-in bounds, against ``f`` colluding nodes of the ``n`` that share a block (the
+update screen, :mod:`~fedcybgd.strategies.screen`, bounds every single upload first):
+
+- ``mean``: nothing beyond the screen; one node moves the block by ``1/n`` of its upload.
+- ``median`` (coordinate-wise, unweighted): with ``f < n/2`` every coordinate stays inside the
+  honest values' range; at ``f = n/2`` (2 of 4) the colluders set half of each middle pair.
+- ``trimmed-mean``: drops ``max(1, floor(trim_fraction * n))`` values at each end (at least one
+  from 3 uploads on, so a setting never trims nothing); bounds ``f`` up to that count.
+- ``geometric-median`` (Weiszfeld, unweighted): the point nearest in sum of L2 distances; its
+  breakdown point is 1/2, and unlike the coordinate-wise rules it keeps the update's direction.
+- ``centered-clip``: starts from the coordinate-wise median and adds the mean of every
+  upload's difference from it clipped to the median such distance, so each upload pulls at most
+  as far as a typical honest one (centered clipping, Karimireddy et al. 2021); ``f < n/2``.
+
+Flower's Krum and Bulyan need ``n >= 2f + 3`` (Bulyan ``4f + 3``) nodes on the same block, more
+than a block is shared by in practice, so they are not offered; a plug-in can add them.
 
 Aggregators are found by name (``aggregate`` in the run config) in a registry: the built-ins
 (:data:`fedcybgd.choices.AGGREGATES`) and any a plug-in adds with :func:`register_aggregator`
@@ -15,6 +30,7 @@ Aggregators are found by name (``aggregate`` in the run config) in a registry: t
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -75,8 +91,14 @@ def coordinate_median(uploads: Sequence[Upload]) -> dict[str, torch.Tensor]:
     return merged
 
 
+def trim_count(fraction: float, n: int) -> int:
+    """Values cut at each end of ``n`` by ``trimmed-mean``: ``floor(fraction * n)``, and at
+    least one once ``n >= 3`` (a trimmed mean that trims nothing is a mean)."""
+    return max(math.floor(fraction * n), 1 if n >= 3 else 0)
+
+
 def trimmed_mean(fraction: float) -> Aggregator:
-    """Coordinate-wise mean after dropping ``floor(fraction * n)`` values at each end."""
+    """Coordinate-wise mean after dropping :func:`trim_count` values at each end."""
     if not 0 <= fraction < 0.5:
         raise ValueError(f"trim-fraction must be in [0, 0.5), got {fraction}")
 
@@ -84,7 +106,7 @@ def trimmed_mean(fraction: float) -> Aggregator:
         if len(uploads) == 1:
             return uploads[0][1]
         n = len(uploads)
-        cut = math.floor(fraction * n)
+        cut = trim_count(fraction, n)
         merged = {}
         for name, like in uploads[0][1].items():
             kept = _sorted_stack(uploads, name)[cut : n - cut]
@@ -92,6 +114,52 @@ def trimmed_mean(fraction: float) -> Aggregator:
         return merged
 
     return aggregate
+
+
+def _distances(uploads: Sequence[Upload], center: dict[str, torch.Tensor]) -> list[float]:
+    """L2 distance of each upload from ``center`` (float64), over all of the block's tensors."""
+    return [math.sqrt(sum(float((t[name].double() - c).square().sum())
+                          for name, c in center.items())) for _, t in uploads]
+
+
+def geometric_median(uploads: Sequence[Upload], iterations: int = 16,
+                     tolerance: float = 1e-12) -> dict[str, torch.Tensor]:
+    """The geometric median of the uploads (Weiszfeld's iteration from the coordinate-wise
+    median, distances floored at ``tolerance`` times the block's scale)."""
+    if len(uploads) <= 2:
+        return weighted_mean([(1.0, t) for _, t in uploads])
+    first = uploads[0][1]
+    center = {name: t.double() for name, t in coordinate_median(uploads).items()}
+    scale = max(_distances(uploads, {n: torch.zeros_like(c) for n, c in center.items()}))
+    for _ in range(iterations):
+        floor = tolerance * max(scale, 1.0)
+        weights = [1.0 / max(d, floor) for d in _distances(uploads, center)]
+        total = sum(weights)
+        pairs = list(zip(weights, uploads, strict=True))
+        moved = {name: torch.stack([w * t[name].double() for w, (_, t) in pairs]).sum(0) / total
+                 for name in center}
+        shift = math.sqrt(sum(float((moved[n] - center[n]).square().sum()) for n in center))
+        center = moved
+        if shift <= floor:
+            break
+    return {name: center[name].to(like.dtype) for name, like in first.items()}
+
+
+def centered_clip(uploads: Sequence[Upload], iterations: int = 3) -> dict[str, torch.Tensor]:
+    """Centered clipping around the coordinate-wise median: ``v += mean_i clip(x_i - v, tau)``
+    with ``tau`` the median distance of the uploads from the starting ``v``."""
+    if len(uploads) <= 2:
+        return weighted_mean([(1.0, t) for _, t in uploads])
+    first = uploads[0][1]
+    center = {name: t.double() for name, t in coordinate_median(uploads).items()}
+    tau = statistics.median(_distances(uploads, center))
+    for _ in range(iterations):
+        distances = _distances(uploads, center)
+        shares = [1.0 if d <= tau else tau / d for d in distances]
+        pulls = list(zip(shares, uploads, strict=True))
+        center = {name: c + torch.stack([s * (t[name].double() - c) for s, (_, t) in pulls]
+                                        ).mean(0) for name, c in center.items()}
+    return {name: center[name].to(like.dtype) for name, like in first.items()}
 
 
 def build_aggregator(name: str, trim_fraction: float = 0.2) -> Aggregator:
@@ -110,6 +178,8 @@ _BUILTINS: dict[str, AggregatorFactory] = {
     "mean": lambda **_: weighted_mean,
     "median": lambda **_: coordinate_median,
     "trimmed-mean": lambda *, trim_fraction, **_: trimmed_mean(trim_fraction),
+    "geometric-median": lambda **_: geometric_median,
+    "centered-clip": lambda **_: centered_clip,
 }
 assert tuple(_BUILTINS) == AGGREGATES
 for _name, _factory in _BUILTINS.items():

@@ -92,8 +92,9 @@ class FedCyBGD(Strategy):
         Merges one block's uploads: a registered name (``mean`` weighted by examples,
         ``median``, ``trimmed-mean``, plug-ins') or any callable
         ``[(examples, tensors), ...] -> tensors``.
-    max_update_norm, outlier_factor, client_lr
-        :class:`~fedcybgd.strategies.screen.UpdateScreen`; ``round -> client lr``.
+    max_update_norm, outlier_factor, max_update_ratio, client_lr
+        :class:`~fedcybgd.strategies.screen.UpdateScreen` (its ``max_norm``, ``outlier_factor``
+        and ``max_ratio``); ``round -> client lr``.
     server_lr, parallel_damping, server_optimizer, server_beta1, server_beta2, server_eps
         :class:`~fedcybgd.strategies.server_step.ServerStep` (its state per block is
         checkpointed through :meth:`checkpoint_tensors`).
@@ -146,6 +147,7 @@ class FedCyBGD(Strategy):
         trim_fraction: float = 0.2,
         max_update_norm: float = 0.0,
         outlier_factor: float = 10.0,
+        max_update_ratio: float = 0.5,
         server_lr: float = 1.0,
         parallel_damping: str = "none",
         server_optimizer: str = "sgd",
@@ -177,7 +179,8 @@ class FedCyBGD(Strategy):
         self.local_steps, self.client_lr = local_steps, client_lr
         self.aggregate = (build_aggregator(aggregate, trim_fraction)
                           if isinstance(aggregate, str) else aggregate)
-        self.screen = UpdateScreen(outlier_factor=outlier_factor, max_norm=max_update_norm)
+        self.screen = UpdateScreen(outlier_factor=outlier_factor, max_norm=max_update_norm,
+                                   max_ratio=max_update_ratio)
         self.step = ServerStep(server_lr, parallel_damping, server_optimizer, server_beta1,
                                server_beta2, server_eps)
         self.blocks = BlockVersions(block_map, self.weights, pretrained, version_history)
@@ -201,7 +204,8 @@ class FedCyBGD(Strategy):
         self.sampler = NodeSampler(seed)
         self.reader = ReplyReader(self.blocks, self.nodes, upload_codec=upload_codec,
                                   max_steps=local_steps, max_examples=local_steps * batch_size,
-                                  max_payload_bytes=max_payload_bytes, device=device)
+                                  max_payload_bytes=max_payload_bytes,
+                                  seedlog_fallback=seedlog_fallback, device=device)
         self.device = device
         self.class_prior, self.classes = class_prior, classes
         # Self-sync needs one node per block and a server step the node can reproduce.
@@ -332,8 +336,10 @@ class FedCyBGD(Strategy):
                             "instruction of this round (late, duplicate or forged)",
                             server_round, reply.metadata.src_node_id)
                 continue
+            asked = live.upload_codecs.get(node, self.upload_codec)
             try:
-                got = guarded(functools.partial(self.reader.read, reply, node, block, record))
+                got = guarded(functools.partial(self.reader.read, reply, node, block, record,
+                                                asked))
                 got.tensors, rms = guarded(functools.partial(
                     self.screen.admit, block, self.blocks.tensors(block), got.tensors))
             except Dropped as drop:
@@ -342,7 +348,6 @@ class FedCyBGD(Strategy):
             if self.budget is not None:
                 # a step log counts as one; weights sent instead of an asked-for log as the
                 # fallback codec they came through
-                asked = live.upload_codecs.get(node, self.upload_codec)
                 codec = (SEEDLOG if got.kind == SEEDLOG
                          else self.seedlog_fallback if asked == SEEDLOG else asked)
                 self.budget.observe(codec, got.payload_bytes, self.block_map.info(block).numel)

@@ -7,6 +7,7 @@ stays readable and this bookkeeping can be tested on its own.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -21,9 +22,9 @@ from fedcybgd.strategies.aggregate import Aggregator
 from fedcybgd.strategies.quantized_install import RESIDUAL, QuantizedInstall
 from fedcybgd.strategies.reader import BlockUpload, NodeBook
 from fedcybgd.strategies.record import RoundInFlight
-from fedcybgd.strategies.replies import NON_FINITE, DropLog
+from fedcybgd.strategies.replies import INSTALL_FAILED, NON_FINITE, DropLog, Dropped, guarded
 from fedcybgd.strategies.schedule import ObservingSchedule, Schedule
-from fedcybgd.strategies.screen import UpdateScreen, update_rms
+from fedcybgd.strategies.screen import UpdateScreen, all_finite, update_rms
 from fedcybgd.strategies.server_step import ServerStep, merge_block
 from fedcybgd.strategies.versions import BlockVersions
 
@@ -59,7 +60,9 @@ class BlockInstaller:
         """Install every block of ``live`` whose admitted uploads (``(block, admitted)`` as they
         arrived) merge to a finite result; re-queue the others; count the uploads and fill the
         record's ``accepted``, ``failed_blocks``, ``train_loss`` (example-weighted over finite
-        losses) and ``dropped``."""
+        losses) and ``dropped``. Nothing that goes wrong installing one block ends the round:
+        its uploads count as dropped (``non-finite`` or ``install-failed``) and it is
+        re-queued."""
         record = live.record
         # Merge in the order the instructions went out, not the order replies arrived: float
         # sums depend on their order, and the same seed must give the same run.
@@ -76,39 +79,19 @@ class BlockInstaller:
         observer = self.schedule if isinstance(self.schedule, ObservingSchedule) else None
         for block in record.blocks or []:
             uploads = admitted.get(block, [])
-            merged = merge_block(
-                self.aggregate, self.step, block, self.blocks.tensors(block),
-                [(got.weight, got.tensors) for _, got, _ in uploads], len(admitted)
-            ) if uploads else None
-            if merged is not None:
-                moved = (0.0 if observer is None
-                         else update_rms(merged.tensors, self.blocks.tensors(block)))
-                synced = self._self_synced(block, uploads, len(admitted))
-                payload = None
-                if self.quantized is not None and synced is None:
-                    start = self.blocks.current(block)
-                    rounded = self.quantized.round(
-                        block, self.blocks.tensors(block), start.version if start else 0,
-                        merged.tensors, record.round,
-                        self.step.moments.get(block, {}).get(RESIDUAL))
-                    merged.tensors, payload = rounded.tensors, rounded.payload
-                    merged.moments[RESIDUAL] = rounded.residual
-                logged = (self._logged(block, uploads, merged.tensors, record.round,
-                                       len(admitted)) if self.log_downloads else None)
-                self.blocks.install(block, merged.tensors, record.round, payload, logged)
-                if synced is not None:
-                    self._credit(uploads[0][0], block, *synced)
-                self.step.commit(block, merged)
-                if observer is not None:
-                    observer.observe(block, moved)
-                for _, _, rms in uploads:
-                    self.screen.accepted(block, rms)
+            installed = False
+            if uploads:
+                try:
+                    guarded(functools.partial(self._install, block, uploads, len(admitted),
+                                              record.round, observer), INSTALL_FAILED)
+                    installed = True
+                except Dropped as failed:
+                    drops.counts[failed.reason] += len(uploads)
+                    log.warning("round %d: block %s not installed (%s): %s", record.round,
+                                block, failed.reason, failed.detail)
+            if installed:
                 record.accepted[block] = [node for node, _, _ in uploads]  # type: ignore[index]
                 continue
-            if uploads:
-                drops.counts[NON_FINITE] += len(uploads)
-                log.warning("block %s: the merged update is not finite in the model's dtypes; "
-                            "nothing installed", block)
             self.schedule.requeue(block)
             if block in block_seed:
                 self.retry_seeds[block] = block_seed[block]
@@ -117,6 +100,39 @@ class BlockInstaller:
         if finite:
             record.train_loss = sum(w * x for w, x in finite) / sum(w for w, _ in finite)
         record.dropped = drops.as_dict()
+
+    def _install(self, block: str, uploads: list[Admitted], parallel: int, version: int,
+                 observer: ObservingSchedule | None) -> None:
+        """Merge ``block``'s uploads, take the server's step, round and install the result at
+        ``version``. Everything that can fail runs before anything is changed; the block is
+        left as it was (and ``Dropped``, ``non-finite``, raised) when the result is not finite,
+        whatever the screen's settings."""
+        start = self.blocks.tensors(block)
+        merged = merge_block(self.aggregate, self.step, block, start,
+                             [(got.weight, got.tensors) for _, got, _ in uploads], parallel)
+        if merged is None:
+            raise Dropped(NON_FINITE, "the merged update is not finite in the model's dtypes")
+        moved = 0.0 if observer is None else update_rms(merged.tensors, start)
+        synced = self._self_synced(block, uploads, parallel)
+        payload = None
+        if self.quantized is not None and synced is None:
+            current = self.blocks.current(block)
+            rounded = self.quantized.round(
+                block, start, current.version if current else 0, merged.tensors, version,
+                self.step.moments.get(block, {}).get(RESIDUAL))
+            if not (all_finite(rounded.tensors) and all_finite(rounded.residual)):
+                raise Dropped(NON_FINITE, "the block rounded to the install codec is not finite")
+            merged.tensors, payload = rounded.tensors, rounded.payload
+            merged.moments[RESIDUAL] = rounded.residual
+        logged = (self._logged(block, uploads, merged.tensors, version, parallel)
+                  if self.log_downloads else None)
+        self.blocks.install(block, merged.tensors, version, payload, logged)
+        if synced is not None:
+            self._credit(uploads[0][0], block, *synced)
+        self.step.commit(block, merged)
+        if observer is not None:
+            observer.observe(block, moved)
+        self.screen.installed(block, merged.merged_rms)
 
     def _logged(self, block: str, uploads: list[Admitted], installed: Tensors, version: int,
                 parallel: int) -> LoggedInstall | None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from fedcybgd.compression import decode, encode, lossy_delta_spec
+from fedcybgd.strategies.replies import NON_FINITE, Dropped
+from fedcybgd.strategies.screen import all_finite
 
 Tensors = dict[str, torch.Tensor]
 RESIDUAL = "r"  # the moment name the residual is checkpointed under
@@ -54,6 +56,9 @@ class QuantizedInstall:
         ``start``, which is the block at ``start_version``; ``version`` is the round."""
         target = {name: (t.float() + residual[name] if residual else t.float()).to(t.dtype)
                   for name, t in new.items()}
+        if not all_finite(target):  # a carried residual can overflow the model's dtype
+            raise Dropped(NON_FINITE, f"block {block}: the install target (the merged block "
+                                      "plus its carried rounding) is not finite; not rounded")
         payload = encode(target, self.spec, block=block, target_version=version,
                          base_version=start_version, base=start)
         size = len(payload)

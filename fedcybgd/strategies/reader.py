@@ -21,13 +21,15 @@ from flwr.app import Message
 from fedcybgd import protocol, selfsync, zeroth_order
 from fedcybgd.compression import (
     decode,
+    parse_spec,
     payload_from_array,
     raw_fp32_bytes,
     read_header,
     seedlog,
     uses_base,
 )
-from fedcybgd.compression.header import MAX_HEADER_BYTES
+from fedcybgd.compression.header import MAX_HEADER_BYTES, PayloadHeader
+from fedcybgd.compression.tensors import dtype_name
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import Holding
 from fedcybgd.strategies.record import RoundRecord
@@ -36,6 +38,7 @@ from fedcybgd.strategies.replies import (
     BAD_SEEDLOG,
     CLIENT_ERROR,
     MALFORMED,
+    MISMATCH,
     NOT_TRAINED,
     REPLAY_FAILED,
     Dropped,
@@ -112,7 +115,10 @@ class ReplyReader:
     nodes : NodeBook
         Updated from every reply that carries a state record.
     upload_codec : str
-        What the nodes were asked for; a step log is accepted only when it is ``"seedlog"``.
+        What the nodes are asked for unless a round says otherwise; a step log is accepted
+        only when the asked codec is ``"seedlog"``.
+    seedlog_fallback : str
+        The codec weights come through when a step log was asked for.
     max_steps, max_examples : int
         A step log's most steps; a reply's most ``num-examples``.
     max_payload_bytes : int
@@ -123,9 +129,10 @@ class ReplyReader:
     """
 
     def __init__(self, versions: BlockVersions, nodes: NodeBook, *, upload_codec: str,
-                 max_steps: int, max_examples: int, max_payload_bytes: int,
-                 device: str = "cpu") -> None:
+                 seedlog_fallback: str, max_steps: int, max_examples: int,
+                 max_payload_bytes: int, device: str = "cpu") -> None:
         self.device = device
+        self.seedlog_fallback = seedlog_fallback
         self.versions = versions
         self.nodes = nodes
         self.upload_codec = upload_codec
@@ -163,10 +170,14 @@ class ReplyReader:
             self.nodes.zo[node] = zo
         return text(state, protocol.STATUS, default="", max_len=64)
 
-    def read(self, reply: Message, node: int, block: str, record: RoundRecord) -> BlockUpload:
+    def read(self, reply: Message, node: int, block: str, record: RoundRecord,
+             codec: str | None = None) -> BlockUpload:
         """``node``'s upload of ``block``, or :class:`Dropped`. The upload's bytes count in
         ``record.bytes_up`` once its payload is read, even if it is dropped later: they
-        crossed the wire."""
+        crossed the wire.
+
+        ``codec`` is the upload codec the node was asked for (default: ``upload_codec``); a
+        weights payload must be exactly what the round asked for (:meth:`check_bound`)."""
         if reply.has_error():
             raise Dropped(CLIENT_ERROR, str(reply.error.reason)[:500])
         content = reply.content
@@ -198,7 +209,8 @@ class ReplyReader:
             raise Dropped(BAD_PAYLOAD, f"upload of {len(payload)} bytes exceeds the block's "
                                        f"limit of {limit}")
         kind = text(state, protocol.UPLOAD_KIND, default=protocol.WEIGHTS, max_len=16)
-        tensors, passes = self._decode(payload, kind, block, limit)
+        tensors, passes = self._decode(payload, kind, block, limit, record.round,
+                                       self.upload_codec if codec is None else codec)
         # A node's claim to keep a pending copy counts only for the very upload decoded here
         # (a weights payload: its header checksum is what ``decode`` verified).
         claim = text(state, protocol.SELF_SYNC_CHECKSUM, default="", max_len=64)
@@ -213,14 +225,41 @@ class ReplyReader:
                            log=payload if kind == protocol.SEEDLOG else b"",
                            replay_passes=passes)
 
-    def _decode(self, payload: bytes, kind: str, block: str, limit: int
-                ) -> tuple[dict[str, torch.Tensor], float]:
+    def check_bound(self, header: PayloadHeader, block: str, server_round: int, codec: str
+                    ) -> None:
+        """A weights upload must be what the round asked for, or it is dropped as
+        ``mismatch``: the codec the node was asked for (``seedlog-fallback`` when a step log
+        was asked), the block, the version it started from (the block's current one) and the
+        round as its target, and each tensor's dtype (shapes: :func:`decode` checks them).
+        A re-sent old block, a stale upload or a payload in another precision is none of these.
+        """
+        asked = self.seedlog_fallback if codec == protocol.SEEDLOG else codec
+        if str(header.codec) != str(parse_spec(asked)):
+            raise Dropped(MISMATCH, f"upload codec {header.spec[:64]!r}, but {asked!r} was "
+                                    "asked for")
+        if header.block != block:
+            raise Dropped(MISMATCH, f"upload is for block {header.block[:64]!r}, not {block!r}")
+        current = self.versions.versions[block]
+        if header.base_version != current or header.target_version != server_round:
+            raise Dropped(MISMATCH, f"upload goes from version {header.base_version} to "
+                                    f"{header.target_version}; round {server_round} asked for "
+                                    f"{current} to {server_round}")
+        start = self.versions.tensors(block)
+        for entry in header.entries:
+            like = start.get(entry.name)
+            want = dtype_name(like.dtype, tensor=entry.name) if like is not None else None
+            if want is not None and entry.dtype != want:
+                raise Dropped(MISMATCH, f"tensor {entry.name[:64]!r} is {entry.dtype}, the "
+                                        f"block's is {want}")
+
+    def _decode(self, payload: bytes, kind: str, block: str, limit: int, server_round: int,
+                codec: str) -> tuple[dict[str, torch.Tensor], float]:
         """The uploaded block from a weights payload or a replayed step log, and the replay's
         work in passes over the block (0 for weights)."""
         # the start of the client's training: blocks are installed after all replies
         start = self.versions.tensors(block)
         if kind == protocol.SEEDLOG:
-            if self.upload_codec != protocol.SEEDLOG:
+            if codec != protocol.SEEDLOG:
                 raise Dropped(BAD_SEEDLOG, "a seed log was sent, but weights were asked for")
             step_log = guarded(
                 lambda: seedlog.decode_seedlog(payload, max_steps=self.max_steps), BAD_SEEDLOG)
@@ -233,9 +272,11 @@ class ReplyReader:
             sizes = [sum(start[name].numel() for name in unit) for unit in layout]
             return replayed, zeroth_order.replay_passes(step_log, sizes)
         if kind == protocol.WEIGHTS:
+            header = guarded(lambda: read_header(payload, max_bytes=limit), BAD_PAYLOAD)
+            self.check_bound(header, block, server_round, codec)
             return guarded(lambda: decode(
                 payload,
-                base=start if uses_base(read_header(payload, max_bytes=limit).spec) else None,
+                base=start if uses_base(header.spec) else None,
                 expect_block=block,
                 expect_shapes={k: tuple(v.shape) for k, v in start.items()},
                 max_bytes=limit,

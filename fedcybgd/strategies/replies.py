@@ -27,7 +27,9 @@ BAD_PAYLOAD = "bad-payload"  # the upload does not decode (CodecError)
 BAD_SEEDLOG = "bad-seedlog"  # a step log that does not parse, or was not asked for
 REPLAY_FAILED = "replay-failed"  # a well-formed step log that cannot be replayed here
 NON_FINITE = "non-finite"  # NaN/Inf in the update or in what it would install
-OUTLIER = "outlier"  # an update far larger than the block's recent accepted ones
+OUTLIER = "outlier"  # an update far larger than the block's recent installed steps or itself
+MISMATCH = "mismatch"  # an upload that is not what the round asked for (codec, versions, dtype)
+INSTALL_FAILED = "install-failed"  # merging, stepping or rounding the block failed; re-queued
 NOT_TRAINED = "not-trained"  # the node answered but trained nothing (resync, rejected)
 UNEXPECTED = "error"  # any other exception while reading the reply
 

@@ -1,11 +1,21 @@
-"""Admission of one node's block update: finite, not an outlier, optionally norm-clipped.
+"""Admission of one node's block update: finite, bounded by the block, not an outlier,
+optionally norm-clipped.
 
-Each accepted update's size is remembered per block as its RMS (L2 norm / sqrt(elements), so
-blocks of different sizes compare). A new update is refused as an outlier when its RMS exceeds
-``outlier_factor`` times the median of the last ``window`` accepted RMS values of that block
-(of all blocks pooled, while the block has fewer than ``min_history``). With no history at all
-it is refused when it is larger than the block itself (RMS of the delta above the RMS of the
-block's weights): no honest round rewrites a block. ``outlier_factor = 0`` turns the rule off.
+Sizes compare as RMS (L2 norm / sqrt(elements)), so blocks of different sizes compare. Two
+bounds refuse an update, each by name (``outlier``):
+
+- **Relative to the block** (``max_ratio``, always on unless 0): an update whose RMS exceeds
+  ``max_ratio`` times the RMS of the block's own weights. No honest round rewrites a block, so
+  a wipe (``-w``), a sign flip or a huge value is refused even in round 1, with no history.
+- **Relative to what was installed** (``outlier_factor``): an update whose RMS exceeds
+  ``outlier_factor`` times the median of the last ``window`` *installed* merged steps of that
+  block (of all blocks pooled, while the block has fewer than ``min_history``). The history
+  holds only the merged step of each install (the aggregate's output minus the start, before
+  the server's own step), never raw uploads: nodes colluding to send uploads just under the
+  threshold cannot raise it unless they also control the merge (a majority of the block's
+  nodes under ``median``; see :mod:`~fedcybgd.strategies.aggregate`). Zero-sized installs are
+  not a reference. ``outlier_factor = 0`` turns this rule off.
+
 ``max_norm > 0`` then scales any larger update down to that L2 norm.
 """
 
@@ -51,35 +61,40 @@ def all_finite(tensors: Mapping[str, torch.Tensor]) -> bool:
 
 
 class UpdateScreen:
-    """Check each update against the block's recent accepted ones (see the module docstring).
+    """Check each update against its block and the block's recent installs (module docstring).
 
     Parameters
     ----------
     outlier_factor : float
-        Refuse an update whose RMS exceeds this multiple of the reference; 0 turns it off.
+        Refuse an update whose RMS exceeds this multiple of the installed reference; 0: off.
     max_norm : float
         Clip each update to this L2 norm; 0 turns it off.
+    max_ratio : float
+        Refuse an update whose RMS exceeds this share of the block's own weights' RMS; 0: off.
     window, min_history : int
-        Accepted sizes remembered per block, and how many a block needs before its own are the
-        reference.
+        Installed step sizes remembered per block, and how many a block needs before its own
+        are the reference.
     """
 
-    def __init__(self, outlier_factor: float = 10.0, max_norm: float = 0.0, window: int = 8,
-                 min_history: int = 3) -> None:
-        if not outlier_factor >= 0 or not max_norm >= 0 or math.isinf(outlier_factor):
-            raise ValueError("outlier-factor and max-update-norm must be finite and >= 0")
+    def __init__(self, outlier_factor: float = 10.0, max_norm: float = 0.0,
+                 max_ratio: float = 0.5, window: int = 8, min_history: int = 3) -> None:
+        for key, value in (("outlier-factor", outlier_factor), ("max-update-norm", max_norm),
+                           ("max-update-ratio", max_ratio)):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{key} must be finite and >= 0, got {value}")
         self.outlier_factor = outlier_factor
         self.max_norm = max_norm
+        self.max_ratio = max_ratio
         self.window = window
         self.min_history = min_history
         self.history: dict[str, deque[float]] = {}
 
     def reference(self, block: str) -> float | None:
-        """The RMS an update of ``block`` is compared with (``None``: no history yet)."""
-        own = list(self.history.get(block, ()))
+        """The RMS an update of ``block`` is compared with (``None``: no usable history)."""
+        own = [x for x in self.history.get(block, ()) if x > 0]
         if len(own) >= self.min_history:
             return statistics.median(own)
-        pooled = [x for sizes in self.history.values() for x in sizes]
+        pooled = [x for sizes in self.history.values() for x in sizes if x > 0]
         return statistics.median(pooled) if len(pooled) >= self.min_history else None
 
     @torch.no_grad()
@@ -96,15 +111,16 @@ class UpdateScreen:
         rms = norm / math.sqrt(count)
         if not math.isfinite(rms):
             raise Dropped(NON_FINITE, "the update's norm is not finite")
+        if self.max_ratio:
+            own = l2_norm(start) / math.sqrt(count)
+            if rms > self.max_ratio * own:
+                raise Dropped(OUTLIER, f"update RMS {rms:.3g} is above {self.max_ratio:g} x "
+                                       f"the block's own weights' RMS {own:.3g}")
         if self.outlier_factor:
             ref = self.reference(block)
             if ref is not None and rms > self.outlier_factor * ref:
                 raise Dropped(OUTLIER, f"update RMS {rms:.3g} is above {self.outlier_factor:g} "
-                                       f"x the recent accepted {ref:.3g}")
-            own = l2_norm(start) / math.sqrt(count)
-            if ref is None and rms > own:
-                raise Dropped(OUTLIER, f"update RMS {rms:.3g} is larger than the block's own "
-                                       f"weights' {own:.3g} (no accepted history yet)")
+                                       f"x the recent installed steps' {ref:.3g}")
         if self.max_norm and norm > self.max_norm:
             scale = self.max_norm / norm
             tensors = {
@@ -114,9 +130,11 @@ class UpdateScreen:
             rms = self.max_norm / math.sqrt(count)
         return tensors, rms
 
-    def accepted(self, block: str, rms: float) -> None:
-        """Remember the size of an update that was installed."""
-        self.history.setdefault(block, deque(maxlen=self.window)).append(rms)
+    def installed(self, block: str, rms: float) -> None:
+        """Remember the size of the merged step that was installed in ``block`` (the only
+        sizes the reference is made of)."""
+        if math.isfinite(rms) and rms >= 0:
+            self.history.setdefault(block, deque(maxlen=self.window)).append(rms)
 
     def state(self) -> dict[str, Any]:
         """JSON-able history (checkpointed, so a resumed server screens alike)."""

@@ -31,7 +31,7 @@ import torch
 from fedcybgd.choices import DAMPINGS, SERVER_OPTIMIZERS
 from fedcybgd.selfsync import sgd_step
 from fedcybgd.strategies.replies import guarded
-from fedcybgd.strategies.screen import all_finite
+from fedcybgd.strategies.screen import all_finite, update_rms
 
 Tensors = dict[str, torch.Tensor]
 
@@ -55,6 +55,7 @@ class Proposal:
     tensors: Tensors
     moments: dict[str, Tensors] = field(default_factory=dict)  # "m"/"v" -> name -> tensor
     steps: int = 0
+    merged_rms: float = 0.0  # RMS of the merged client update (before the server's step)
 
 
 class ServerStep:
@@ -170,9 +171,12 @@ def merge_block(aggregate: Callable[[Sequence[tuple[float, Tensors]]], Tensors],
     """What a block becomes: its uploads merged by ``aggregate``, cast to the block's dtypes,
     moved by ``step`` (``parallel`` blocks move this round); ``None`` if that is not finite in
     the block's dtypes (e.g. finite fp32 values that overflow fp16/bf16). The proposal is
-    committed by the caller once the block is installed."""
+    committed by the caller once the block is installed. The proposal's ``merged_rms`` is the
+    size of the merged update itself (what the update screen's reference is made of)."""
     merged = guarded(lambda: aggregate(uploads))
-    proposal = step.propose(block, start,
-                            {name: merged[name].to(start[name].dtype) for name in start},
-                            parallel)
+    cast = {name: merged[name].to(start[name].dtype) for name in start}
+    if not all_finite(cast):
+        return None
+    proposal = step.propose(block, start, cast, parallel)
+    proposal.merged_rms = update_rms(cast, start)
     return proposal if all_finite(proposal.tensors) else None

@@ -1,0 +1,115 @@
+"""Colluding nodes for tests and experiments: replies rewritten as an attacker would send them.
+
+A :class:`Colluders` object rewrites the uploads of a chosen set of nodes after they trained
+honestly, so a run plays the same rounds with and without attackers. Every forged upload is
+well-formed and exactly what the round asked for (the codec, block, versions and dtypes of the
+honest upload it replaces), so only the update screen and the aggregator stand in its way.
+
+Attacks (``kind``):
+
+- ``"push"``: the block moved along one fixed-sign direction (the same for every colluder and
+  every round, so the pushes add up), its size just under every bound the attacker knows the
+  server applies: ``margin`` x the smaller of ``outlier-factor`` x the screen's reference and
+  ``max-update-ratio`` x the block's own RMS (the adaptive attacker: it reads the server's
+  screen, as a white-box attacker who knows the rule and the history would).
+- ``"flip"``: the node's own honest update reversed and scaled by ``scale`` (no knowledge of
+  the screen).
+
+Operator-side only, like the rest of :mod:`fedcybgd.harness`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from flwr.app import Message
+
+from fedcybgd import protocol
+from fedcybgd.compression import decode, encode, read_header
+from fedcybgd.harness.faults import set_upload, upload_of
+from fedcybgd.strategies.screen import l2_norm, numel
+
+ATTACKS: tuple[str, ...] = ("push", "flip")
+
+
+@dataclass
+class Colluders:
+    """Rewrite the uploads of ``nodes`` (see the module docstring).
+
+    Parameters
+    ----------
+    nodes : set of int
+        The colluding node ids.
+    kind : str
+        One of :data:`ATTACKS`.
+    margin : float
+        ``push``: the share of the tightest known bound the forged update's RMS takes.
+    scale : float
+        ``flip``: how many times its honest update a node sends, reversed.
+    seed : int
+        Seeds the shared direction.
+    """
+
+    nodes: set[int]
+    kind: str = "push"
+    margin: float = 0.95
+    scale: float = 4.0
+    seed: int = 1234
+    forged: int = field(default=0, init=False)  # uploads rewritten so far
+    _direction: dict[str, torch.Tensor] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTACKS:
+            raise ValueError(f"attack {self.kind!r}: choose one of {list(ATTACKS)}")
+
+    def direction(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The fixed-sign unit-RMS direction of parameter ``name`` (the same every round)."""
+        if name not in self._direction:
+            gen = torch.Generator().manual_seed(self.seed + sum(map(ord, name)))
+            signs = torch.randint(0, 2, like.shape, generator=gen).float() * 2 - 1
+            self._direction[name] = signs
+        return self._direction[name]
+
+    def bound(self, strategy: object, block: str, start: dict[str, torch.Tensor]) -> float:
+        """The largest update RMS the server's screen accepts for ``block`` now."""
+        screen = strategy.screen  # type: ignore[attr-defined]
+        own = l2_norm(start) / math.sqrt(max(numel(start), 1))
+        limits = [math.inf]
+        if screen.max_ratio:
+            limits.append(screen.max_ratio * own)
+        ref = screen.reference(block) if screen.outlier_factor else None
+        if ref is not None:
+            limits.append(screen.outlier_factor * ref)
+        if len(limits) == 1:  # nothing bounds it: as large as the block itself
+            limits.append(own)
+        return min(limits)
+
+    def forge(self, strategy: object, reply: Message) -> None:
+        """Rewrite ``reply``'s upload in place (a reply that carries none is left alone)."""
+        if reply.has_error() or protocol.UPLOAD not in reply.content.array_records:
+            return
+        block, payload = upload_of(reply)
+        header = read_header(payload, max_bytes=len(payload))
+        start = {k: v.detach().clone() for k, v in
+                 strategy.block_tensors(block).items()}  # type: ignore[attr-defined]
+        base = start if header.codec.needs_base else None
+        if self.kind == "push":
+            size = self.margin * self.bound(strategy, block, start)
+            sent = {k: start[k] + size * self.direction(k, t) for k, t in start.items()}
+        else:
+            trained = decode(payload, base=base, expect_block=block,
+                             max_bytes=len(payload)).tensors
+            sent = {k: start[k] - self.scale * (trained[k] - start[k]) for k in start}
+        set_upload(reply, encode(sent, header.spec, block=block,
+                                 target_version=header.target_version,
+                                 base_version=header.base_version, base=base))
+        self.forged += 1
+
+    def __call__(self, strategy: object, replies: Iterable[Message]) -> None:
+        """Forge every reply that comes from one of the colluding nodes."""
+        for reply in replies:
+            if reply.metadata.src_node_id in self.nodes:
+                self.forge(strategy, reply)
