@@ -307,8 +307,8 @@ class Checkpointer:
         extra = sorted(set(tensors) - set(layout.tensors))
         missing = sorted(set(layout.tensors) - set(tensors))
         if extra or (layout.complete and missing) or not tensors:
-            raise CheckpointError(f"{where} holds tensors {_short(sorted(tensors))}; unexpected "
-                                  f"{_short(extra)}, missing {_short(missing)}")
+            raise CheckpointError(f"{where} holds unexpected tensors {_short(extra)} and lacks "
+                                  f"{_short(missing)} (it holds {len(tensors)})")
         for key, tensor in sorted(tensors.items()):
             spec = layout.tensors[key]
             found = TensorSpec(tuple(tensor.shape), tensor.dtype)

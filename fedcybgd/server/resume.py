@@ -57,6 +57,7 @@ HARMLESS_CHANGES: dict[str, str] = {
 # Schedules whose rates do not depend on num-server-rounds (see HARMLESS_CHANGES).
 _ROUNDS_FREE_SCHEDULES = ("constant",)
 _ABSENT = "(absent)"
+_JSON_KINDS: dict[type, str] = {dict: "an object", str: "a string"}  # in _Fields' messages
 # Moments of the server optimizer's per-block state (fedcybgd.strategies.server_step), fp32.
 _MOMENTS = ("m", "v", RESIDUAL)
 # What a malformed strategy state makes its loaders raise; each becomes a CheckpointError.
@@ -326,7 +327,7 @@ class _Fields:
                                   f"{missing or f'is malformed: it lacks {key}'}")
         if not isinstance(value, kind):
             raise CheckpointError(f"checkpoint state {self.path} is malformed: {key} = "
-                                  f"{_short(value)}, expected a {kind.__name__}")
+                                  f"{_short(value)}, expected {_JSON_KINDS[kind]}")
         return dict(value) if isinstance(value, dict) else value
 
 
