@@ -10,60 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import Message
 
-from fedcybgd.checksum import content_checksum
-from fedcybgd.client.app import app as client_app
 from fedcybgd.compression import decode, encode, read_header
-from fedcybgd.config import RunConfig
-from fedcybgd.harness.byzantine import Colluders
+from fedcybgd.harness.byzantine import Colluders, Federation
 from fedcybgd.harness.faults import set_upload, upload_of
-from fedcybgd.harness.loopback import LoopbackGrid
-from fedcybgd.model.blocks import BlockMap
-from fedcybgd.model.layerwise import LayerStack
-from fedcybgd.model.loading import load_model
-from fedcybgd.server.app import build_strategy
-from fedcybgd.server.common import Evaluator
 from fedcybgd.strategies.aggregate import register_aggregator, trimmed_mean, unregister_aggregator
-from fedcybgd.strategies.screen import l2_norm, numel
-
-
-class Federation:
-    """A tiny-model strategy, its loopback nodes and an evaluator of the global model."""
-
-    def __init__(self, config: dict[str, Any], tmp_path: Path, nodes: int = 4) -> None:
-        run = RunConfig.from_run_config(config)
-        self.grid = LoopbackGrid(client_app, nodes, config,
-                                 node_config=lambda i: {"cache-dir": str(tmp_path / "cache")})
-        self.model = load_model(run.model)
-        weights = dict(self.model.named_parameters())
-        self.strategy = build_strategy(run, BlockMap(self.model, run.layers_per_block), weights,
-                                       "byzantine", content_checksum(weights))
-        self.strategy.node_wait_s = 5.0
-        self.run = run
-        self.pretrained = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-
-    def replies(self, server_round: int) -> list[Message]:
-        messages = list(self.strategy.configure_train(server_round, ArrayRecord(),
-                                                      ConfigRecord(), self.grid))
-        return list(self.grid.send_and_receive(messages))
-
-    def play(self, server_round: int, attack: Any = None) -> Any:
-        replies = self.replies(server_round)
-        if attack is not None:
-            attack(self.strategy, replies)
-        self.strategy.aggregate_train(server_round, replies)
-        return self.strategy.history[-1]
-
-    def node_ids(self) -> list[int]:
-        return sorted(self.grid.get_node_ids())
-
-    def eval_loss(self) -> float:
-        return Evaluator(self.run, LayerStack(self.model))().loss
-
-    def block_rms(self, block: str) -> float:
-        tensors = self.strategy.block_tensors(block)
-        return l2_norm(tensors) / math.sqrt(numel(tensors))
 
 
 def shared_block(tiny_run_config: dict[str, Any], **extra: Any) -> dict[str, Any]:

@@ -62,7 +62,8 @@ class QuantizedInstall:
         payload = encode(target, self.spec, block=block, target_version=version,
                          base_version=start_version, base=start)
         size = len(payload)
-        tensors = decode(payload, base=start, expect_block=block, max_bytes=size).tensors
+        tensors = decode(payload, base=start, expect_block=block, max_bytes=size,
+                         expect_shapes={n: tuple(t.shape) for n, t in target.items()}).tensors
         left = {name: new[name].float() + (residual[name] if residual else 0) -
                 tensors[name].float() for name in new}
         return Installed(tensors, payload, left)

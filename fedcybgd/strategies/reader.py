@@ -261,11 +261,12 @@ class ReplyReader:
         if kind == protocol.SEEDLOG:
             if codec != protocol.SEEDLOG:
                 raise Dropped(BAD_SEEDLOG, "a seed log was sent, but weights were asked for")
-            step_log = guarded(
-                lambda: seedlog.decode_seedlog(payload, max_steps=self.max_steps), BAD_SEEDLOG)
+            layout = zeroth_order.unit_layout(self.block_map, block)
+            step_log = guarded(lambda: seedlog.decode_seedlog(
+                payload, max_steps=self.max_steps,
+                max_bytes=seedlog.max_log_bytes(self.max_steps, len(layout))), BAD_SEEDLOG)
             if step_log.block != block:
                 raise Dropped(BAD_SEEDLOG, f"seed log is for block '{step_log.block[:64]}'")
-            layout = zeroth_order.unit_layout(self.block_map, block)
             replayed = guarded(
                 lambda: zeroth_order.replay(start, step_log, layout, device=self.device),
                 REPLAY_FAILED)

@@ -1,0 +1,132 @@
+"""Byzantine soak: how far colluding nodes set back learning, per aggregator.
+
+Four nodes share each block every round (``clients-per-block = 4``, one block a round); 0, 1
+or 2 of them are colluders (:class:`fedcybgd.harness.byzantine.Colluders`): ``push`` is the
+adaptive attacker (one fixed-sign direction, just under every bound of the server's screen,
+which it reads), ``flip`` sends its honest update reversed and scaled. Every aggregator runs
+the same rounds on the same seeds; the table gives the final eval loss and accuracy (mean and
+[min-max] over seeds) beside the honest run's, and the eval loss after each round.
+
+    python experiments/byzantine.py                     # tiny-llama, 3 seeds (~30 min, 2 cores)
+    python experiments/byzantine.py --resume            # skips the runs already in results.json
+    python experiments/byzantine.py --model smollm2-135m --rounds 4 --seeds 0
+
+Results: ``experiments/results/byzantine/results.json`` (one entry per run) and ``table.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fedcybgd.choices import AGGREGATES
+from fedcybgd.harness.byzantine import ATTACKS, Colluders, Federation
+
+OUT = Path(__file__).parent / "results" / "byzantine"
+# (attack, colluders of 4): the honest run, then each attack
+SCENARIOS: tuple[tuple[str, int], ...] = (("none", 0), ("push", 1), ("push", 2), ("flip", 1))
+
+
+def config(model: str, aggregate: str, seed: int, rounds: int, out: Path) -> dict[str, Any]:
+    return {
+        "model": model, "partitioner": "iid", "num-server-rounds": rounds,
+        "clients-per-round": 4, "clients-per-block": 4, "aggregate": aggregate,
+        "block-schedule": "ascending", "layers-per-block": 1, "train-embeddings": False,
+        "train-head": False, "update-rule": "fo", "local-steps": 2, "batch-size": 4,
+        "max-seq-len": 48, "lr": 1e-3 if model.startswith("tiny-") else 1e-5,
+        "eval-examples": 128, "eval-batch-size": 32, "seed": seed, "output-dir": str(out),
+    }
+
+
+def one_run(model: str, aggregate: str, attack: str, colluders: int, seed: int,
+            rounds: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        fed = Federation(config(model, aggregate, seed, rounds, Path(tmp) / "out"), Path(tmp))
+        ids = fed.node_ids()
+        forger = (Colluders(set(ids[:colluders]), kind=attack, seed=seed)
+                  if colluders else None)
+        first = fed.evaluate()
+        losses, drops = [float(first.loss)], {}
+        began = time.perf_counter()
+        for server_round in range(1, rounds + 1):
+            entry = fed.play(server_round, forger)
+            for reason, count in (entry.dropped or {}).items():
+                drops[reason] = drops.get(reason, 0) + count
+            losses.append(float(fed.evaluate().loss))
+        last = fed.evaluate()
+    return {"model": model, "aggregate": aggregate, "attack": attack, "colluders": colluders,
+            "seed": seed, "rounds": rounds, "eval_loss": losses,
+            "eval_accuracy": float(last.accuracy), "eval_accuracy_before": float(first.accuracy),
+            "dropped": drops, "forged": forger.forged if forger else 0,
+            "wall_s": round(time.perf_counter() - began, 1)}
+
+
+def key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r["model"], r["aggregate"], r["attack"], r["colluders"], r["seed"], r["rounds"])
+
+
+def spread(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    return f"{mean:.3f} [{min(values):.3f}-{max(values):.3f}]" if len(values) > 1 else f"{mean:.3f}"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = ["| aggregate | colluders of 4 | attack | final eval loss | loss drop vs honest | "
+             "eval accuracy | runs |", "|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault((r["model"], r["aggregate"], r["attack"], r["colluders"]), []).append(r)
+    for (model, aggregate, attack, colluders), runs in sorted(
+            groups.items(), key=lambda g: (g[0][0], AGGREGATES.index(g[0][1])
+                                           if g[0][1] in AGGREGATES else 99, g[0][3], g[0][2])):
+        honest = groups.get((model, aggregate, "none", 0), [])
+        loss = [r["eval_loss"][-1] for r in runs]
+        drop = [r["eval_loss"][0] - r["eval_loss"][-1] for r in runs]
+        share = ""
+        if honest:
+            base = statistics.fmean(h["eval_loss"][0] - h["eval_loss"][-1] for h in honest)
+            share = f"{statistics.fmean(drop) / base:.0%}" if base else ""
+        lines.append(f"| {aggregate} | {colluders} | {attack} | {spread(loss)} | {share} | "
+                     f"{spread([r['eval_accuracy'] for r in runs])} | {len(runs)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--aggregates", default=",".join(AGGREGATES))
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    assert all(a in ATTACKS for a, c in SCENARIOS if c)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "results.json"
+    results: list[dict[str, Any]] = json.loads(path.read_text()) if args.resume and path.exists() \
+        else []
+    done = {key(r) for r in results}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for aggregate in args.aggregates.split(","):
+            for attack, colluders in SCENARIOS:
+                if (args.model, aggregate, attack, colluders, seed, args.rounds) in done:
+                    continue
+                r = one_run(args.model, aggregate, attack, colluders, seed, args.rounds)
+                results.append(r)
+                path.write_text(json.dumps(results, indent=1) + "\n")
+                print(f"{aggregate:>16} {attack:>5} x{colluders} seed {seed}: eval loss "
+                      f"{r['eval_loss'][0]:.4f} -> {r['eval_loss'][-1]:.4f}, acc "
+                      f"{r['eval_accuracy']:.3f}, dropped {r['dropped']}, {r['wall_s']} s",
+                      flush=True)
+    text = table(results)
+    (args.out / "table.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
