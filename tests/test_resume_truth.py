@@ -339,6 +339,11 @@ def _extra_tensor(out: Path) -> Path:
     return resave_block(out, "layer.0", lambda t: {**t, "stowaway": torch.zeros(3)})
 
 
+def _oversized(out: Path) -> Path:
+    # refused by its size, before it is read
+    return resave_block(out, "layer.0", lambda t: {**t, "stowaway": torch.zeros(2**20)})
+
+
 def _deep(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
@@ -382,6 +387,7 @@ MALFORMED: dict[str, Callable[[Path], Path]] = {
     "garbage block file": _garbage_file,
     "bad safetensors header": _bad_header,
     "block file with an extra tensor": _extra_tensor,
+    "oversized block file": _oversized,
 }
 
 

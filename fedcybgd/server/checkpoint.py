@@ -40,6 +40,8 @@ FORMAT = 2  # 2: block files named and verified by content checksum
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CHECKSUM = re.compile(r"[0-9a-f]{64}")
 _FILE = re.compile(rf"{_NAME.pattern}@v[0-9]+-{_CHECKSUM.pattern}\.safetensors")
+# A generous bound on a safetensors header: its size field and metadata, then per tensor
+_HEADER_BYTES, _HEADER_BYTES_PER_TENSOR = 4096, 1024
 
 
 class CheckpointError(RuntimeError):
@@ -87,6 +89,19 @@ class EntryLayout:
 
     tensors: Mapping[str, TensorSpec]
     complete: bool = True
+
+    def max_file_bytes(self) -> int | None:
+        """The most bytes a safetensors file of this entry takes (``None``: unbounded, a
+        dimension of any length)."""
+        total = _HEADER_BYTES
+        for spec in self.tensors.values():
+            if any(d is None for d in spec.shape):
+                return None
+            numel = 1
+            for d in spec.shape:
+                numel *= int(d or 0)
+            total += numel * spec.dtype.itemsize + _HEADER_BYTES_PER_TENSOR
+        return total
 
 
 # entry name -> what it must hold, or None for a name that is no entry of this model's
@@ -275,6 +290,7 @@ class Checkpointer:
                     f"checkpoint state {self.root / STATE} names block {name!r}, which this "
                     "model has not (another model, or other layers-per-block?)"
                 )
+            self._check_size(name, entry["file"], None if layout is None else layout(name))
             tensors = self._load_block(name, entry)
             if layout is not None:
                 self._check_layout(name, entry["file"], tensors, layout(name))
@@ -299,6 +315,19 @@ class Checkpointer:
                 f"checksum is {actual}, state.json expects {expected}"
             )
         return tensors
+
+    def _check_size(self, name: str, file: str, layout: EntryLayout | None) -> None:
+        """Refuse a file larger than its entry's tensors can be, before reading it."""
+        path = self.root / file
+        bound = None if layout is None else layout.max_file_bytes()
+        try:
+            size = path.stat().st_size
+        except OSError as err:
+            raise CheckpointError(f"checkpoint file {path} (block {name}) is unreadable: "
+                                  f"{err}") from err
+        if bound is not None and size > bound:
+            raise CheckpointError(f"checkpoint file {path} (block {name}) is {size} bytes, more "
+                                  f"than the model's tensors of that block take ({bound})")
 
     def _check_layout(self, name: str, file: str, tensors: Mapping[str, torch.Tensor],
                       layout: EntryLayout | None) -> None:
