@@ -89,8 +89,9 @@ class Colluders:
         screen = strategy.screen  # type: ignore[attr-defined]
         own = l2_norm(start) / math.sqrt(max(numel(start), 1))
         limits = [math.inf]
-        if screen.max_ratio:
-            limits.append(screen.max_ratio * own)
+        ratio = getattr(screen, "max_ratio", 0.0)  # a screen without the block-relative bound
+        if ratio:
+            limits.append(ratio * own)
         ref = screen.reference(block) if screen.outlier_factor else None
         if ref is not None:
             limits.append(screen.outlier_factor * ref)
