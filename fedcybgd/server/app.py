@@ -4,7 +4,10 @@ Per round: the strategy picks nodes and blocks and sends each node its assignmen
 merged into the global model (the server's own model object, updated in place); the model is
 evaluated on the held-out test split every ``eval-every`` rounds; a checkpoint and a
 ``metrics.jsonl`` line are written. At the end the model is saved with ``save_pretrained`` and
-``summary.json`` is written. ``strategy = "fedavg"`` runs the baselines instead
+``summary.json`` is written. With ``resume = true`` the run goes on from its checkpoint, read
+back and checked against the model and the run config first (:mod:`fedcybgd.server.resume`);
+a finished run resumed writes the summary it wrote. ``strategy = "fedavg"`` runs the baselines
+instead
 (:mod:`fedcybgd.server.baselines`): :data:`RUNNERS` maps each ``strategy`` to its runner, for
 the ServerApp and the experiments harness alike.
 """
