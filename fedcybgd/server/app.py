@@ -7,9 +7,8 @@ evaluated on the held-out test split every ``eval-every`` rounds; a checkpoint a
 ``summary.json`` is written. With ``resume = true`` the run goes on from its checkpoint, read
 back and checked against the model and the run config first (:mod:`fedcybgd.server.resume`);
 a finished run resumed writes the summary it wrote. ``strategy = "fedavg"`` runs the baselines
-instead
-(:mod:`fedcybgd.server.baselines`): :data:`RUNNERS` maps each ``strategy`` to its runner, for
-the ServerApp and the experiments harness alike.
+instead (:mod:`fedcybgd.server.baselines`): :data:`RUNNERS` maps each ``strategy`` to its
+runner, for the ServerApp and the experiments harness alike.
 """
 
 from __future__ import annotations
