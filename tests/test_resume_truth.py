@@ -235,6 +235,17 @@ def test_every_harmless_key_is_a_run_config_key():
     assert set(HARMLESS_CHANGES) <= set(RunConfig().to_run_config())
 
 
+def test_a_checkpoint_of_other_pretrained_weights_is_refused(copy_of):
+    # Prepare
+    config, out = copy_of
+    edit_state(out, lambda s: s.update(base_hash="0" * 64))
+    before = files(out)
+    # Execute / Assert
+    with pytest.raises(ResumeRefused, match="other pretrained weights"):
+        run(config, out.parent / "cache")
+    assert files(out) == before
+
+
 def test_a_checkpoint_without_its_run_config_is_refused(copy_of):
     # Prepare
     config, out = copy_of

@@ -196,7 +196,8 @@ def read_checkpoint(checkpointer: Checkpointer, run: RunConfig, blocks: BlockMap
     if saved_hash != base_hash:
         raise ResumeRefused(
             f"resume: the checkpoint in {checkpointer.root} was made from other pretrained "
-            "weights (base hash differs); use another output-dir or resume = false"
+            "weights (base hash differs): resume it with its own model, or start a new run "
+            "(overwrite = true or another output-dir)"
         )
     check_run_config(saved_config, run, server_round, checkpointer.root)
     _check_versions(state["blocks"], strategy, blocks, path)
