@@ -41,11 +41,12 @@ from fedcybgd.server.common import (
     require_nodes,
     resolve_output_dir,
 )
-from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
-from fedcybgd.server.outputs import prepare_output_dir
+from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
+from fedcybgd.server.outputs import prepare_output_dir, remove_final
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.server.resume import Resumed, checkpoint_state, read_checkpoint
+from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict, installed_any
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.lr_schedule import build_lr_schedule
 from fedcybgd.strategies.plugins import check_names
@@ -206,10 +207,14 @@ def run_server(
                  resumed.round)
         last_eval, last_eval_round = evaluator(), resumed.round
 
+    # A run that trains nothing fails (fedcybgd.server.verdict has the rule): the watch keeps
+    # each round's replies for it.
+    watch, verdict = ReplyWatch(grid), Verdict(installed=installed_any(writer.records))
+    failure: str | None = None
     for server_round in range(first_round, run.num_server_rounds + 1):
         round_start = time.perf_counter()
-        messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid)
-        replies = grid.send_and_receive(messages, timeout=run.round_timeout)
+        messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), watch)
+        replies = watch.send_and_receive(messages, timeout=run.round_timeout)
         strategy.aggregate_train(server_round, replies)
         record = strategy.history[-1]
         is_last = server_round == run.num_server_rounds
@@ -231,12 +236,20 @@ def run_server(
         )
         writer.write(row)
         print_progress(row, run.num_server_rounds)
+        failure = verdict.after_round(server_round, watch.take_round(), bool(record.accepted))
+        if failure is not None:
+            break
+    else:
+        failure = verdict.at_end(run.num_server_rounds, run_totals(writer.records)["dropped"])
 
     final_dir = out / "final"
-    if final_dir.exists():
-        log.info("replacing the final model in %s", final_dir)
-    model.save_pretrained(final_dir)
-    load_tokenizer(run.model).save_pretrained(final_dir)
+    if failure is not None:
+        remove_final(final_dir)  # an untrained model is not a run's result
+    else:
+        if final_dir.exists():
+            log.info("replacing the final model in %s", final_dir)
+        model.save_pretrained(final_dir)
+        load_tokenizer(run.model).save_pretrained(final_dir)
     summary = {
         "model": run.model,
         "update_rule": run.update_rule,
@@ -253,9 +266,13 @@ def run_server(
         "block_versions": strategy.versions,
         "output_dir": str(out),
         "run_config": run.to_run_config(),
+        **run_status(failure, writer.records),
     }
     write_summary(out, summary)
     plot_run(out, writer.records, f"FedCyBGD-{run.update_rule}, {run.model}, seed {run.seed}")
+    if failure is not None:
+        log.error("run failed: %s", failure)
+        raise RunFailed(failure)
     print_summary_table(summary)
     return summary
 

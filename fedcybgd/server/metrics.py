@@ -11,7 +11,7 @@ from typing import Any
 from fedcybgd.atomic import append_line, make_dirs, write_bytes
 from fedcybgd.strategies.record import run_totals
 
-__all__ = ["MetricsWriter", "run_totals", "write_summary"]
+__all__ = ["MetricsWriter", "run_status", "run_totals", "write_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,16 @@ class MetricsWriter:
             raise ValueError(f"{self.path} already has a row for round {record.get('round')}")
         self.records.append(record)
         append_line(self.path, json.dumps(record))
+
+
+def run_status(failure: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's status keys: ``"status": "completed"``, or ``"failed"`` with the
+    ``reason`` and ``last_round``, the last round that ran (see :mod:`fedcybgd.server.verdict`).
+    """
+    if failure is None:
+        return {"status": "completed"}
+    last = max((int(r["round"]) for r in rows), default=0)
+    return {"status": "failed", "reason": failure, "last_round": last}
 
 
 def write_summary(output_dir: Path, summary: dict[str, Any]) -> Path:

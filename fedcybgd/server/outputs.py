@@ -83,3 +83,14 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, can_resume: boo
             log.warning("overwrite = true: removing %s", path)
             path.unlink()
     fsync_dir(out)
+
+
+def remove_final(final_dir: Path) -> None:
+    """Remove ``final_dir`` (a failed run's folder must not hold a model that looks like its
+    result; an earlier attempt may have left one), with a log line naming it."""
+    if final_dir.is_dir() and not final_dir.is_symlink():
+        log.warning("the run failed: removing %s (not a result of this run)", final_dir)
+        shutil.rmtree(final_dir)
+    elif final_dir.exists() or final_dir.is_symlink():
+        log.warning("the run failed: removing %s (not a result of this run)", final_dir)
+        final_dir.unlink()

@@ -1,0 +1,62 @@
+"""``fedcybgd``: the app's command line, in the style of Flower's ``flwr``.
+
+    fedcybgd run [APP] [SUPERLINK] [--run-config ...] [--federation-config ...]
+
+``run`` wraps ``flwr run APP SUPERLINK --stream`` and, unlike it, exits non-zero when the run
+did not finish ``finished:completed`` (see :mod:`fedcybgd.cli.launch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from fedcybgd.cli.launch import EXIT_CODES, Launch, launch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedcybgd`` argument parser and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="fedcybgd",
+        description="Federated full-parameter fine-tuning of LLMs (FedCyBGD) on Flower.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    run = commands.add_parser(
+        "run",
+        help="Run the app (flwr run --stream) and exit non-zero unless the run completed.",
+        description=(
+            "Run a Flower App with `flwr run APP SUPERLINK --stream`, print its log as it "
+            "comes, then read the run's final status (`flwr ls --run-id`). Unlike `flwr run`, "
+            "the exit status tells whether the run completed; a failed or refused run prints "
+            "the line that says why and where the full log is."
+        ),
+        epilog="exit status: " + "; ".join(f"{code} {what}" for code, what in EXIT_CODES),
+    )
+    run.add_argument("app", nargs="?", default=".",
+                     help="The Flower App directory to run (default: .).")
+    run.add_argument("superlink", nargs="?", default=None,
+                     help="The SuperLink connection to use (default: the Flower "
+                          "configuration's default, e.g. 'local').")
+    run.add_argument("-c", "--run-config", action="append", default=[], metavar="TEXT",
+                     help="Override run configuration values: '<k1>=<v1> <k2>=<v2>' or a "
+                          "TOML file; may be given more than once (passed to flwr run).")
+    run.add_argument("--federation-config", action="append", default=[], metavar="TEXT",
+                     help="Override federation configuration values, e.g. "
+                          "'num-supernodes=8' (passed to flwr run).")
+    run.add_argument("--federation", default=None, metavar="TEXT",
+                     help="The federation to submit the run to, '@<account>/<name>' "
+                          "(passed to flwr run).")
+    run.add_argument("--log-dir", default=None, metavar="DIR",
+                     help="Where the run's full log is saved as run-<run-id>.log "
+                          "(default: $FLWR_HOME/fedcybgd-logs).")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the subcommand; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "run":
+        parser.error(f"unknown command {args.command!r}")
+    return launch(Launch(app=args.app, superlink=args.superlink, run_config=args.run_config,
+                         federation_config=args.federation_config, federation=args.federation,
+                         log_dir=args.log_dir))
