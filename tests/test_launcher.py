@@ -27,6 +27,7 @@ from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.server.app import run_server
 from fedcybgd.server.verdict import (
     FAILED_ROUNDS,
+    MAX_REASONS,
     RoundReplies,
     RunFailed,
     Verdict,
@@ -198,7 +199,7 @@ def instruction(node: int, message_type: str = "train") -> Message:
 
 
 def round_of(*replies: Message, sent_train: bool = True) -> RoundReplies:
-    return RoundReplies(list(replies), sent_train=sent_train)
+    return RoundReplies.of(replies, sent_train=sent_train)
 
 
 def test_the_same_error_from_every_node_in_two_rounds_in_a_row_fails():
@@ -300,6 +301,20 @@ def test_a_client_error_is_read_down_to_its_cause(reason):
     # Assert: one line, the cause; other rows of the same error compare equal
     assert error.text == "DataError: /d/bad.csv, row 15: field 'label' is bad"
     assert error.key == read_error(reason.replace("row 15", "row 52")).key
+
+
+def test_nodes_that_vary_their_errors_cannot_grow_the_server_s_memory():
+    verdict = Verdict()
+    def word(n: int) -> str:  # no digits: numbers are masked when reasons are compared
+        return "".join(chr(ord("a") + int(d)) for d in str(n))
+
+    # Execute: a new reason from every reply, for many rounds
+    for r in range(1, 101):
+        verdict.after_round(r, round_of(error_reply(instruction(1), f"ValueError: {word(r)}"),
+                                        error_reply(instruction(2), f"OSError: {word(r)}")),
+                            installed=False)
+    # Assert
+    assert len(verdict.errors) == len(verdict.texts) == MAX_REASONS
 
 
 def test_a_huge_hostile_reason_is_read_short():

@@ -44,6 +44,7 @@ CLIENT_FAILURE_CODES = frozenset({int(ErrorCode.UNKNOWN),
                                   int(ErrorCode.CLIENT_APP_RAISED_EXCEPTION)})
 TRAIN = "train"  # Flower's message type of a training instruction and its reply
 REASON_CHARS = 300  # a reason's shortened length in the failure line
+MAX_REASONS = 64  # distinct client errors counted for the end-of-run line (nodes may vary them)
 _READ_CHARS = 20_000  # the part of an untrusted reason that is read at all
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -105,25 +106,44 @@ def client_error(reply: Message) -> ClientError | None:
     return read_error(str(reply.error.reason or ""))
 
 
+@dataclass(frozen=True)
+class Seen:
+    """One reply, as the rule needs it: its message type and its client error, if any."""
+
+    message_type: str
+    error: ClientError | None
+
+    @classmethod
+    def of(cls, reply: Message) -> Seen:
+        """Read ``reply`` (its content is not kept)."""
+        return cls(str(reply.metadata.message_type), client_error(reply))
+
+
 @dataclass
 class RoundReplies:
-    """What came back during one round: every reply, and whether training was asked for."""
+    """What came back during one round, and whether training was asked for."""
 
-    replies: list[Message] = field(default_factory=list)
+    replies: list[Seen] = field(default_factory=list)
     sent_train: bool = False
 
-    def judged(self) -> list[Message]:
+    @classmethod
+    def of(cls, replies: Iterable[Message], sent_train: bool = True) -> RoundReplies:
+        """A round of these replies."""
+        return cls([Seen.of(r) for r in replies], sent_train)
+
+    def judged(self) -> list[Seen]:
         """The replies the round is judged on (see the module docstring)."""
         if self.sent_train:
-            return [r for r in self.replies if r.metadata.message_type == TRAIN]
+            return [r for r in self.replies if r.message_type == TRAIN]
         return list(self.replies)
 
 
 class ReplyWatch(Grid):
-    """A Grid that passes everything to ``grid`` and keeps the replies of the current round.
+    """A Grid that passes everything to ``grid`` and notes the replies of the current round.
 
     The strategy talks to the nodes through it; the server reads :meth:`take_round` after each
-    round. Replies are kept as they are (nothing is read from them here).
+    round. Of each reply only its type and client error are kept (:class:`Seen`), not its
+    content.
     """
 
     def __init__(self, grid: Grid) -> None:
@@ -161,7 +181,7 @@ class ReplyWatch(Grid):
 
     def _received(self, replies: Iterable[Message]) -> list[Message]:
         replies = list(replies)
-        self.current.replies.extend(replies)
+        self.current.replies.extend(Seen.of(r) for r in replies)
         return replies
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
@@ -207,13 +227,13 @@ class Verdict:
     def after_round(self, server_round: int, round_replies: RoundReplies,
                     installed: bool) -> str | None:
         """The failure line if the run fails with this round, else ``None``."""
-        judged = round_replies.judged()
-        errors = [client_error(r) for r in judged]
+        errors = [seen.error for seen in round_replies.judged()]
+        self.installed = self.installed or installed
         for error in errors:
-            if error is not None:
+            if error is not None and not self.installed and (
+                    error.key in self.errors or len(self.errors) < MAX_REASONS):
                 self.errors[error.key] += 1
                 self.texts.setdefault(error.key, error.text)
-        self.installed = self.installed or installed
         keys = {e.key if e is not None else None for e in errors}
         if self.installed or not errors or len(keys) != 1 or None in keys:
             self.streak = []
