@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -132,7 +133,10 @@ class BlockInstaller:
         self.step.commit(block, merged)
         if observer is not None:
             observer.observe(block, moved)
-        self.screen.installed(block, merged.merged_rms)
+        # the history's entry: the merged step, and no more than the median admitted upload
+        # (under `mean` a minority moves the merge, not the median of the uploads)
+        self.screen.installed(block, min(merged.merged_rms,
+                                         statistics.median(rms for _, _, rms in uploads)))
 
     def _logged(self, block: str, uploads: list[Admitted], installed: Tensors, version: int,
                 parallel: int) -> LoggedInstall | None:

@@ -8,13 +8,14 @@ bounds refuse an update, each by name (``outlier``):
   ``max_ratio`` times the RMS of the block's own weights. No honest round rewrites a block, so
   a wipe (``-w``), a sign flip or a huge value is refused even in round 1, with no history.
 - **Relative to what was installed** (``outlier_factor``): an update whose RMS exceeds
-  ``outlier_factor`` times the median of the last ``window`` *installed* merged steps of that
-  block (of all blocks pooled, while the block has fewer than ``min_history``). The history
-  holds only the merged step of each install (the aggregate's output minus the start, before
-  the server's own step), never raw uploads: nodes colluding to send uploads just under the
-  threshold cannot raise it unless they also control the merge (a majority of the block's
-  nodes under ``median``; see :mod:`~fedcybgd.strategies.aggregate`). Zero-sized installs are
-  not a reference. ``outlier_factor = 0`` turns this rule off.
+  ``outlier_factor`` times the median of the last ``window`` *installed* steps of that block
+  (of all blocks pooled, while the block has fewer than ``min_history``). One entry per
+  install: the merged step (the aggregate's output minus the start, before the server's own
+  step), or the median of that install's admitted uploads if smaller. Raw uploads never enter
+  it: nodes colluding to send uploads just under the threshold cannot raise it unless they
+  are half or more of the block's nodes (they then move both the merge and the median; see
+  :mod:`~fedcybgd.strategies.aggregate`). Zero-sized installs are not a reference.
+  ``outlier_factor = 0`` turns this rule off.
 
 ``max_norm > 0`` then scales any larger update down to that L2 norm.
 """
@@ -131,8 +132,8 @@ class UpdateScreen:
         return tensors, rms
 
     def installed(self, block: str, rms: float) -> None:
-        """Remember the size of the merged step that was installed in ``block`` (the only
-        sizes the reference is made of)."""
+        """Remember the size of the step installed in ``block`` (the only sizes the reference
+        is made of; see the module docstring)."""
         if math.isfinite(rms) and rms >= 0:
             self.history.setdefault(block, deque(maxlen=self.window)).append(rms)
 
