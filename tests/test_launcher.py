@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import pytest
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
@@ -30,6 +31,7 @@ from fedcybgd.server.verdict import (
     MAX_REASONS,
     RoundReplies,
     RunFailed,
+    Seen,
     Verdict,
     read_error,
 )
@@ -194,12 +196,17 @@ def test_a_failed_run_removes_a_final_model_left_in_its_folder(tiny_run_config, 
 # ---- the rule on its own: replies in, a verdict out ---------------------------------------
 
 def instruction(node: int, message_type: str = "train") -> Message:
-    return Message(RecordDict({"config": ConfigRecord({"x": 1})}), dst_node_id=node,
-                   message_type=message_type)
+    message = Message(RecordDict({"config": ConfigRecord({"x": 1})}), dst_node_id=node,
+                      message_type=message_type)
+    message.metadata.__dict__["_message_id"] = str(uuid4())  # what a grid's push does
+    return message
 
 
-def round_of(*replies: Message, sent_train: bool = True) -> RoundReplies:
-    return RoundReplies.of(replies, sent_train=sent_train)
+def round_of(*replies: Message, unanswered: tuple[Message, ...] = ()) -> RoundReplies:
+    """A round that asked what ``replies`` answer, and ``unanswered``, and got ``replies``."""
+    asked = {r.metadata.reply_to_message_id: r.metadata.message_type for r in replies}
+    asked.update({m.metadata.message_id: m.metadata.message_type for m in unanswered})
+    return RoundReplies(asked, [Seen.of(r) for r in replies])
 
 
 def test_the_same_error_from_every_node_in_two_rounds_in_a_row_fails():
@@ -224,9 +231,12 @@ def test_the_same_error_from_every_node_in_two_rounds_in_a_row_fails():
     # the nodes are away, not failing
     lambda: round_of(error_reply(instruction(1), "node gone",
                                  int(ErrorCode.NODE_UNAVAILABLE))),
-    # no reply at all (timeouts)
-    lambda: round_of(),
-], ids=["a-success", "another-reason", "node-unavailable", "no-reply"])
+    # a node did not answer (a timeout)
+    lambda: round_of(error_reply(instruction(1), "ValueError: bad"),
+                     unanswered=(instruction(2),)),
+    # no node answered
+    lambda: round_of(unanswered=(instruction(1), instruction(2))),
+], ids=["a-success", "another-reason", "node-unavailable", "one-timeout", "no-reply"])
 def test_a_round_that_is_not_the_same_client_error_breaks_the_streak(second_round):
     verdict = Verdict()
     # Execute: the same error in rounds 1 and 3, the round between not
@@ -253,7 +263,7 @@ def test_a_round_without_training_is_judged_on_its_node_key_replies():
     verdict = Verdict()
     key_error = error_reply(instruction(1, "query.node_key"), "DataError: row 1: bad label")
     # Execute: no training was sent (no node could be keyed), twice
-    got = [verdict.after_round(r, round_of(key_error, sent_train=False), installed=False)
+    got = [verdict.after_round(r, round_of(key_error), installed=False)
            for r in (1, 2)]
     # Assert
     assert got[0] is None and got[1] is not None and "DataError: row 1: bad label" in got[1]

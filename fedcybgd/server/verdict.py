@@ -4,18 +4,19 @@ A FedCyBGD run is **failed** (the ServerApp stops it with :class:`RunFailed`, wr
 ``summary.json`` with ``"status": "failed"`` and the reason, and writes no ``final/``) when
 
 1. **the clients fail alike**: in :data:`FAILED_ROUNDS` consecutive rounds before any block was
-   installed, every reply of the round was an error reply of the ClientApp with one same
+   installed, every node asked answered with an error reply of the ClientApp, all with one
    reason (numbers aside: "row 15" and "row 52" are one reason). A data file or run config the
    clients cannot use fails here, after the first two rounds instead of at the end;
 2. **nothing was installed**: the run reached its last round and no round installed a block.
 
-What never fails a run, so that neither a flaky network nor a hostile node ends an honest run
-cheaply: replies that are missing (timeouts), runtime errors that say a node is away (a node
-unavailable, a message lost, a ClientApp process that crashed), a round in which any node
-answered without an error or nodes failed for different reasons, a single round of identical
-errors (it takes :data:`FAILED_ROUNDS` in a row), and anything once a block has been installed.
-A hostile node can end a run only by being every node that answers in the run's first
-:data:`FAILED_ROUNDS` rounds, when nothing could have been trained anyway.
+What never fails a run early, so that neither a flaky network nor a hostile node ends an honest
+run cheaply: a round in which a node did not answer (a timeout), answered without an error,
+answered with a runtime error that says it is away (a node unavailable, a message lost, a
+ClientApp process that crashed) or failed for another reason than the others; a single round
+of identical errors (it takes :data:`FAILED_ROUNDS` in a row); anything once a block has been
+installed. Hostile nodes can end a run early only by being every node asked in
+:data:`FAILED_ROUNDS` rounds in a row before anything was installed, when nothing could have
+been trained anyway.
 
 A round is judged on its training replies when it sent training instructions, otherwise on its
 other replies (the node-key queries a round opens with: a client that cannot load its data
@@ -108,42 +109,48 @@ def client_error(reply: Message) -> ClientError | None:
 
 @dataclass(frozen=True)
 class Seen:
-    """One reply, as the rule needs it: its message type and its client error, if any."""
+    """One reply, as the rule needs it: its type, the instruction it answers, its client
+    error if any."""
 
     message_type: str
+    answers: str
     error: ClientError | None
 
     @classmethod
     def of(cls, reply: Message) -> Seen:
         """Read ``reply`` (its content is not kept)."""
-        return cls(str(reply.metadata.message_type), client_error(reply))
+        return cls(str(reply.metadata.message_type), str(reply.metadata.reply_to_message_id),
+                   client_error(reply))
 
 
 @dataclass
 class RoundReplies:
-    """What came back during one round, and whether training was asked for."""
+    """What one round asked (instruction id -> message type) and what came back."""
 
+    asked: dict[str, str] = field(default_factory=dict)
     replies: list[Seen] = field(default_factory=list)
-    sent_train: bool = False
 
-    @classmethod
-    def of(cls, replies: Iterable[Message], sent_train: bool = True) -> RoundReplies:
-        """A round of these replies."""
-        return cls([Seen.of(r) for r in replies], sent_train)
+    def _counts(self, message_type: str) -> bool:
+        return TRAIN not in self.asked.values() or message_type == TRAIN
 
     def judged(self) -> list[Seen]:
-        """The replies the round is judged on (see the module docstring)."""
-        if self.sent_train:
-            return [r for r in self.replies if r.message_type == TRAIN]
-        return list(self.replies)
+        """The replies the round is judged on: its training replies if it asked for training,
+        else all (see the module docstring)."""
+        return [r for r in self.replies if self._counts(r.message_type)]
+
+    def complete(self) -> bool:
+        """Did every judged instruction of the round get a reply? (A node that is slow or
+        away leaves the round saying nothing about the clients' errors.)"""
+        answered = {r.answers for r in self.judged()}
+        return all(i in answered for i, kind in self.asked.items() if self._counts(kind))
 
 
 class ReplyWatch(Grid):
     """A Grid that passes everything to ``grid`` and notes the replies of the current round.
 
     The strategy talks to the nodes through it; the server reads :meth:`take_round` after each
-    round. Of each reply only its type and client error are kept (:class:`Seen`), not its
-    content.
+    round. Of each instruction only its id and type are kept, of each reply its type, the id it
+    answers and its client error (:class:`Seen`), never a message's content.
     """
 
     def __init__(self, grid: Grid) -> None:
@@ -173,11 +180,10 @@ class ReplyWatch(Grid):
         """The wrapped grid's node ids."""
         return self.grid.get_node_ids()
 
-    def _sending(self, messages: Iterable[Message]) -> list[Message]:
-        messages = list(messages)
-        if any(m.metadata.message_type == TRAIN for m in messages):
-            self.current.sent_train = True
-        return messages
+    def _sent(self, messages: list[Message]) -> None:
+        # the grid set each message's id when it pushed it
+        self.current.asked.update({str(m.metadata.message_id): str(m.metadata.message_type)
+                                   for m in messages})
 
     def _received(self, replies: Iterable[Message]) -> list[Message]:
         replies = list(replies)
@@ -185,8 +191,11 @@ class ReplyWatch(Grid):
         return replies
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Push through the wrapped grid."""
-        return self.grid.push_messages(self._sending(messages))
+        """Push through the wrapped grid, noting what was asked."""
+        messages = list(messages)
+        ids = list(self.grid.push_messages(messages))
+        self._sent(messages)
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """Pull through the wrapped grid, keeping the replies."""
@@ -194,9 +203,11 @@ class ReplyWatch(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:
-        """Send and receive through the wrapped grid, keeping the replies."""
-        return self._received(self.grid.send_and_receive(self._sending(messages),
-                                                         timeout=timeout))
+        """Send and receive through the wrapped grid, noting what was asked and came back."""
+        messages = list(messages)
+        replies = self._received(self.grid.send_and_receive(messages, timeout=timeout))
+        self._sent(messages)
+        return replies
 
 
 def installed_any(rows: Iterable[Mapping[str, Any]]) -> bool:
@@ -235,7 +246,8 @@ class Verdict:
                 self.errors[error.key] += 1
                 self.texts.setdefault(error.key, error.text)
         keys = {e.key if e is not None else None for e in errors}
-        if self.installed or not errors or len(keys) != 1 or None in keys:
+        if self.installed or not errors or len(keys) != 1 or None in keys or \
+                not round_replies.complete():
             self.streak = []
             return None
         error = next(e for e in errors if e is not None)
