@@ -80,11 +80,14 @@ def read_file(path: Path) -> pd.DataFrame:
     Raises
     ------
     DataError
-        Unknown suffix, not UTF-8, not valid JSON / CSV / Parquet.
+        Unknown suffix, an empty file or one without rows (a CSV header alone), not UTF-8,
+        not valid JSON / CSV / Parquet.
     """
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
         raise DataError(f"{path}: unknown data file type {suffix!r}; use one of {SUFFIXES}")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty")
     if suffix == ".parquet":
         try:
             frame = pd.read_parquet(path)
@@ -93,6 +96,8 @@ def read_file(path: Path) -> pd.DataFrame:
         frame[ROW_COLUMN] = np.arange(1, len(frame) + 1)
     else:
         text = _decode(path)
+        if not text.strip():
+            raise DataError(f"{path}: the file is empty (whitespace only)")
         if suffix == ".jsonl" or (suffix == ".json" and not text.lstrip().startswith("[")):
             frame = _read_jsonl(path, text)
         elif suffix == ".json":
@@ -112,6 +117,8 @@ def read_file(path: Path) -> pd.DataFrame:
             except (pd.errors.ParserError, ValueError) as err:
                 raise DataError(f"{path}: not a readable CSV file ({err})") from None
             frame[ROW_COLUMN] = np.arange(1, len(frame) + 1)
+    if len(frame) == 0:
+        raise DataError(f"{path}: the file holds no rows")
     frame[FILE_COLUMN] = str(path)
     return frame
 
@@ -163,7 +170,8 @@ def read_source(spec: str) -> dict[str, pd.DataFrame]:
             named.setdefault(_split_of(file) or "all", []).append(read_file(file))
         return {split: pd.concat(parts, ignore_index=True) for split, parts in named.items()}
     if spec.startswith((".", "/", "~")) or path.suffix.lower() in SUFFIXES:
-        raise DataError(f"dataset = {spec!r}: no such file or folder")
+        searched = "" if path.is_absolute() else f" (relative: looked in {Path.cwd()})"
+        raise DataError(f"dataset = {spec!r}: no such file or folder{searched}")
     try:
         import datasets
 

@@ -44,6 +44,7 @@ from fedcybgd.server.common import (
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir, remove_final
 from fedcybgd.server.plots import plot_run
+from fedcybgd.server.preflight import check_data
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.server.resume import Resumed, checkpoint_state, read_checkpoint
 from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict, installed_any
@@ -144,6 +145,8 @@ def run_server(
     started = time.perf_counter()
     # Plug-in names are known once the run's plugin-modules are imported (RunConfig did).
     check_names(run.block_schedule, run.aggregate)
+    # The data before anything else: a file no client could train on stops the run now.
+    check_data(run)
     out = resolve_output_dir(run.output_dir)
     prepare_output_dir(out, run.resume, run.overwrite, can_resume=True)
     device = resolve_device(run.device)  # before waiting for nodes: a bad device fails now
@@ -222,6 +225,7 @@ def run_server(
             eval_start = time.perf_counter()
             last_eval, last_eval_round = evaluator(), server_round
             record.eval_loss, record.eval_accuracy = last_eval.loss, last_eval.accuracy
+            record.eval_examples = last_eval.examples
             record.extra.update(eval_extras(last_eval))
             record.eval_s = time.perf_counter() - eval_start
         record.round_s = time.perf_counter() - round_start
@@ -260,6 +264,7 @@ def run_server(
         "initial_eval_accuracy": initial.accuracy,
         "final_eval_loss": last_eval.loss,
         "final_eval_accuracy": last_eval.accuracy,
+        "eval_examples": last_eval.examples,  # the rows the final evaluation rests on
         "wall_s": time.perf_counter() - started,
         "blocks": blocks.names,
         "cycle": strategy.cycle,
@@ -297,7 +302,9 @@ RUNNERS: dict[str, Runner] = {"fedcybgd": run_server, "fedavg": run_fedavg}
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Flower entry point: validate the run config (update rules and their plug-in modules
-    included) before anything else, then run the ``strategy``'s runner."""
+    included) and the data (:mod:`fedcybgd.server.preflight`) before anything else, then run
+    the ``strategy``'s runner."""
     configure_logging()
     run = RunConfig.from_run_config(context.run_config)
+    check_data(run)
     RUNNERS[run.strategy](grid, run)

@@ -29,7 +29,9 @@ def print_progress(record: dict[str, Any], total_rounds: int) -> None:
         f"{record['round_s']:.1f} s",
     ]
     if record.get("eval_accuracy") is not None:
-        parts.append(f"eval acc {record['eval_accuracy']:.3f} loss {record['eval_loss']:.4f}")
+        examples = record.get("eval_examples")
+        parts.append(f"eval acc {record['eval_accuracy']:.3f} loss {record['eval_loss']:.4f}"
+                     + (f" on {examples} examples" if examples is not None else ""))
     if record.get("failed_blocks"):
         parts.append(f"re-queued {','.join(record['failed_blocks'])}")
     _console.print(" | ".join(parts))
@@ -45,6 +47,8 @@ def print_summary_table(summary: dict[str, Any]) -> None:
     table.add_row("eval accuracy after", f"{summary['final_eval_accuracy']:.3f}")
     table.add_row("eval loss before", f"{summary['initial_eval_loss']:.4f}")
     table.add_row("eval loss after", f"{summary['final_eval_loss']:.4f}")
+    if summary.get("eval_examples") is not None:
+        table.add_row("eval examples", str(summary["eval_examples"]))
     table.add_row("rounds", str(summary["rounds"]))
     table.add_row("bytes down (sent / as fp32)",
                   f"{_mb(summary['bytes_down'])} / {_mb(summary['bytes_down_raw'])}")

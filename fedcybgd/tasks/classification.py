@@ -51,7 +51,9 @@ def check_text(frame: pd.DataFrame, field: str) -> pd.Series:
     if bad.any():
         position = int(np.flatnonzero(bad.to_numpy())[0])
         value = values.iloc[position]
-        what = "empty" if isinstance(value, str) else f"not a text ({value!r})"
+        missing = value is None or (isinstance(value, float) and np.isnan(value))
+        what = ("empty" if isinstance(value, str) else "missing" if missing
+                else f"not a text ({value!r})")
         raise DataError(f"{where(frame, position)}: field {field!r} is {what} "
                         f"({int(bad.sum())} such rows)")
     return values.astype(str)

@@ -52,6 +52,8 @@ def _messages(value: Any, frame: pd.DataFrame, position: int, field: str) -> Mes
         with contextlib.suppress(json.JSONDecodeError):
             value = json.loads(value)
     at = f"{where(frame, position)}: field {field!r}"
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        raise DataError(f"{at} is missing (a row without it, among rows that have it)")
     if not isinstance(value, list) or not value:
         raise DataError(f"{at} must be a non-empty list of messages, got {str(value)[:60]!r}")
     out: Messages = []
