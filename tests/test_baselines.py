@@ -74,10 +74,38 @@ def test_fedavg_lora_exchanges_only_the_adapters(fedavg_config, tmp_path):
         p.numel() for p in load_model("tiny-llama").parameters())
     # 2 clients x 2 rounds of fp32 adapters, plus .npy headers
     assert summary["bytes_up"] < 4 * (4 * summary["exchanged_params"] + 16 * 256)
-    final = load_file(tmp_path / "out" / "final" / "adapter_model.safetensors")
+    adapter = load_file(tmp_path / "out" / "final" / "adapter" / "adapter_model.safetensors")
     # B starts at zero: non-zero B means adapters were trained, averaged and saved
-    assert max(float(t.abs().max()) for k, t in final.items() if "lora_B" in k) > 0
+    assert max(float(t.abs().max()) for k, t in adapter.items() if "lora_B" in k) > 0
     assert summary["final_eval_loss"] != summary["initial_eval_loss"]
+
+
+def test_fedavg_lora_final_is_the_merged_model_and_keeps_its_adapter(fedavg_config, tmp_path):
+    # Prepare
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = dict(fedavg_config, **{"fedavg-params": "lora", "lora-rank": 4,
+                                    "lora-target-modules": "q_proj,v_proj"})
+    grid = LoopbackGrid(client_app, 4, config)
+    final = tmp_path / "out" / "final"
+    ids = torch.tensor([[1, 17, 230, 4051, 99, 7, 512, 3]])
+    # Execute
+    run_fedavg(grid, RunConfig.from_run_config(config))
+    # Assert: final/ loads with plain transformers as the base with the adapter merged in
+    adapter_config = json.loads((final / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "tiny-llama"
+    assert not (final / "adapter_config.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    base = load_model("tiny-llama")
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        merged = PeftModel.from_pretrained(base, final / "adapter").merge_and_unload().eval()
+        merged_logits = merged(ids).logits
+        got = loaded(ids).logits
+    assert not any(".lora_" in name for name, _ in loaded.named_parameters())
+    assert torch.allclose(got, merged_logits, atol=1e-6, rtol=0)
+    assert (got - base_logits).abs().max() > 1e-4  # the adapters changed the model
 
 
 def corrupting_app(corrupt: Any) -> ClientApp:

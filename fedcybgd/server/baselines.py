@@ -16,6 +16,7 @@ import math
 import random
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedcybgd.baselines import (
     ARRAYS,
     METRICS,
+    BaselineModel,
     build_baseline,
     check_tensors,
     from_record,
@@ -221,6 +223,35 @@ def _train_record(strategy: CheckedFedAvg, run: RunConfig, server_round: int) ->
     )
 
 
+def save_final(server: BaselineModel, run: RunConfig, final: Path) -> None:
+    """Write the trained model to ``final`` in Hugging Face ``save_pretrained`` layout.
+
+    Parameters
+    ----------
+    server : BaselineModel
+        The server's model, holding the last round's arrays. A LoRA model is merged in
+        place (its adapters are gone afterwards): call this once, at the end of the run.
+    run : RunConfig
+        The run; ``model`` names the base model a LoRA adapter records.
+    final : Path
+        The folder to write. Full: the whole model and its tokenizer. LoRA: the merged
+        model (base weights plus the averaged adapters, peft's ``merge_and_unload``) and
+        its tokenizer, so ``AutoModelForCausalLM.from_pretrained(final)`` loads the trained
+        model either way; the adapter alone goes to ``final/adapter/`` (peft's format, its
+        ``base_model_name_or_path`` set to ``run.model``).
+    """
+    model = server.model
+    if server.lora:
+        model.peft_config["default"].base_model_name_or_path = run.model  # type: ignore[index,union-attr]
+        # A LoRA run never changes the base's embeddings: without save_embedding_layers=False
+        # peft looks the base up (on the hub) to decide whether to save them.
+        model.save_pretrained(final / "adapter",  # type: ignore[operator]
+                              save_embedding_layers=False)
+        model = model.merge_and_unload()  # type: ignore[operator]
+    model.save_pretrained(final)  # type: ignore[operator]
+    load_tokenizer(run.model).save_pretrained(final)
+
+
 def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     """Run a FedAvg baseline (``fedavg-params`` = full | lora); returns the summary it writes."""
     started = time.perf_counter()
@@ -280,10 +311,8 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
                    num_rounds=run.num_server_rounds, timeout=run.round_timeout,
                    train_config=ConfigRecord(), evaluate_fn=evaluate_fn)
 
-    # LoRA: the adapter alone (peft's format); full: the whole model. Both load with
-    # transformers. The server's model holds the last round's arrays (always evaluated).
-    server.model.save_pretrained(out / "final")  # type: ignore[operator]
-    load_tokenizer(run.model).save_pretrained(out / "final")
+    # The server's model holds the last round's arrays (always evaluated).
+    save_final(server, run, out / "final")
     summary = {
         "model": run.model,
         "strategy": "fedavg",
