@@ -113,7 +113,7 @@ def test_non_utf8_and_empty_files_are_refused_by_name(tmp_path):
     # Execute / Assert
     with pytest.raises(DataError, match=r"latin1\.csv, line 2: not UTF-8"):
         task.local_frame(str(bad))
-    with pytest.raises(DataError, match=r"data-path = '.*empty\.jsonl': no examples"):
+    with pytest.raises(DataError, match=r"empty\.jsonl: the file is empty \(whitespace only\)"):
         task.local_frame(str(empty))
     with pytest.raises(DataError, match="no such file"):
         task_for(dataset=str(tmp_path / "missing.jsonl")).split("train")
