@@ -365,7 +365,8 @@ def train(msg: Message, context: Context) -> Message:
         cm.blocks.set(cm.model, block, start)
     train_s = time.perf_counter() - began
     warn_cut(f"round {server_round}, block {block}", batches.encoder.cut,
-             outcome.examples, run.max_seq_len, "see the task's truncation rule")
+             outcome.examples, run.max_seq_len, "see the task's truncation rule",
+             key=("training", msg.metadata.run_id))
 
     kind, note = protocol.WEIGHTS, ""
     if upload_codec == protocol.SEEDLOG:

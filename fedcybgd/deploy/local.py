@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -29,12 +30,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from fedcybgd.deploy import certs
 from fedcybgd.deploy.commands import (
@@ -79,18 +81,49 @@ def app_default(key: str, project: Path = PROJECT) -> Any:
         return tomllib.load(f)["tool"]["flwr"]["app"]["config"].get(key)
 
 
+# ANSI escape sequences (CSI such as Flower's level colours, and two-byte escapes).
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+
+
+def plain_log_text(text: str) -> str:
+    """``text`` as a log file should hold it: without ANSI escape codes, and of a line that a
+    progress bar redrew with carriage returns, only its last state.
+
+    Flower colours its log levels whatever the output is, so the launcher strips the codes
+    when it writes a process's output to its log file.
+    """
+    lines = _ANSI.sub("", text).split("\n")
+    return "\n".join(line.rstrip("\r").rsplit("\r", 1)[-1] for line in lines)
+
+
+def _pump(source: IO[bytes], sink: TextIO) -> None:
+    """Copy a process's output into its log file line by line, as :func:`plain_log_text`."""
+    with contextlib.suppress(ValueError, OSError):  # the log was closed: the process is gone
+        for raw in iter(source.readline, b""):
+            sink.write(plain_log_text(raw.decode(errors="replace")))
+            sink.flush()
+    source.close()
+
+
 @dataclass
 class Proc:
-    """A started process, its log file and the log's handle."""
+    """A started process, its log file, the log's handle and the thread that writes it."""
 
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
     handle: TextIO
+    pump: threading.Thread | None = None
 
     def exit_code(self) -> int | None:
         """None while the process runs."""
         return self.popen.poll()
+
+    def close_log(self) -> None:
+        """Write what the process still had to say, then close its log."""
+        if self.pump is not None:
+            self.pump.join(timeout=5.0)
+        self.handle.close()
 
 
 @dataclass
@@ -148,13 +181,19 @@ class LocalDeployment:
                          str(self.cert_files.server_key))
 
     def env(self, flwr_home: Path) -> dict[str, str]:
-        """Environment of every process: offline hub, no runtime dependency installation."""
+        """Environment of every process: offline hub, no runtime dependency installation, no
+        progress bars or colours in the log files."""
         env = dict(os.environ)
         env.update(
             FLWR_HOME=str(flwr_home),
             HF_HUB_OFFLINE="1",
             TOKENIZERS_PARALLELISM="false",
             FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+            # Logs are files: no progress bars, no colours (Flower's own are stripped by
+            # plain_log_text, it colours whatever the output).
+            TQDM_DISABLE="1",
+            HF_HUB_DISABLE_PROGRESS_BARS="1",
+            NO_COLOR="1",
             PATH=f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
         )
         env.setdefault("FEDCYBGD_OUTPUT_ROOT", str(PROJECT))  # relative output-dir
@@ -174,10 +213,14 @@ class LocalDeployment:
         handle.write(f"$ {shlex.join(cmd)}\n")
         handle.flush()
         popen = subprocess.Popen(
-            [str(BIN_DIR / cmd[0]), *cmd[1:]], stdout=handle, stderr=subprocess.STDOUT,
+            [str(BIN_DIR / cmd[0]), *cmd[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=self.env(home), cwd=home, start_new_session=True,
         )
-        proc = Proc(name, popen, log, handle)
+        assert popen.stdout is not None
+        pump = threading.Thread(target=_pump, args=(popen.stdout, handle), daemon=True,
+                                name=f"log-{name}")
+        pump.start()
+        proc = Proc(name, popen, log, handle, pump)
         self.procs[name] = proc
         return proc
 
@@ -300,7 +343,7 @@ class LocalDeployment:
     def save_run_log(self, run_id: int) -> Path:
         """Write the ServerApp's log (``flwr log --show``) to ``logs/run-<id>.log``."""
         path = self.logs / f"run-{run_id}.log"
-        path.write_text(self.control.run_log(run_id))
+        path.write_text(plain_log_text(self.control.run_log(run_id)))
         return path
 
     # -- teardown ---------------------------------------------------------------------------
@@ -317,7 +360,7 @@ class LocalDeployment:
             os.killpg(proc.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=10.0)
-        proc.handle.close()
+        proc.close_log()
         return proc.exit_code()
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -343,7 +386,7 @@ class LocalDeployment:
                 os.killpg(proc.popen.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(timeout=5.0)
-            proc.handle.close()
+            proc.close_log()
 
     def __enter__(self) -> LocalDeployment:
         return self

@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import pandas as pd
@@ -209,12 +210,62 @@ def build_task(run: RunConfig) -> Task:
         if not isinstance(task, Task):
             raise TypeError(f"task = {run.task_kind!r} made {type(task).__name__}, not a Task")
         _TASKS.clear()  # one run per process at a time; do not keep old splits alive
+        _CUTS.clear()  # a new run says its truncation warnings again
         _TASKS[key] = task
     return task
 
 
-def warn_cut(what: str, cut: int, total: int, max_seq_len: int, how: str) -> None:
-    """Log, once per call site and round, how many examples were shortened to fit."""
-    if cut:
+@dataclass
+class CutCount:
+    """What :func:`warn_cut` has counted for one key: calls, examples cut, examples seen."""
+
+    calls: int = 0
+    cut: int = 0
+    total: int = 0
+
+
+# (key, max-seq-len) -> counts; cleared when build_task starts a new run in this process.
+_CUTS: dict[tuple[Hashable, int], CutCount] = {}
+
+
+def warn_cut(what: str, cut: int, total: int, max_seq_len: int, how: str,
+             key: Hashable = None) -> CutCount | None:
+    """Say once per run and ``key`` that examples were shortened to fit; count the rest.
+
+    The first call that cut anything logs a warning with its count; later calls for the same
+    ``key`` (every node and round of a simulation, every evaluation) only add to the count,
+    logged at DEBUG level with the running totals, so a log does not repeat the same warning.
+
+    Parameters
+    ----------
+    what : str
+        Where the examples were cut, for the message (e.g. ``"round 3, block layer.4-7"``).
+    cut, total : int
+        Examples shortened, out of examples encoded.
+    max_seq_len : int
+        The run's ``max-seq-len``.
+    how : str
+        How they were shortened, for the message.
+    key : Hashable, optional
+        What makes a warning new (default: ``what``); the counts are per process and start
+        again with each new run (:func:`build_task`).
+
+    Returns
+    -------
+    CutCount or None
+        The running counts for ``key``; None when nothing was cut and nothing was before.
+    """
+    if not cut:
+        return _CUTS.get((what if key is None else key, max_seq_len))
+    counts = _CUTS.setdefault((what if key is None else key, max_seq_len), CutCount())
+    counts.calls += 1
+    counts.cut += cut
+    counts.total += total
+    if counts.calls == 1:
         log.warning("%s: %d of %d examples were longer than max-seq-len = %d: %s "
-                    "(raise max-seq-len to keep them whole)", what, cut, total, max_seq_len, how)
+                    "(raise max-seq-len to keep them whole; said once, later cuts are counted "
+                    "at DEBUG level)", what, cut, total, max_seq_len, how)
+    else:
+        log.debug("%s: %d of %d examples cut to max-seq-len = %d (so far: %d of %d, %d "
+                  "times)", what, cut, total, max_seq_len, counts.cut, counts.total, counts.calls)
+    return counts
