@@ -24,6 +24,7 @@ from fedcybgd.harness.procgrid import ProcessGrid
 from fedcybgd.model.loading import load_model
 from fedcybgd.server.app import run_server
 from fedcybgd.server.baselines import run_fedavg
+from fedcybgd.server.verdict import RunFailed
 
 
 @pytest.fixture
@@ -223,10 +224,15 @@ def test_process_grid_turns_a_client_crash_into_an_error_reply(tiny_run_config, 
     bad.write_text("x")
     config = dict(tiny_run_config, **{"num-server-rounds": 1,
                                       "output-dir": str(tmp_path / "out")})
-    # Execute
+    # Execute: a run in which nothing could train ends failed, after its round was closed
     with ProcessGrid("fedcybgd.client.app:app", 2, config, threads=1,
-                     node_config=lambda i: {"cache-dir": str(bad)}) as grid:
-        summary = run_server(grid, RunConfig.from_run_config(config))
-    # Assert: the server kept running and re-queued the blocks
-    assert records(tmp_path / "out")[1]["failed_blocks"] == ["layer.0", "layer.1"]
+                     node_config=lambda i: {"cache-dir": str(bad)}) as grid, \
+            pytest.raises(RunFailed, match="no block was installed"):
+        run_server(grid, RunConfig.from_run_config(config))
+    # Assert: the server read the crashes as error replies and re-queued the blocks
+    row = records(tmp_path / "out")[1]
+    assert row["failed_blocks"] == ["layer.0", "layer.1"]
+    assert row["dropped"] == {"client-error": 2}
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "failed"
     assert all(v == 0 for v in summary["block_versions"].values())
