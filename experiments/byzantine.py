@@ -9,7 +9,10 @@ the same rounds on the same seeds; the table gives the final eval loss and accur
 
     python experiments/byzantine.py                     # tiny-llama, 3 seeds (~30 min, 2 cores)
     python experiments/byzantine.py --resume            # skips the runs already in results.json
-    python experiments/byzantine.py --model smollm2-135m --rounds 4 --seeds 0
+    python experiments/byzantine.py --model smollm2-135m --rounds 6 --seeds 0 \\
+        --aggregates median --scenarios none:0,push:1,push:2 --set lr=3e-5 \\
+        --set local-steps=5 --set batch-size=8 --set layers-per-block=10 \\
+        --set eval-examples=200 --out experiments/results/byzantine-smollm2
 
 Results: ``experiments/results/byzantine/results.json`` (one entry per run) and ``table.md``.
 """
@@ -21,6 +24,7 @@ import json
 import statistics
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -32,21 +36,26 @@ OUT = Path(__file__).parent / "results" / "byzantine"
 SCENARIOS: tuple[tuple[str, int], ...] = (("none", 0), ("push", 1), ("push", 2), ("flip", 1))
 
 
-def config(model: str, aggregate: str, seed: int, rounds: int, out: Path) -> dict[str, Any]:
-    return {
-        "model": model, "partitioner": "iid", "num-server-rounds": rounds,
-        "clients-per-round": 4, "clients-per-block": 4, "aggregate": aggregate,
-        "block-schedule": "ascending", "layers-per-block": 1, "train-embeddings": False,
-        "train-head": False, "update-rule": "fo", "local-steps": 2, "batch-size": 4,
-        "max-seq-len": 48, "lr": 1e-3 if model.startswith("tiny-") else 1e-5,
-        "eval-examples": 128, "eval-batch-size": 32, "seed": seed, "output-dir": str(out),
-    }
+# The run config of every run; --set KEY=VALUE overrides (e.g. for SmolLM2: lr, local-steps)
+BASE: dict[str, Any] = {
+    "partitioner": "iid", "clients-per-round": 4, "clients-per-block": 4,
+    "block-schedule": "ascending", "layers-per-block": 1, "train-embeddings": False,
+    "train-head": False, "update-rule": "fo", "local-steps": 2, "batch-size": 4,
+    "max-seq-len": 48, "lr": 1e-3, "eval-examples": 128, "eval-batch-size": 32,
+}
+
+
+def config(model: str, aggregate: str, seed: int, rounds: int, out: Path,
+           overrides: dict[str, Any]) -> dict[str, Any]:
+    return {**BASE, "model": model, "num-server-rounds": rounds, "aggregate": aggregate,
+            "seed": seed, "output-dir": str(out), **overrides}
 
 
 def one_run(model: str, aggregate: str, attack: str, colluders: int, seed: int,
-            rounds: int) -> dict[str, Any]:
+            rounds: int, overrides: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        fed = Federation(config(model, aggregate, seed, rounds, Path(tmp) / "out"), Path(tmp))
+        fed = Federation(config(model, aggregate, seed, rounds, Path(tmp) / "out", overrides),
+                         Path(tmp))
         ids = fed.node_ids()
         forger = (Colluders(set(ids[:colluders]), kind=attack, seed=seed)
                   if colluders else None)
@@ -60,7 +69,7 @@ def one_run(model: str, aggregate: str, attack: str, colluders: int, seed: int,
             losses.append(float(fed.evaluate().loss))
         last = fed.evaluate()
     return {"model": model, "aggregate": aggregate, "attack": attack, "colluders": colluders,
-            "seed": seed, "rounds": rounds, "eval_loss": losses,
+            "seed": seed, "rounds": rounds, "overrides": overrides, "eval_loss": losses,
             "eval_accuracy": float(last.accuracy), "eval_accuracy_before": float(first.accuracy),
             "dropped": drops, "forged": forger.forged if forger else 0,
             "wall_s": round(time.perf_counter() - began, 1)}
@@ -102,6 +111,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--aggregates", default=",".join(AGGREGATES))
+    parser.add_argument("--scenarios", default="",
+                        help="e.g. none:0,push:1,push:2 (default: every scenario)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a run-config override (TOML value), e.g. --set lr=1e-5")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -111,12 +124,18 @@ def main() -> None:
     results: list[dict[str, Any]] = json.loads(path.read_text()) if args.resume and path.exists() \
         else []
     done = {key(r) for r in results}
+    overrides = {k: tomllib.loads(f"v = {v}")["v"]
+                 for k, _, v in (item.partition("=") for item in args.set)}
+    scenarios = ([(a, int(c)) for a, _, c in (x.partition(":") for x in
+                                             args.scenarios.split(","))]
+                 if args.scenarios else list(SCENARIOS))
     for seed in (int(s) for s in args.seeds.split(",")):
         for aggregate in args.aggregates.split(","):
-            for attack, colluders in SCENARIOS:
+            for attack, colluders in scenarios:
                 if (args.model, aggregate, attack, colluders, seed, args.rounds) in done:
                     continue
-                r = one_run(args.model, aggregate, attack, colluders, seed, args.rounds)
+                r = one_run(args.model, aggregate, attack, colluders, seed, args.rounds,
+                            overrides)
                 results.append(r)
                 path.write_text(json.dumps(results, indent=1) + "\n")
                 print(f"{aggregate:>16} {attack:>5} x{colluders} seed {seed}: eval loss "
