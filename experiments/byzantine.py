@@ -9,7 +9,7 @@ the same rounds on the same seeds; the table gives the final eval loss and accur
 
     python experiments/byzantine.py                     # tiny-llama, 3 seeds (~30 min, 2 cores)
     python experiments/byzantine.py --resume            # skips the runs already in results.json
-    python experiments/byzantine.py --model smollm2-135m --rounds 6 --seeds 0 \\
+    python experiments/byzantine.py --model smollm2-135m --rounds 4 --seeds 0 \\
         --aggregates median --scenarios none:0,push:1,push:2 --set lr=3e-5 \\
         --set local-steps=5 --set batch-size=8 --set layers-per-block=10 \\
         --set eval-examples=200 --out experiments/results/byzantine-smollm2
