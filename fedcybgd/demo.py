@@ -1,21 +1,26 @@
 """``make demo``: run the app on Flower's Simulation Engine and show the results.
 
-Runs ``flwr run . local --stream`` from the project folder with a private ``FLWR_HOME`` (so the
-managed local SuperLink it starts is ours to stop), then prints where the outputs are.
-Extra arguments are passed to ``flwr run`` (e.g. ``--run-config "num-server-rounds=2"``).
+Runs the app through the checked launcher (``fedcybgd run . local``, :mod:`fedcybgd.cli.launch`)
+with a private ``FLWR_HOME`` (so the managed local SuperLink it starts is ours to stop), then
+says where the outputs are. It exits as the launcher does: 0 only for a completed run, 1 for a
+failed or refused one (with the line that says why). Each demo replaces the previous demo's
+outputs. Ctrl-C stops the run and the SuperLink with everything it started.
+Extra arguments are passed on (e.g. ``--run-config "num-server-rounds=2"``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
+
+from fedcybgd.cli.launch import EXIT_OK, Launch, launch
 from fedcybgd.model.loading import cache_root
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -36,17 +41,37 @@ def write_flower_config(flwr_home: Path) -> None:
     )
 
 
-def stop_local_superlink(flwr_home: Path) -> None:
-    """Stop the background SuperLink that ``flwr run . local`` started under ``flwr_home``."""
-    result = subprocess.run(["pgrep", "-f", f"flower-superlink.*{flwr_home}"],
-                            capture_output=True, text=True, check=False)
-    for pid in result.stdout.split():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGTERM)
+def stop_local_superlink(flwr_home: Path, grace_s: float = 10.0) -> int:
+    """Stop the background SuperLink that ``flwr run . local`` started under ``flwr_home``, and
+    every process it started (SuperExec, the simulation): SIGTERM, then SIGKILL after
+    ``grace_s``. Returns how many processes were stopped."""
+    marker = str(flwr_home / "local-superlink")  # in its --log-file and --database paths
+    procs: list[psutil.Process] = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if any("flower-superlink" in part for part in cmdline[:2]) and \
+                any(marker in part for part in cmdline):
+            try:
+                procs += [proc, *proc.children(recursive=True)]
+            except psutil.Error:
+                continue
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(alive, timeout=5.0)
+    return len(procs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the simulation; returns flwr's exit code."""
+    """Run the simulation; returns the launcher's exit status."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nodes", type=int, default=8, help="simulated SuperNodes")
     parser.add_argument("--output-dir", default=str(PROJECT / "outputs" / "demo"))
@@ -59,33 +84,31 @@ def main(argv: list[str] | None = None) -> int:
     bin_dir = str(Path(sys.executable).parent)  # flower-superlink & co. live beside python
     # Runtime dependency installation would `uv sync` the app's requirements per run, pulling
     # a CUDA torch; everything is installed in this virtualenv already.
-    env = dict(os.environ, FLWR_HOME=str(flwr_home), HF_HUB_OFFLINE="1",
-               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    os.environ.update(FLWR_HOME=str(flwr_home), HF_HUB_OFFLINE="1",
+                      FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+                      PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    output_dir = Path(args.output_dir).resolve()
     # The demo replaces its previous outputs (a rerun gives the same numbers).
     # Two --run-config options: Flower applies them in order (a key may not repeat within
     # one), so a user's keys override the demo's size.
-    overrides = (f"output-dir='{Path(args.output_dir).resolve()}' overwrite=true "
-                 f"{args.run_config}").strip()
-    flwr = str(Path(sys.executable).with_name("flwr"))
-    command = [
-        flwr, "run", str(PROJECT), "local", "--stream",
-        "--run-config", DEMO_RUN_CONFIG, "--run-config", overrides,
-        "--federation-config",
-        f"num-supernodes={args.nodes} client-resources-num-cpus=2",
-    ]
-    print("$", " ".join(shlex.quote(c) for c in command), flush=True)
+    overrides = f"output-dir='{output_dir}' overwrite=true {args.run_config}".strip()
+    run = Launch(app=str(PROJECT), superlink="local",
+                 run_config=[DEMO_RUN_CONFIG, overrides],
+                 federation_config=[f"num-supernodes={args.nodes} client-resources-num-cpus=2"],
+                 stop_on_interrupt=True)
+    print("$ fedcybgd run", shlex.join(run.flwr_args()[1:]), flush=True)
+    started = time.time()
     try:
-        code = subprocess.run(command, env=env, cwd=PROJECT, check=False).returncode
+        code = launch(run)
     finally:
         stop_local_superlink(flwr_home)
-    summary = Path(args.output_dir).resolve() / "summary.json"
-    if summary.exists():
-        print(f"outputs: {summary.parent} (metrics.jsonl, summary.json, plots.png, final/, "
+    if code == EXIT_OK:
+        print(f"outputs: {output_dir} (metrics.jsonl, summary.json, plots.png, final/, "
               "checkpoint/)")
-    else:
-        print(f"no summary at {summary}: the run did not finish", file=sys.stderr)
-        code = code or 1
+    elif (output_dir / "summary.json").is_file() and \
+            (output_dir / "summary.json").stat().st_mtime >= started:
+        status = json.loads((output_dir / "summary.json").read_text()).get("status")
+        print(f"summary: {output_dir / 'summary.json'} (status {status!r})", file=sys.stderr)
     return code
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -105,42 +107,50 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def flwr_run(app: Path, tmp_path: Path, run_config: str, nodes: int) -> str:
-    """``flwr run <app> local`` on ``nodes`` simulated SuperNodes; returns its output.
+def documented_command(example: str) -> str:
+    """The command examples/README.md gives for ``example`` (one line: ``cd examples/...``)."""
+    text = (EXAMPLES / "README.md").read_text()
+    found = re.findall(rf"^cd examples/{example} && .+$", text, flags=re.MULTILINE)
+    assert len(found) == 1, f"examples/README.md gives {len(found)} commands for {example}"
+    return found[0]
 
-    A private Flower home and ports (the managed SuperLink is ours alone, and stopped after),
-    runtime dependency installation off, and this checkout first on the path of every process
-    (the SuperLink passes its ``sys.path`` on to the simulated nodes).
+
+def run_as_documented(example: str, tmp_path: Path, extra: str = "") -> Path:
+    """Run ``example``'s documented command from the project folder, as a user types it;
+    returns the folder its relative ``output-dir`` lands in.
+
+    Only the surroundings are private: a fresh Flower home and ports (the managed SuperLink is
+    ours alone, and stopped after), outputs under ``tmp_path``, and when this suite's Python
+    is not the project's ``.venv``, the documented ``../../.venv/bin/`` points at its own.
+    ``extra``: more ``--run-config`` for the run.
     """
-    from fedcybgd.demo import stop_local_superlink, write_flower_config
+    from fedcybgd.demo import stop_local_superlink
 
+    command = documented_command(example)
+    bin_dir = Path(sys.executable).parent
+    if bin_dir.resolve() != (ROOT / ".venv" / "bin").resolve():
+        command = command.replace("../../.venv/bin/", f"{bin_dir}/")
+    if extra:
+        command += f" --run-config {shlex.quote(extra)}"
     flwr_home = tmp_path / "flwr-home"
-    write_flower_config(flwr_home)
-    bin_dir = str(Path(sys.executable).parent)
-    env = dict(os.environ, FLWR_HOME=str(flwr_home), HF_HUB_OFFLINE="1",
-               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+    env = dict(os.environ, FLWR_HOME=str(flwr_home), FEDCYBGD_OUTPUT_ROOT=str(tmp_path),
                FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(_free_port()),
-               FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    command = [str(Path(sys.executable).with_name("flwr")), "run", str(app), "local",
-               "--stream", "--run-config", run_config, "--federation-config",
-               f"num-supernodes={nodes} client-resources-num-cpus=1"]
+               FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()))
     try:
-        done = subprocess.run(command, env=env, cwd=app, capture_output=True, text=True,
-                              timeout=900, check=False)
+        done = subprocess.run(["bash", "-c", command], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=900, check=False)
     finally:
         stop_local_superlink(flwr_home)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
-    return log
+    assert "finished:completed" in log
+    return tmp_path / "outputs"
 
 
 @pytest.mark.slow
-def test_own_serverapp_example_runs_under_flwr_run(tmp_path):
-    # Execute: the example as it ships, into a private output folder
-    out = tmp_path / "out"
-    flwr_run(EXAMPLES / "own_serverapp", tmp_path, f"output-dir='{out}'", nodes=3)
+def test_own_serverapp_example_runs_as_documented(tmp_path):
+    # Execute: the example as it ships, with the command its README gives
+    out = run_as_documented("own_serverapp", tmp_path) / "own-serverapp"
     # Assert: its own schedule chose (untrained blocks first, then by observed step size) and
     # its own aggregator merged three uploads per block, dropping one each time
     history = json.loads((out / "history.json").read_text())
@@ -154,11 +164,9 @@ def test_own_serverapp_example_runs_under_flwr_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_signsgd_example_runs_under_flwr_run(tmp_path):
+def test_signsgd_example_runs_as_documented(tmp_path):
     # Execute: fedcybgd's own apps, the rule loaded from the example's folder by run config
-    out = tmp_path / "out"
-    flwr_run(EXAMPLES / "signsgd_rule", tmp_path, f"output-dir='{out}' signsgd-momentum=0.5",
-             nodes=2)
+    out = run_as_documented("signsgd_rule", tmp_path, "signsgd-momentum=0.5") / "signsgd"
     # Assert: every upload trained by the plug-in rule, with its option
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]

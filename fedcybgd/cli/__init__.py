@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-dir", default=None, metavar="DIR",
                      help="Where the run's full log is saved as run-<run-id>.log "
                           "(default: $FLWR_HOME/fedcybgd-logs).")
+    run.add_argument("--stop-on-interrupt", action="store_true",
+                     help="On Ctrl-C, stop the submitted run too (`flwr stop`); without it "
+                          "the run goes on, as with `flwr run`.")
     return parser
 
 
@@ -59,4 +62,4 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown command {args.command!r}")
     return launch(Launch(app=args.app, superlink=args.superlink, run_config=args.run_config,
                          federation_config=args.federation_config, federation=args.federation,
-                         log_dir=args.log_dir))
+                         log_dir=args.log_dir, stop_on_interrupt=args.stop_on_interrupt))

@@ -41,7 +41,7 @@ EXIT_CODES = ((EXIT_OK, "the run finished:completed"),
               (EXIT_FAILED, "the run failed or was stopped, or no run was started"),
               (2, "bad arguments"),
               (EXIT_UNKNOWN, "the run's final status could not be read"),
-              (EXIT_INTERRUPTED, "interrupted (the run goes on; see flwr ls)"))
+              (EXIT_INTERRUPTED, "interrupted (the run goes on unless --stop-on-interrupt)"))
 STATUS_WAIT_S = 60.0  # how long to wait for "finished" once the log stream has ended
 KEEP_LINES = 5000  # the last lines of the log kept in memory for the diagnosis
 _RUN_ID = re.compile(r"(?:Successfully started run |logstream for run_id `?)(\d+)")
@@ -57,6 +57,7 @@ class Launch:
     federation_config: list[str] = field(default_factory=list)
     federation: str | None = None
     log_dir: str | None = None
+    stop_on_interrupt: bool = False  # Ctrl-C stops the submitted run too (else it goes on)
 
     def flwr_args(self) -> list[str]:
         """``flwr``'s arguments for this run: ``run APP [SUPERLINK] --stream ...``."""
@@ -89,27 +90,55 @@ class Streamed:
     returncode: int
     lines: deque[str]
     log_path: Path
+    interrupted: bool = False
 
 
 def stream(command: list[str], log_path: Path) -> Streamed:
-    """Run ``command``, copying its output (stderr merged) to stdout and to ``log_path``."""
+    """Run ``command``, copying its output (stderr merged) to stdout and to ``log_path``.
+
+    A ``KeyboardInterrupt`` ends the command (SIGTERM, then SIGKILL) and returns what was
+    read so far, with ``interrupted`` set.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    lines: deque[str] = deque(maxlen=KEEP_LINES)
-    run_id = None
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log_path.open("w", encoding="utf-8") as log, subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            encoding="utf-8", errors="replace", env=env) as proc:
+    result = Streamed(None, 0, deque(maxlen=KEEP_LINES), log_path)
+    # flwr starts the managed local SuperLink by name: the one beside flwr, without
+    # activating its virtualenv (`.venv/bin/fedcybgd run ...`)
+    path = os.pathsep.join([str(Path(command[0]).parent), os.environ.get("PATH", "")])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": path}
+    with log_path.open("w", encoding="utf-8") as log:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, encoding="utf-8", errors="replace", env=env)
         assert proc.stdout is not None  # stdout=PIPE
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            log.write(line)
-            lines.append(line.rstrip("\n"))
-            if run_id is None and (match := _RUN_ID.search(plain(line))):
-                run_id = match.group(1)
-        returncode = proc.wait()
-    return Streamed(run_id, returncode, lines, log_path)
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                log.write(plain(line))
+                result.lines.append(line.rstrip("\n"))
+                if result.run_id is None and (match := _RUN_ID.search(plain(line))):
+                    result.run_id = match.group(1)
+        except KeyboardInterrupt:
+            result.interrupted = True
+            proc.terminate()
+        try:
+            result.returncode = proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            result.returncode = proc.wait()
+        proc.stdout.close()
+    return result
+
+
+def stop_run(run_id: str, superlink: str | None) -> str:
+    """``flwr stop RUN_ID [SUPERLINK]``; returns what went wrong, or ``""``."""
+    args = ["stop", run_id, *([superlink] if superlink else []), "--format", "json"]
+    try:
+        done = subprocess.run([flwr_executable(), *args], capture_output=True, text=True,
+                              timeout=60, check=False)
+        reply = read_json(done.stdout)
+    except (ValueError, OSError, subprocess.SubprocessError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "" if reply.get("success") else str(reply.get("error-message", reply))
 
 
 def read_json(text: str) -> Any:
@@ -160,12 +189,9 @@ def launch(launch: Launch) -> int:
         home / "local-superlink" / "superlink.log"
     log_offset = local_log.stat().st_size if local_log.is_file() else 0
     pending = log_dir_of(launch) / f"run-pending-{os.getpid()}.log"
-    try:
-        result = stream([flwr_executable(), *launch.flwr_args()], pending)
-    except KeyboardInterrupt:
-        say("interrupted; a run already submitted goes on (see `flwr ls`), "
-            f"its log so far is in {pending}", sys.stderr)
-        return EXIT_INTERRUPTED
+    result = stream([flwr_executable(), *launch.flwr_args()], pending)
+    if result.interrupted:
+        return interrupted(launch, result)
     if result.run_id is None:
         return refused(launch, result, local_superlink_log(home, launch.superlink), log_offset)
     log_path = pending.with_name(f"run-{result.run_id}.log")
@@ -191,6 +217,25 @@ def launch(launch: Launch) -> int:
     say(f"run {result.run_id} {status}: {why or 'no reason given'}", sys.stderr)
     say(where, sys.stderr)
     return EXIT_FAILED
+
+
+def interrupted(launch: Launch, result: Streamed) -> int:
+    """Ctrl-C: stop the run when asked to (``stop_on_interrupt``), else say it goes on."""
+    if result.run_id is not None:
+        result.log_path = result.log_path.replace(
+            result.log_path.with_name(f"run-{result.run_id}.log"))
+    if result.run_id is None:
+        say(f"interrupted before a run started; flwr's output: {result.log_path}", sys.stderr)
+    elif launch.stop_on_interrupt:
+        problem = stop_run(result.run_id, launch.superlink)
+        say(f"interrupted; run {result.run_id} "
+            + (f"could not be stopped ({problem}): stop it with `flwr stop {result.run_id}`"
+               if problem else "stopped")
+            + f"; its log so far is in {result.log_path}", sys.stderr)
+    else:
+        say(f"interrupted; run {result.run_id} goes on (`flwr stop {result.run_id}` stops it), "
+            f"its log so far is in {result.log_path}", sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def refused(launch: Launch, result: Streamed, superlink_log: Path | None,

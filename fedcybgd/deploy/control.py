@@ -161,17 +161,22 @@ class Control:
             raise DeployError(f"flwr run did not start a run: {reply}")
         return int(reply["run-id"])
 
-    def run_status(self, run_id: int) -> str:
-        """The run's status text, e.g. ``running`` or ``finished:completed``."""
+    def run_record(self, run_id: int) -> dict[str, Any]:
+        """The run's entry of ``flwr ls --run-id ID --format json`` (``status``,
+        ``status-details``, ...); empty when it cannot be read."""
         out = self.flwr("ls", self.name, "--run-id", str(run_id), "--format", "json",
                         check=False)
         if out.returncode != 0:
-            return "unknown"
+            return {}
         try:
             runs = parse_json_output(out.stdout).get("runs") or []
         except DeployError:
-            return "unknown"
-        return str(runs[0].get("status", "unknown")) if runs else "unknown"
+            return {}
+        return dict(runs[0]) if runs and isinstance(runs[0], dict) else {}
+
+    def run_status(self, run_id: int) -> str:
+        """The run's status text, e.g. ``running`` or ``finished:completed``."""
+        return str(self.run_record(run_id).get("status", "unknown"))
 
     def wait_run(self, run_id: int, timeout: float = 3600.0, poll_s: float = 2.0,
                  check: Callable[[], None] | None = None) -> str:

@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
 
+import psutil
+
+from fedcybgd.cli.diagnose import failure_line
 from fedcybgd.deploy import certs
 from fedcybgd.deploy.commands import (
     ServerTls,
@@ -52,6 +55,7 @@ from fedcybgd.deploy.commands import (
 from fedcybgd.deploy.control import Control, DeployError, healthy
 
 PROJECT = Path(__file__).resolve().parents[2]
+DEFAULT_OUTPUT_DIR = PROJECT / "outputs" / "deploy-local"
 HOST = "127.0.0.1"
 BIN_DIR = Path(sys.executable).parent  # flower-superlink & co. live beside python
 
@@ -374,6 +378,11 @@ class LocalDeployment:
 
     @staticmethod
     def _stop(procs: list[Proc], grace_s: float) -> None:
+        # what each process started (SuperExec, ServerApp, ClientApps), whatever its group
+        started: list[psutil.Process] = []
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                started += psutil.Process(proc.popen.pid).children(recursive=True)
         for proc in procs:  # the group id is the leader's pid (start_new_session)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.popen.pid, signal.SIGTERM)
@@ -387,6 +396,10 @@ class LocalDeployment:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(timeout=5.0)
             proc.close_log()
+        _, alive = psutil.wait_procs(started, timeout=grace_s)
+        for child in alive:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
 
     def __enter__(self) -> LocalDeployment:
         return self
@@ -402,6 +415,32 @@ def output_dir_of(run_config: str, default: Path) -> Path:
     return (out if out.is_absolute() else PROJECT / out).resolve()
 
 
+# What a run writes in its output folder (listed after a run, those this run wrote).
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "plots.png", "final", "checkpoint")
+
+
+@dataclass
+class DeployResult:
+    """How a deployment's run ended: its status, the line that says why it failed (if it
+    did), its output folder, the ServerApp's log, and the outputs this run wrote."""
+
+    status: str
+    output_dir: Path
+    run_log: Path | None = None
+    reason: str | None = None
+    written: list[str] = field(default_factory=list)
+
+    @property
+    def completed(self) -> bool:
+        return self.status == "finished:completed"
+
+
+def written_since(output_dir: Path, since: float) -> list[str]:
+    """The run outputs in ``output_dir`` written at or after ``since`` (a ``time.time()``)."""
+    return [name for name in RUN_OUTPUTS
+            if (output_dir / name).exists() and (output_dir / name).stat().st_mtime >= since]
+
+
 def run_deployment(
     nodes: int,
     run_config: str,
@@ -410,17 +449,23 @@ def run_deployment(
     state: Path | None = None,
     timeout: float = 3600.0,
     per_node: Mapping[int, Mapping[str, object]] | None = None,
-) -> tuple[str, Path]:
-    """Bring the topology up, run the app once, bring it down; returns (status, output dir).
+    replace_outputs: bool = False,
+) -> DeployResult:
+    """Bring the topology up, run the app once, bring it down; returns how the run ended.
 
     ``output_dir`` applies unless ``run_config`` sets ``output-dir``; logs go to its ``logs/``.
+    ``replace_outputs``: unless ``run_config`` sets ``output-dir``, ``overwrite`` or
+    ``resume``, the run replaces the previous run's outputs there (``overwrite = true``).
     """
+    given = parse_config(run_config)
     output_dir = output_dir_of(run_config, output_dir)
     logs = output_dir / "logs"
     temp_state = state is None
     state = Path(tempfile.mkdtemp(prefix="fedcybgd-deploy-")) if state is None else state
     threads = max(1, (os.cpu_count() or 1) // (nodes + 1))
     defaults: dict[str, object] = {"output-dir": str(output_dir)}
+    if replace_outputs and not {"output-dir", "overwrite", "resume"} & set(given):
+        defaults["overwrite"] = True
     if "clients-per-round" not in parse_config(run_config):
         defaults["clients-per-round"] = min(int(app_default("clients-per-round") or nodes), nodes)
     overrides = merge_config(defaults, run_config)
@@ -438,16 +483,22 @@ def run_deployment(
             dep.wait_nodes(nodes)
             print(f"{nodes} SuperNodes online; flwr run --run-config \"{overrides}\"",
                   flush=True)
+            started = time.time()
             run_id = dep.submit(overrides)
             print(f"run {run_id} submitted; waiting for it to finish", flush=True)
             try:
                 status = dep.wait_run(run_id, timeout=timeout)
             finally:
-                dep.save_run_log(run_id)
+                run_log = dep.save_run_log(run_id)
+            result = DeployResult(status, output_dir, run_log,
+                                  written=written_since(output_dir, started))
+            if not result.completed:
+                details = str(dep.control.run_record(run_id).get("status-details", ""))
+                result.reason = failure_line(details, run_log.read_text().splitlines())
     finally:
         if temp_state:
             shutil.rmtree(state, ignore_errors=True)
-    return status, output_dir
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,8 +513,11 @@ def main(argv: list[str] | None = None) -> int:
                              "\"num-server-rounds=2 update-rule='lezo'\"")
     parser.add_argument("--quick", action="store_true",
                         help=f"a tiny random model for 2 rounds: {format_config(QUICK_RUN_CONFIG)}")
-    parser.add_argument("--output-dir", type=Path,
-                        default=PROJECT / "outputs" / "deploy-local")
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help="where the run writes its outputs and logs (default: "
+                             "<project>/outputs/deploy-local, whose previous outputs each run "
+                             "replaces; a folder given here, or output-dir in --run-config, "
+                             "is never overwritten unless the run config says overwrite=true)")
     parser.add_argument("--state-dir", type=Path, default=None,
                         help="keep FLWR_HOMEs, database, certificates and node caches here "
                              "(default: a temporary folder, removed at the end)")
@@ -475,16 +529,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         run_config = merge_config(QUICK_RUN_CONFIG, run_config)
     try:
-        status, out = run_deployment(args.nodes, run_config, args.output_dir, tls=args.tls,
-                                     state=args.state_dir, timeout=args.timeout)
+        result = run_deployment(args.nodes, run_config, args.output_dir or DEFAULT_OUTPUT_DIR,
+                                tls=args.tls, state=args.state_dir, timeout=args.timeout,
+                                replace_outputs=args.output_dir is None)
     except DeployError as err:
         print(f"deploy-local failed: {err}", file=sys.stderr)
         return 1
-    print(f"status: {status}")
-    print(f"outputs: {out} (metrics.jsonl, summary.json, final/, checkpoint/)")
-    print(f"logs: {out / 'logs'} (superlink.log, {'fleet-gateway.log, ' if args.tls else ''}"
-          "supernode-*.log, flwr-cli.log, run-*.log)")
-    return 0 if status == "finished:completed" else 1
+    except KeyboardInterrupt:
+        print("deploy-local interrupted: the run and every process it started are stopped",
+              file=sys.stderr)
+        return 130
+    out = result.output_dir
+    print(f"status: {result.status}")
+    if not result.completed:
+        print(f"why: {result.reason or 'no reason given'}", file=sys.stderr)
+    written = [name + ("/" if (out / name).is_dir() else "") for name in result.written]
+    print(f"outputs: {out} ({', '.join(written) if written else 'nothing written by this run'})")
+    print(f"logs: {out / 'logs'} ({result.run_log.name if result.run_log else 'run-*.log'}, "
+          f"superlink.log, {'fleet-gateway.log, ' if args.tls else ''}"
+          "supernode-*.log, flwr-cli.log)")
+    return 0 if result.completed else 1
 
 
 if __name__ == "__main__":
