@@ -26,6 +26,7 @@ from fedcybgd.client.app import app as client_app
 from fedcybgd.config import RunConfig
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.server.app import run_server
+from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.server.verdict import (
     FAILED_ROUNDS,
     MAX_REASONS,
@@ -96,6 +97,26 @@ def test_a_data_file_no_client_can_read_fails_the_run(tiny_run_config, data, tmp
     assert summary["status"] == "failed" and summary["reason"] == line
     assert summary["last_round"] == FAILED_ROUNDS
     assert [r["round"] for r in rows] == list(range(FAILED_ROUNDS + 1))
+    assert not (out / "final").exists()
+
+
+@pytest.mark.parametrize("params", ["full", "lora"])
+def test_a_fedavg_baseline_that_averaged_nothing_fails_without_a_model(tiny_run_config, data,
+                                                                      tmp_path, params):
+    # Prepare: FedAvg's clients all train on a file with labels outside the classes
+    config = dict(tiny_run_config, **{"strategy": "fedavg", "fedavg-params": params,
+                                      "num-server-rounds": 2, "dataset": str(data["good"])})
+    # Execute
+    with pytest.raises(RunFailed) as failed:
+        run_fedavg(loopback(config, tmp_path, data_path=data["bad"]),
+                   RunConfig.from_run_config(config))
+    # Assert: failed at the end, naming the clients' error; the summary says so; no final/
+    line = str(failed.value)
+    assert line.startswith("no update was averaged in 2 rounds"), line
+    assert "DataError" in line and LABEL_ERROR in line
+    out, summary, rows = outputs(config)
+    assert summary["status"] == "failed" and summary["reason"] == line
+    assert [r["round"] for r in rows] == [0, 1, 2]
     assert not (out / "final").exists()
 
 

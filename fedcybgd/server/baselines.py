@@ -44,10 +44,11 @@ from fedcybgd.server.common import (
     require_nodes,
     resolve_output_dir,
 )
-from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
-from fedcybgd.server.outputs import prepare_output_dir
+from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
+from fedcybgd.server.outputs import prepare_output_dir, remove_final
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict
 from fedcybgd.strategies.node_keys import NodeKeys
 from fedcybgd.strategies.record import RoundRecord
 from fedcybgd.strategies.replies import (
@@ -279,12 +280,17 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         classes=classes,
     )
     marks: dict[str, float] = {"round_start": 0.0}
+    # A run in which no round averaged a single update fails (fedcybgd.server.verdict); the
+    # watch keeps each round's replies so the failure can name the clients' error.
+    watch, verdict = ReplyWatch(grid), Verdict()
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         # Flower calls this after every round: it closes the round's record.
         began = time.perf_counter()
         record = (_train_record(strategy, run, server_round) if server_round > 0
                   else RoundRecord(0))
+        if server_round > 0:
+            verdict.after_round(server_round, watch.take_round(), bool(record.clients))
         is_last = server_round == run.num_server_rounds
         if server_round == 0 or is_last or (
             run.eval_every and server_round % run.eval_every == 0
@@ -307,24 +313,34 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         return MetricRecord({"eval_loss": record.eval_loss,
                              "eval_accuracy": record.eval_accuracy})  # type: ignore[dict-item]
 
-    strategy.start(grid, to_record(initial),
+    strategy.start(watch, to_record(initial),
                    num_rounds=run.num_server_rounds, timeout=run.round_timeout,
                    train_config=ConfigRecord(), evaluate_fn=evaluate_fn)
 
-    # The server's model holds the last round's arrays (always evaluated).
-    save_final(server, run, out / "final")
+    totals = run_totals(writer.records)
+    failure = verdict.at_end(run.num_server_rounds, totals["dropped"])
+    if failure is not None:
+        failure = failure.replace("no block was installed", "no update was averaged", 1)
+        remove_final(out / "final")  # the untouched base model is not a run's result
+    else:
+        # The server's model holds the last round's arrays (always evaluated).
+        save_final(server, run, out / "final")
     summary = {
         "model": run.model,
         "strategy": "fedavg",
         "update_rule": f"fedavg-{run.fedavg_params}",
         "rounds": run.num_server_rounds,
-        **run_totals(writer.records),
+        **totals,
         "wall_s": time.perf_counter() - started,
         "exchanged_params": sum(v.numel() for v in initial.values()),
         "output_dir": str(out),
         "run_config": run.to_run_config(),
+        **run_status(failure, writer.records),
     }
     write_summary(out, summary)
     plot_run(out, writer.records, f"FedAvg-{run.fedavg_params}, {run.model}, seed {run.seed}")
+    if failure is not None:
+        log.error("run failed: %s", failure)
+        raise RunFailed(failure)
     print_summary_table(summary)
     return summary
