@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     bin_dir = str(Path(sys.executable).parent)  # flower-superlink & co. live beside python
     # Runtime dependency installation would `uv sync` the app's requirements per run, pulling
     # a CUDA torch; everything is installed in this virtualenv already.
-    os.environ.update(FLWR_HOME=str(flwr_home), HF_HUB_OFFLINE="1",
-                      FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-                      PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = dict(FLWR_HOME=str(flwr_home), HF_HUB_OFFLINE="1",
+               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+               PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     output_dir = Path(args.output_dir).resolve()
     # The demo replaces its previous outputs (a rerun gives the same numbers).
     # Two --run-config options: Flower applies them in order (a key may not repeat within
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Launch(app=str(PROJECT), superlink="local",
                  run_config=[DEMO_RUN_CONFIG, overrides],
                  federation_config=[f"num-supernodes={args.nodes} client-resources-num-cpus=2"],
-                 stop_on_interrupt=True)
+                 stop_on_interrupt=True, env=env)
     print("$ fedcybgd run", shlex.join(run.flwr_args()[1:]), flush=True)
     started = time.time()
     try:

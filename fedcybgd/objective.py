@@ -123,13 +123,16 @@ class EvalResult:
     """Mean loss and the task's main metric (``accuracy``) over a set of examples.
 
     ``metrics`` holds the task's other metrics (``sft``: ``exact_match``, ``token_f1``,
-    ``perplexity``); they are written to ``metrics.jsonl`` as ``eval_<name>``.
+    ``perplexity``); they are written to ``metrics.jsonl`` as ``eval_<name>``. ``samples``: a
+    few of a generative task's answers (``prompt``, ``reference``, ``answer``), saved per
+    evaluation in ``samples/round-NNNN.json`` and shown at the end.
     """
 
     loss: float
     accuracy: float
     examples: int
     metrics: dict[str, float] = field(default_factory=dict)
+    samples: tuple[dict[str, str], ...] = ()
 
 
 def on_model_device(stack: LayerStack, batch: Batch) -> Batch:

@@ -97,6 +97,38 @@ def test_every_rule_and_baseline_trains_every_task(kind, rule, tiny_run_config, 
         assert "eval_exact_match" not in rows[1]
 
 
+@pytest.mark.parametrize("rule", [RULES[0], RULES[4]], ids=["fedcybgd", "fedavg"])
+def test_sft_saves_sample_answers_per_evaluation_and_shows_the_last(rule, tiny_run_config,
+                                                                    tmp_path, capsys):
+    # Prepare: arithmetic chat data of one's own, evaluated before, after round 1 and at the end
+    config = {**tiny_run_config, **write_sets(tmp_path / "data")["sft"], **rule,
+              "num-server-rounds": 2, "eval-every": 1, "eval-examples": 5}
+    # Execute
+    _, summary, _ = loopback_run(config, tmp_path)
+    printed = capsys.readouterr().out
+    # Assert: one file per evaluation with the first rows' prompt, reference and answer; the
+    # summary keeps the final ones and the closing table shows them
+    out = Path(config["output-dir"])
+    files = sorted(p.name for p in (out / "samples").iterdir())
+    assert files == ["round-0000.json", "round-0001.json", "round-0002.json"]
+    final = json.loads((out / "samples" / "round-0002.json").read_text())
+    assert final["round"] == 2 and len(final["samples"]) == 3
+    first = final["samples"][0]
+    assert set(first) == {"prompt", "reference", "answer"}
+    assert first["prompt"].startswith("What is ") and first["reference"].isdigit()
+    assert summary["final_samples"] == final["samples"]
+    assert "Sample answers after training" in printed and "What is " in printed
+
+
+def test_classification_saves_no_samples(tiny_run_config, tmp_path):
+    # Execute
+    config = {**tiny_run_config, "num-server-rounds": 1, "eval-examples": 4}
+    _, summary, _ = loopback_run(config, tmp_path)
+    # Assert
+    assert summary["final_samples"] == []
+    assert not (Path(config["output-dir"]) / "samples").exists()
+
+
 def test_the_builtin_tomi_dataset_alone_trains_sft_on_dirichlet_shares(tiny_run_config,
                                                                        tmp_path):
     # Prepare: dataset = "tomi" and nothing else of the task (task = auto -> sft, its fields,

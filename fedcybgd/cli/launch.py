@@ -58,6 +58,11 @@ class Launch:
     federation: str | None = None
     log_dir: str | None = None
     stop_on_interrupt: bool = False  # Ctrl-C stops the submitted run too (else it goes on)
+    env: dict[str, str] = field(default_factory=dict)  # set for flwr and what it starts
+
+    def environment(self) -> dict[str, str]:
+        """The environment ``flwr`` runs in: this process's, with :attr:`env` on top."""
+        return {**os.environ, **self.env}
 
     def flwr_args(self) -> list[str]:
         """``flwr``'s arguments for this run: ``run APP [SUPERLINK] --stream ...``."""
@@ -93,7 +98,8 @@ class Streamed:
     interrupted: bool = False
 
 
-def stream(command: list[str], log_path: Path) -> Streamed:
+def stream(command: list[str], log_path: Path,
+           base_env: dict[str, str] | None = None) -> Streamed:
     """Run ``command``, copying its output (stderr merged) to stdout and to ``log_path``.
 
     A ``KeyboardInterrupt`` ends the command (SIGTERM, then SIGKILL) and returns what was
@@ -103,8 +109,9 @@ def stream(command: list[str], log_path: Path) -> Streamed:
     result = Streamed(None, 0, deque(maxlen=KEEP_LINES), log_path)
     # flwr starts the managed local SuperLink by name: the one beside flwr, without
     # activating its virtualenv (`.venv/bin/fedcybgd run ...`)
-    path = os.pathsep.join([str(Path(command[0]).parent), os.environ.get("PATH", "")])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": path}
+    base = dict(os.environ if base_env is None else base_env)
+    path = os.pathsep.join([str(Path(command[0]).parent), base.get("PATH", "")])
+    env = {**base, "PYTHONUNBUFFERED": "1", "PATH": path}
     with log_path.open("w", encoding="utf-8") as log:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, encoding="utf-8", errors="replace", env=env)
@@ -129,12 +136,12 @@ def stream(command: list[str], log_path: Path) -> Streamed:
     return result
 
 
-def stop_run(run_id: str, superlink: str | None) -> str:
+def stop_run(run_id: str, superlink: str | None, env: dict[str, str] | None = None) -> str:
     """``flwr stop RUN_ID [SUPERLINK]``; returns what went wrong, or ``""``."""
     args = ["stop", run_id, *([superlink] if superlink else []), "--format", "json"]
     try:
         done = subprocess.run([flwr_executable(), *args], capture_output=True, text=True,
-                              timeout=60, check=False)
+                              timeout=60, check=False, env=env)
         reply = read_json(done.stdout)
     except (ValueError, OSError, subprocess.SubprocessError) as err:
         return f"{type(err).__name__}: {err}"
@@ -152,11 +159,12 @@ def read_json(text: str) -> Any:
     raise ValueError(f"no JSON object in: {text[-500:]!r}")
 
 
-def run_record(run_id: str, superlink: str | None) -> dict[str, Any]:
+def run_record(run_id: str, superlink: str | None,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
     """The run's entry of ``flwr ls [SUPERLINK] --run-id ID --format json``."""
     args = ["ls", *([superlink] if superlink else []), "--run-id", run_id, "--format", "json"]
     done = subprocess.run([flwr_executable(), *args], capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=120, check=False, env=env)
     reply = read_json(done.stdout)
     runs = reply.get("runs") or []
     if not reply.get("success", True) or not runs:
@@ -164,12 +172,12 @@ def run_record(run_id: str, superlink: str | None) -> dict[str, Any]:
     return dict(runs[0])
 
 
-def final_status(run_id: str, superlink: str | None,
-                 wait_s: float = STATUS_WAIT_S) -> dict[str, Any]:
+def final_status(run_id: str, superlink: str | None, wait_s: float = STATUS_WAIT_S,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
     """The run's record once its status starts with ``finished`` (or after ``wait_s``)."""
     deadline = time.monotonic() + wait_s
     while True:
-        record = run_record(run_id, superlink)
+        record = run_record(run_id, superlink, env)
         if str(record.get("status", "")).startswith("finished") or \
                 time.monotonic() >= deadline:
             return record
@@ -178,18 +186,20 @@ def final_status(run_id: str, superlink: str | None,
 
 def log_dir_of(launch: Launch) -> Path:
     """Where full logs are saved."""
-    return Path(launch.log_dir) if launch.log_dir else flower_home() / "fedcybgd-logs"
+    return Path(launch.log_dir) if launch.log_dir else \
+        flower_home(launch.environment()) / "fedcybgd-logs"
 
 
 def launch(launch: Launch) -> int:
     """Run ``launch``; returns the exit status (:data:`EXIT_CODES`)."""
-    home = flower_home()
+    env = launch.environment()
+    home = flower_home(env)
     # where the managed local SuperLink logs (flwr may create it, and its config, on this run)
     local_log = local_superlink_log(home, launch.superlink) or \
         home / "local-superlink" / "superlink.log"
     log_offset = local_log.stat().st_size if local_log.is_file() else 0
     pending = log_dir_of(launch) / f"run-pending-{os.getpid()}.log"
-    result = stream([flwr_executable(), *launch.flwr_args()], pending)
+    result = stream([flwr_executable(), *launch.flwr_args()], pending, env)
     if result.interrupted:
         return interrupted(launch, result)
     if result.run_id is None:
@@ -199,7 +209,7 @@ def launch(launch: Launch) -> int:
     where = (f"full log: {log_path} (or `flwr log {result.run_id}"
              f"{' ' + launch.superlink if launch.superlink else ''} --show`)")
     try:
-        record = final_status(result.run_id, launch.superlink)
+        record = final_status(result.run_id, launch.superlink, env=env)
     except (ValueError, OSError, subprocess.SubprocessError) as err:
         say(f"run {result.run_id}: could not read its final status: {err}", sys.stderr)
         say(where, sys.stderr)
@@ -227,7 +237,7 @@ def interrupted(launch: Launch, result: Streamed) -> int:
     if result.run_id is None:
         say(f"interrupted before a run started; flwr's output: {result.log_path}", sys.stderr)
     elif launch.stop_on_interrupt:
-        problem = stop_run(result.run_id, launch.superlink)
+        problem = stop_run(result.run_id, launch.superlink, launch.environment())
         say(f"interrupted; run {result.run_id} "
             + (f"could not be stopped ({problem}): stop it with `flwr stop {result.run_id}`"
                if problem else "stopped")

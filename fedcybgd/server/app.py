@@ -40,6 +40,7 @@ from fedcybgd.server.common import (
     eval_extras,
     require_nodes,
     resolve_output_dir,
+    write_samples,
 )
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir, remove_final
@@ -198,6 +199,7 @@ def run_server(
         writer.write(RoundRecord(0, eval_loss=initial.loss, eval_accuracy=initial.accuracy,
                                  eval_examples=initial.examples,
                                  extra=eval_extras(initial, cached)).to_json())
+        write_samples(out, 0, initial)
     log.info("round 0: eval loss %.4f, accuracy %.3f", initial.loss, initial.accuracy)
     # The latest evaluation and its round; after the loop, the final one.
     last_eval, last_eval_round = initial, 0
@@ -228,6 +230,7 @@ def run_server(
             record.eval_examples = last_eval.examples
             record.extra.update(eval_extras(last_eval))
             record.eval_s = time.perf_counter() - eval_start
+            write_samples(out, server_round, last_eval)
         record.round_s = time.perf_counter() - round_start
         row = record.to_json()
         # The checkpoint first, then the row: a round has a row only once it is durable, so a
@@ -265,6 +268,7 @@ def run_server(
         "final_eval_loss": last_eval.loss,
         "final_eval_accuracy": last_eval.accuracy,
         "eval_examples": last_eval.examples,  # the rows the final evaluation rests on
+        "final_samples": list(last_eval.samples),  # a generative task's answers, else []
         "wall_s": time.perf_counter() - started,
         "blocks": blocks.names,
         "cycle": strategy.cycle,

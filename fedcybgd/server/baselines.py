@@ -43,6 +43,7 @@ from fedcybgd.server.common import (
     eval_extras,
     require_nodes,
     resolve_output_dir,
+    write_samples,
 )
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir, remove_final
@@ -283,6 +284,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     # A run in which no round averaged a single update fails (fedcybgd.server.verdict); the
     # watch keeps each round's replies so the failure can name the clients' error.
     watch, verdict = ReplyWatch(grid), Verdict()
+    last_samples: list[dict[str, str]] = []  # the latest evaluation's sample answers
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         # Flower calls this after every round: it closes the round's record.
@@ -299,6 +301,8 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
             result, cached = evaluator.initial() if server_round == 0 else (evaluator(), False)
             record.eval_loss, record.eval_accuracy = result.loss, result.accuracy
             record.extra.update(eval_extras(result, cached))
+            write_samples(out, server_round, result)
+            last_samples[:] = result.samples
         now = time.perf_counter()
         record.eval_s = now - began
         if server_round > 0:
@@ -333,6 +337,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         **totals,
         "wall_s": time.perf_counter() - started,
         "exchanged_params": sum(v.numel() for v in initial.values()),
+        "final_samples": last_samples,  # a generative task's answers, else []
         "output_dir": str(out),
         "run_config": run.to_run_config(),
         **run_status(failure, writer.records),

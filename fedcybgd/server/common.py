@@ -8,6 +8,7 @@ Shared by the FedCyBGD loop (:mod:`fedcybgd.server.app`) and the FedAvg baseline
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from flwr.serverapp import Grid
 
+from fedcybgd.atomic import write_bytes
 from fedcybgd.class_prior import ClassPriorSpec
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.blocks import BlockMap
@@ -121,6 +123,18 @@ def eval_extras(result: EvalResult, cached: bool = False) -> dict[str, float]:
     if cached:
         extras["eval_cached"] = 1.0
     return extras
+
+
+def write_samples(out: Path, server_round: int, result: EvalResult) -> Path | None:
+    """Save an evaluation's sample answers as ``samples/round-NNNN.json`` (a rerun of the
+    round, after a resume, replaces its file); ``None`` when the task has none."""
+    if not result.samples:
+        return None
+    path = out / "samples" / f"round-{server_round:04d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"round": server_round, "examples": result.examples, "samples": list(result.samples)}
+    write_bytes(path, json.dumps(body, indent=1, ensure_ascii=False).encode())
+    return path
 
 
 def require_nodes(grid: Grid, wanted: int, wait_s: float) -> int:

@@ -115,6 +115,8 @@ class EvalCache:
                 loss=float(raw["loss"]), accuracy=float(raw["accuracy"]),
                 examples=int(raw["examples"]),
                 metrics={str(k): float(v) for k, v in dict(raw.get("metrics", {})).items()},
+                samples=tuple({str(k): str(v) for k, v in dict(sample).items()}
+                              for sample in raw.get("samples", [])),
             )
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.warning("evaluation cache: ignoring %s (%s)", path, err)
@@ -127,5 +129,6 @@ class EvalCache:
     def put(self, key: str, result: EvalResult) -> None:
         """Store ``result`` (atomically: a crash leaves no half-written entry)."""
         body: dict[str, Any] = {"loss": result.loss, "accuracy": result.accuracy,
-                                "examples": result.examples, "metrics": result.metrics}
+                                "examples": result.examples, "metrics": result.metrics,
+                                "samples": list(result.samples)}
         write_bytes(self.path(key), json.dumps(body).encode())

@@ -17,7 +17,7 @@ from fedcybgd.config import ConfigError
 log = logging.getLogger(__name__)
 
 # What a run writes in its output folder; ``overwrite = true`` removes these and nothing else.
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoint", "final")
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoint", "final", "samples")
 # Written there by the launcher (fedcybgd.deploy.local) before the ServerApp starts.
 LAUNCHER_ENTRIES = ("logs",)
 

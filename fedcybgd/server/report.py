@@ -59,3 +59,18 @@ def print_summary_table(summary: dict[str, Any]) -> None:
         table.add_row("mean round time", f"{summary['mean_round_s']:.1f} s")
     table.add_row("outputs", summary["output_dir"])
     _console.print(table)
+    samples = summary.get("final_samples") or []
+    if samples:
+        answers = Table(title="Sample answers after training (samples/ has every evaluation's)")
+        for column in ("prompt", "reference", "answer"):
+            answers.add_column(column, overflow="fold")
+        for sample in samples:
+            answers.add_row(*(_short(str(sample.get(k, ""))) for k in
+                              ("prompt", "reference", "answer")))
+        _console.print(answers)
+
+
+def _short(text: str, limit: int = 160) -> str:
+    """``text`` on one line, cut to ``limit`` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit - 1] + "…"

@@ -336,17 +336,23 @@ def _eval_result(raw: Mapping[str, Any], path: Path, key: str) -> EvalResult:
     """An :class:`EvalResult` from its ``asdict`` form (non-finite figures allowed: a
     diverged model's evaluation is one)."""
     metrics = raw.get("metrics", {})
+    samples = raw.get("samples", [])
     numbers = [raw.get("loss"), raw.get("accuracy"), *(metrics.values()
                                                         if isinstance(metrics, dict) else [])]
-    if set(raw) - {"loss", "accuracy", "examples", "metrics"} or not isinstance(metrics, dict) \
+    if set(raw) - {"loss", "accuracy", "examples", "metrics", "samples"} \
+            or not isinstance(metrics, dict) \
             or not all(isinstance(k, str) for k in metrics) \
+            or not isinstance(samples, list) \
+            or not all(isinstance(x, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in x.items()) for x in samples) \
             or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) \
             or not isinstance(raw.get("examples"), int) or isinstance(raw["examples"], bool) \
             or raw["examples"] < 0:
         raise CheckpointError(f"checkpoint state {path} is malformed: {key} = {_short(raw)}, "
-                              "expected loss, accuracy, examples and metrics")
+                              "expected loss, accuracy, examples, metrics and samples")
     return EvalResult(float(raw["loss"]), float(raw["accuracy"]), int(raw["examples"]),
-                      {k: float(v) for k, v in metrics.items()})
+                      {k: float(v) for k, v in metrics.items()},
+                      samples=tuple(dict(x) for x in samples))
 
 
 def _same(old: Any, new: Any) -> bool:

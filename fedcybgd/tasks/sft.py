@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 Messages = list[dict[str, str]]
 ROLES = ("system", "user", "assistant")
+SAMPLES = 3  # answers kept per evaluation (the first rows of the evaluation set)
 
 
 def _messages(value: Any, frame: pd.DataFrame, position: int, field: str) -> Messages:
@@ -181,6 +182,7 @@ class SFTTask(Task):
         items = self.examples(frame)
         nll = tokens = 0.0
         exact = f1 = 0.0
+        samples: list[dict[str, str]] = []
         for start in range(0, len(items), batch_size):
             part = items[start:start + batch_size]
             total, count = sequence_nll(stack, collate(encode(part), task=self))
@@ -192,13 +194,17 @@ class SFTTask(Task):
                 reference = messages[-1]["content"]
                 exact += float(normalize_answer(text) == normalize_answer(reference))
                 f1 += token_f1(text, reference)
+                if len(samples) < SAMPLES:
+                    samples.append({"prompt": str(messages[-2]["content"]) if len(messages) > 1
+                                    else "", "reference": str(reference), "answer": text})
         warn_cut("evaluation", encode.cut, len(items), max_seq_len,
                  f"{encode.join.prompts_cut} prompts cut from the left, "
                  f"{encode.join.continuations_cut} responses cut at the end")
         loss = nll / max(tokens, 1.0)
         n = len(items)
         return EvalResult(loss, exact / n, n, {"exact_match": exact / n, "token_f1": f1 / n,
-                                               "perplexity": math.exp(min(loss, 700.0))})
+                                               "perplexity": math.exp(min(loss, 700.0))},
+                          samples=tuple(samples))
 
 
 @torch.no_grad()
