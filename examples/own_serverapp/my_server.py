@@ -7,10 +7,11 @@
 Both register by name, so the run config selects them (``block-schedule``, ``aggregate`` in
 ``pyproject.toml`` next to this file; ``--run-config "block-schedule='ascending'"`` switches
 back). Flower's own ``Strategy.start`` runs the rounds; fedcybgd's ClientApp trains. Passing
-objects works as well: ``FedCyBGD(schedule=LargestUpdatesFirst(blocks=...), aggregate=...)``.
+objects works as well: ``FedCyBGD.from_config(run, blocks, weights,
+schedule=LargestUpdatesFirst(blocks=...), aggregate=DropFarthest())``.
 The same module named in ``plugin-modules`` would give fedcybgd's own ServerApp both names.
 
-Run from this folder: ``flwr run . local --stream``; ``history.json`` in ``output-dir`` holds
+Run it as examples/README.md shows; ``history.json`` in ``output-dir`` holds
 each round's record, the schedule's state and what the aggregator dropped.
 """
 
@@ -24,7 +25,6 @@ import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedcybgd.checksum import content_checksum
 from fedcybgd.config import RunConfig
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
@@ -134,14 +134,9 @@ def main(grid: Grid, context: Context) -> None:
     model = load_model(run.model)
     blocks = BlockMap(model, run.layers_per_block)
     weights = dict(model.named_parameters())
-    strategy = FedCyBGD(
-        block_map=blocks, weights=weights, base_hash=content_checksum(weights),
-        cycle=blocks.cycle(run.train_embeddings, run.train_head),
-        block_schedule=run.block_schedule, aggregate=run.aggregate,
-        clients_per_round=run.clients_per_round, clients_per_block=run.clients_per_block,
-        local_steps=run.local_steps, batch_size=run.batch_size, seed=run.seed,
-        upload_codec=run.upload_codec, download_codec=run.download_codec,
-    )
+    # Every setting from the run config (fedcybgd's defaults plus this app's pyproject keys):
+    # the same algorithm fedcybgd's own ServerApp runs, with this file's schedule and merge.
+    strategy = FedCyBGD.from_config(run, blocks, weights)
     initial = ArrayRecord({name: p.detach().clone() for name, p in weights.items()})
     strategy.start(grid, initial, num_rounds=run.num_server_rounds, timeout=run.round_timeout)
 

@@ -50,7 +50,6 @@ from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.server.resume import Resumed, checkpoint_state, read_checkpoint
 from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict, installed_any
 from fedcybgd.strategies.fedcybgd import FedCyBGD
-from fedcybgd.strategies.lr_schedule import build_lr_schedule
 from fedcybgd.strategies.plugins import check_names
 from fedcybgd.strategies.record import RoundRecord
 from fedcybgd.tasks.base import build_task
@@ -86,47 +85,14 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
                             preferred, Precision(run.frozen_dtype, run.frozen_quant),
                             run.options, scored)
 
-    return FedCyBGD(
-        block_map=blocks,
-        weights=weights,
-        cycle=blocks.cycle(run.train_embeddings, run.train_head),
-        block_schedule=run.block_schedule,
-        clients_per_round=run.clients_per_round,
-        clients_per_block=run.per_block,
-        update_rule=run.update_rule,
-        upload_codec=run.upload_codec,
-        download_codec=run.download_codec,
-        download_fraction=run.download_fraction,
-        max_staleness=run.max_staleness,
-        traffic_budget_mb=run.traffic_budget_mb,
-        install_codec=run.install_spec,
-        seedlog_fallback=run.seedlog_fallback,
-        seedlog_max_replay=run.seedlog_max_replay,
-        version_history=run.version_history,
+    return FedCyBGD.from_config(
+        run, blocks, weights,
         pretrained=pretrained_reader(run.model, blocks),
         rule_for_budget=rule_for_budget if shape is not None else None,
-        seed=run.seed,
         lineage=lineage,
         base_hash=base_hash,
-        max_payload_bytes=int(run.max_payload_mb * 2**20),
         return_arrays=False,
-        local_steps=run.local_steps,
-        batch_size=run.batch_size,
-        aggregate=run.aggregate,
-        trim_fraction=run.trim_fraction,
-        max_update_norm=run.max_update_norm,
-        outlier_factor=run.outlier_factor,
-        max_update_ratio=run.max_update_ratio,
-        server_lr=run.server_lr,
-        parallel_damping=run.parallel_damping,
-        server_optimizer=run.server_optimizer,
-        server_beta1=run.server_beta1,
-        server_beta2=run.server_beta2,
-        server_eps=run.server_eps,
-        client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
-                                    run.warmup_rounds),
         device=device,
-        self_sync=run.self_sync,
         class_prior=prior,
         classes=classes,
     )

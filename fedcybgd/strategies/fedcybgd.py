@@ -26,7 +26,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedcybgd import zeroth_order
+from fedcybgd.checksum import content_checksum
 from fedcybgd.class_prior import ClassPriorSpec, with_class_prior
+from fedcybgd.config import RunConfig
 from fedcybgd.message_size import message_bytes
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import SEEDLOG
@@ -34,6 +36,7 @@ from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
 from fedcybgd.strategies.downloads import DownloadPlanner, PayloadCache
 from fedcybgd.strategies.installing import Admitted, BlockInstaller
 from fedcybgd.strategies.instructions import RunTerms, train_message
+from fedcybgd.strategies.lr_schedule import build_lr_schedule
 from fedcybgd.strategies.matching import RuleForBudget, match
 from fedcybgd.strategies.quantized_install import QuantizedInstall
 from fedcybgd.strategies.reader import NodeBook, ReplyReader
@@ -47,6 +50,9 @@ from fedcybgd.strategies.traffic_budget import TrafficBudget
 from fedcybgd.strategies.versions import BlockVersions, Tensors
 
 log = logging.getLogger(__name__)
+# The app's defaults (the run config's; no other place keeps them): a strategy built in code
+# with no arguments runs the algorithm `flwr run` runs with no overrides.
+_RUN = RunConfig()
 SERVER_STATE = "server-opt."  # checkpoint entries of the server optimizer's per-block state
 INSTALL_PAYLOAD = "install-via."  # ... and of the delta a block was installed through
 
@@ -54,13 +60,18 @@ INSTALL_PAYLOAD = "install-via."  # ... and of the delta a block was installed t
 class FedCyBGD(Strategy):
     """Cycle block gradient descent over Flower nodes.
 
+    Every setting's default is the run config's (:class:`fedcybgd.config.RunConfig`, the one
+    place defaults live), so ``FedCyBGD(block_map=..., weights=...)`` runs the algorithm that
+    ``flwr run`` runs with no overrides; :meth:`from_config` builds it from a whole run config.
+
     Parameters
     ----------
     block_map, weights
         The model's blocks, and its weights by parameter name (updated in place, so a model's
         own parameters stay current).
     cycle, block_schedule, schedule
-        Blocks to train, in model order (default: all); the name of their order (a registered
+        Blocks to train, in model order (default: the layer blocks, as the run config's
+        ``train-embeddings`` and ``train-head``); the name of their order (a registered
         schedule); or any :class:`~fedcybgd.strategies.schedule.Schedule` object instead (one
         with ``observe(block, update_rms)`` is told each installed block's step size).
     clients_per_round, clients_per_block, update_rule
@@ -118,45 +129,45 @@ class FedCyBGD(Strategy):
         block_map: BlockMap,
         weights: Mapping[str, torch.Tensor],
         cycle: list[str] | None = None,
-        block_schedule: str = "ascending",
+        block_schedule: str = _RUN.block_schedule,
         schedule: Schedule | None = None,
-        clients_per_round: int = 4,
-        clients_per_block: int = 1,
-        update_rule: str = "fo",
-        upload_codec: str = "fp32",
-        download_codec: str = "fp32",
+        clients_per_round: int = _RUN.clients_per_round,
+        clients_per_block: int = _RUN.per_block,
+        update_rule: str = _RUN.update_rule,
+        upload_codec: str = _RUN.upload_codec,
+        download_codec: str = _RUN.download_codec,
         exact_codec: str = "xor+zstd",
-        seedlog_fallback: str = "delta+int8+zstd",
-        seedlog_max_replay: float = 64.0,
-        download_fraction: float = 1.0,
-        max_staleness: int = 0,
-        traffic_budget_mb: float = 0.0,
-        install_codec: str = "none",
-        version_history: int = 2,
+        seedlog_fallback: str = _RUN.seedlog_fallback,
+        seedlog_max_replay: float = _RUN.seedlog_max_replay,
+        download_fraction: float = _RUN.download_fraction,
+        max_staleness: int = _RUN.max_staleness,
+        traffic_budget_mb: float = _RUN.traffic_budget_mb,
+        install_codec: str = _RUN.install_spec,
+        version_history: int = _RUN.version_history,
         pretrained: Callable[[str], Tensors] | None = None,
         rule_for_budget: RuleForBudget | None = None,
-        seed: int = 0,
+        seed: int = _RUN.seed,
         lineage: str = "default",
         base_hash: str = "",
-        max_payload_bytes: int = 2**31,
+        max_payload_bytes: int = int(_RUN.max_payload_mb * 2**20),
         node_wait_s: float = 300.0,
         return_arrays: bool = True,
-        local_steps: int = 6,
-        batch_size: int = 8,
-        aggregate: str | Aggregator = "mean",
-        trim_fraction: float = 0.2,
-        max_update_norm: float = 0.0,
-        outlier_factor: float = 10.0,
-        max_update_ratio: float = 0.5,
-        server_lr: float = 1.0,
-        parallel_damping: str = "none",
-        server_optimizer: str = "sgd",
-        server_beta1: float = 0.9,
-        server_beta2: float = 0.99,
-        server_eps: float = 1e-8,
+        local_steps: int = _RUN.local_steps,
+        batch_size: int = _RUN.batch_size,
+        aggregate: str | Aggregator = _RUN.aggregate,
+        trim_fraction: float = _RUN.trim_fraction,
+        max_update_norm: float = _RUN.max_update_norm,
+        outlier_factor: float = _RUN.outlier_factor,
+        max_update_ratio: float = _RUN.max_update_ratio,
+        server_lr: float = _RUN.server_lr,
+        parallel_damping: str = _RUN.parallel_damping,
+        server_optimizer: str = _RUN.server_optimizer,
+        server_beta1: float = _RUN.server_beta1,
+        server_beta2: float = _RUN.server_beta2,
+        server_eps: float = _RUN.server_eps,
         client_lr: Callable[[int], float] | None = None,
         device: str = "cpu",
-        self_sync: bool = False,
+        self_sync: bool = _RUN.self_sync,
         class_prior: ClassPriorSpec | None = None,
         classes: int = 0,
     ) -> None:
@@ -169,7 +180,7 @@ class FedCyBGD(Strategy):
             raise TypeError(f"schedule {type(schedule).__name__} lacks "
                             "take/requeue/state/load_state")
         self.block_map, self.weights = block_map, dict(weights)
-        self.cycle = list(cycle or block_map.names)
+        self.cycle = list(cycle or block_map.cycle(_RUN.train_embeddings, _RUN.train_head))
         self.schedule = schedule or build_schedule(block_schedule, self.cycle, seed)
         self.clients_per_round, self.clients_per_block = clients_per_round, clients_per_block
         self.update_rule, self.upload_codec = update_rule, upload_codec
@@ -179,6 +190,8 @@ class FedCyBGD(Strategy):
         self.local_steps, self.client_lr = local_steps, client_lr
         self.aggregate = (build_aggregator(aggregate, trim_fraction)
                           if isinstance(aggregate, str) else aggregate)
+        self.aggregate_name = aggregate if isinstance(aggregate, str) else type(aggregate).__name__
+        self.trim_fraction = trim_fraction
         self.screen = UpdateScreen(outlier_factor=outlier_factor, max_norm=max_update_norm,
                                    max_ratio=max_update_ratio)
         self.step = ServerStep(server_lr, parallel_damping, server_optimizer, server_beta1,
@@ -217,6 +230,90 @@ class FedCyBGD(Strategy):
             log_downloads=log_downloads)
         self.history: list[RoundRecord] = []
         self.round: RoundInFlight | None = None
+
+    @classmethod
+    def from_config(cls, run: RunConfig, block_map: BlockMap,
+                    weights: Mapping[str, torch.Tensor], **overrides: Any) -> FedCyBGD:
+        """The strategy ``run`` describes: every setting from the run config (the one place a
+        default lives), so a ServerApp of one's own runs what ``flwr run`` runs.
+
+        ``overrides`` replace or add keyword arguments of the constructor, e.g. a
+        ``schedule=`` or ``aggregate=`` object, ``pretrained``, ``rule_for_budget``,
+        ``class_prior``/``classes``, ``device``, ``lineage``, ``return_arrays``;
+        ``base_hash`` defaults to the weights' checksum.
+        """
+        settings: dict[str, Any] = {
+            "cycle": block_map.cycle(run.train_embeddings, run.train_head),
+            "block_schedule": run.block_schedule,
+            "clients_per_round": run.clients_per_round,
+            "clients_per_block": run.per_block,
+            "update_rule": run.update_rule,
+            "upload_codec": run.upload_codec,
+            "download_codec": run.download_codec,
+            "download_fraction": run.download_fraction,
+            "max_staleness": run.max_staleness,
+            "traffic_budget_mb": run.traffic_budget_mb,
+            "install_codec": run.install_spec,
+            "seedlog_fallback": run.seedlog_fallback,
+            "seedlog_max_replay": run.seedlog_max_replay,
+            "version_history": run.version_history,
+            "seed": run.seed,
+            "max_payload_bytes": int(run.max_payload_mb * 2**20),
+            "local_steps": run.local_steps,
+            "batch_size": run.batch_size,
+            "aggregate": run.aggregate,
+            "trim_fraction": run.trim_fraction,
+            "max_update_norm": run.max_update_norm,
+            "outlier_factor": run.outlier_factor,
+            "max_update_ratio": run.max_update_ratio,
+            "server_lr": run.server_lr,
+            "parallel_damping": run.parallel_damping,
+            "server_optimizer": run.server_optimizer,
+            "server_beta1": run.server_beta1,
+            "server_beta2": run.server_beta2,
+            "server_eps": run.server_eps,
+            "client_lr": build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
+                                           run.warmup_rounds),
+            "self_sync": run.self_sync,
+        }
+        settings.update(overrides)
+        if "base_hash" not in settings:
+            settings["base_hash"] = content_checksum(weights)
+        return cls(block_map=block_map, weights=weights, **settings)
+
+    def settings(self) -> dict[str, Any]:
+        """The settings in effect, by run-config key (what two strategies are compared by)."""
+        return {
+            "block-schedule": getattr(self.schedule, "order", type(self.schedule).__name__),
+            "cycle": list(self.cycle),
+            "clients-per-round": self.clients_per_round,
+            "clients-per-block": self.clients_per_block,
+            "update-rule": self.update_rule,
+            "upload-codec": self.upload_codec,
+            "download-codec": self.downloads.download_codec,
+            "download-fraction": self.downloads.fraction,
+            "max-staleness": self.downloads.max_staleness,
+            "traffic-budget-mb": 0.0 if self.budget is None else self.budget.budget_bytes / 2**20,
+            "install-codec": ("none" if self.installer.quantized is None
+                              else self.installer.quantized.spec),
+            "seedlog-fallback": self.seedlog_fallback,
+            "seedlog-max-replay": self.downloads.max_replay,
+            "version-history": self.blocks.history,
+            "seed": self.seed,
+            "max-payload-bytes": self.reader.max_payload_bytes,
+            "local-steps": self.local_steps,
+            "max-examples": self.reader.max_examples,
+            "aggregate": self.aggregate_name,
+            "trim-fraction": self.trim_fraction,
+            "max-update-norm": self.screen.max_norm,
+            "outlier-factor": self.screen.outlier_factor,
+            "max-update-ratio": self.screen.max_ratio,
+            "server-step": (self.step.server_lr, self.step.damping, self.step.optimizer,
+                            self.step.beta1, self.step.beta2, self.step.eps),
+            "client-lr": None if self.client_lr is None else
+            [self.client_lr(r) for r in (1, 2, 10)],
+            "self-sync": self.self_sync,
+        }
 
     # What tests and the ServerApp read directly.
     versions = property(lambda self: self.blocks.versions, doc="Block -> version (round).")

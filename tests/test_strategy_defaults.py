@@ -1,0 +1,66 @@
+"""One source of defaults: a FedCyBGD built in code runs what the run config describes.
+
+A user's own ServerApp that builds ``FedCyBGD(block_map=..., weights=...)`` gets the app's
+algorithm, setting for setting, as ``FedCyBGD.from_config`` builds it from the run config's
+defaults and as ``flwr run`` runs it; any run config builds the same strategy both ways.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fedcybgd.config import RunConfig
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.loading import load_model
+from fedcybgd.server.app import build_strategy
+from fedcybgd.strategies import FedCyBGD
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return load_model("tiny-llama")
+
+
+def test_a_strategy_built_with_no_settings_is_the_run_config_s_default(model):
+    # Prepare
+    blocks = BlockMap(model, RunConfig().layers_per_block)
+    weights = dict(model.named_parameters())
+    # Execute
+    plain = FedCyBGD(block_map=blocks, weights=weights).settings()
+    configured = FedCyBGD.from_config(RunConfig(), blocks, weights).settings()
+    # Assert: every setting equal; the client lr is the nodes' own run-config lr (None, sent
+    # as nothing) in one and the constant schedule of that same lr in the other
+    lr = RunConfig().lr
+    assert plain.pop("client-lr") is None and configured.pop("client-lr") == [lr, lr, lr]
+    assert plain == configured
+    # the settings that once differed between the constructor and the run config
+    assert plain["block-schedule"] == RunConfig().block_schedule == "descending"
+    assert plain["upload-codec"] == plain["download-codec"] == "delta+int2+zstd"
+    assert plain["install-codec"] != "none" and plain["self-sync"] is False  # 4 nodes a block
+    assert plain["clients-per-block"] == RunConfig().per_block
+    assert plain["local-steps"] == RunConfig().local_steps
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"clients-per-block": 1, "block-schedule": "ascending", "upload-codec": "fp32",
+     "download-codec": "delta+fp16+zstd", "install-codec": "none", "aggregate": "median",
+     "lr-schedule": "cosine", "num-server-rounds": 10, "server-optimizer": "adam",
+     "train-head": True, "max-update-ratio": 0.1, "local-steps": 3, "batch-size": 2},
+    {"update-rule": "lezo", "upload-codec": "seedlog", "download-codec": "seedlog",
+     "traffic-budget-mb": 5.0, "download-fraction": 0.5, "max-staleness": 2},
+])
+def test_the_app_s_strategy_is_from_config_s(model, overrides):
+    # Prepare
+    run = RunConfig.from_run_config({"model": "tiny-llama", **overrides})
+    blocks = BlockMap(model, run.layers_per_block)
+    weights = dict(model.named_parameters())
+    # Execute: the ServerApp's builder and the public constructor from the same run config
+    app = build_strategy(run, blocks, weights, "lineage", "hash").settings()
+    own = FedCyBGD.from_config(run, blocks, weights).settings()
+    # Assert
+    assert app == own
+    assert app["upload-codec"] == run.upload_codec
+    assert app["clients-per-block"] == run.per_block
