@@ -192,6 +192,7 @@ def _wrapped_round(tmp_path: Path, wrapper: type, noise: float) -> tuple[Any, Fe
     weights = dict(model.named_parameters())
     strategy = FedCyBGD(block_map=BlockMap(model, 1), weights=weights, cycle=LAYERS,
                         base_hash=content_checksum(weights), clients_per_round=2,
+                        clients_per_block=1,
                         local_steps=2, batch_size=4, node_wait_s=0.0)
     dp = wrapper(strategy, noise_multiplier=noise, clipping_norm=1.0, num_sampled_clients=2)
     initial = ArrayRecord({n: p.detach().clone() for n, p in weights.items()})

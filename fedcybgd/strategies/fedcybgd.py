@@ -75,7 +75,8 @@ class FedCyBGD(Strategy):
         schedule); or any :class:`~fedcybgd.strategies.schedule.Schedule` object instead (one
         with ``observe(block, update_rms)`` is told each installed block's step size).
     clients_per_round, clients_per_block, update_rule
-        Nodes per round, nodes sharing (and merging) one block, the rule they are asked to use.
+        Nodes per round, nodes sharing (and merging) one block (0: all of the round's, as
+        the run config's ``clients-per-block``), the rule they are asked to use.
     upload_codec, download_codec, exact_codec, seedlog_fallback : str
         Codec specs: uploads (``"seedlog"``: zeroth-order step logs, replayed here; others use
         ``seedlog_fallback``), frozen downloads (may be lossy; ``"seedlog"``, with seed-log
@@ -132,7 +133,7 @@ class FedCyBGD(Strategy):
         block_schedule: str = _RUN.block_schedule,
         schedule: Schedule | None = None,
         clients_per_round: int = _RUN.clients_per_round,
-        clients_per_block: int = _RUN.per_block,
+        clients_per_block: int = _RUN.clients_per_block,
         update_rule: str = _RUN.update_rule,
         upload_codec: str = _RUN.upload_codec,
         download_codec: str = _RUN.download_codec,
@@ -171,6 +172,7 @@ class FedCyBGD(Strategy):
         class_prior: ClassPriorSpec | None = None,
         classes: int = 0,
     ) -> None:
+        clients_per_block = clients_per_block or clients_per_round  # 0: all on one block
         if clients_per_round < 1 or clients_per_block < 1 or clients_per_round % clients_per_block:
             raise ValueError(f"clients-per-round ({clients_per_round}) must be a multiple of "
                              f"clients-per-block ({clients_per_block}), both >= 1")
@@ -246,7 +248,7 @@ class FedCyBGD(Strategy):
             "cycle": block_map.cycle(run.train_embeddings, run.train_head),
             "block_schedule": run.block_schedule,
             "clients_per_round": run.clients_per_round,
-            "clients_per_block": run.per_block,
+            "clients_per_block": run.clients_per_block,
             "update_rule": run.update_rule,
             "upload_codec": run.upload_codec,
             "download_codec": run.download_codec,
