@@ -52,7 +52,7 @@ venv-defaults:
 	@$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' | { read -r site && printf 'import os; os.environ.setdefault("%s", "1")\n' $(FLWR_NO_DEPS) > "$$site/fedcybgd-flwr-env.pth"; }
 
 demo: install
-	$(BIN)/python -m fedcybgd.demo
+	$(BIN)/python -m fedcybgd.cli.demo
 
 test: install
 	$(BIN)/python -m pytest -q

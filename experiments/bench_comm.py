@@ -17,13 +17,14 @@ comparison. ``defaults`` is the app's own run config (``[tool.flwr.app.config]``
 blocks, all of a round's nodes on one block, 5 local steps, int8 codecs; with ``--quick`` the
 4-layer tiny model gets 1-layer blocks so that a cycle has 4 blocks), ``defaults-c1`` the same
 with one node per block, ``demo`` the defaults plus ``make demo``'s settings
-(``fedcybgd.demo.DEMO_RUN_CONFIG``). Those profiles run two full cycles and compare the traffic
+(``fedcybgd.cli.demo.DEMO_RUN_CONFIG``). Those profiles run two full cycles and compare the traffic
 features of issue 16 (``self-sync``, ``error-feedback``, ``install-codec``, ``max-staleness``)
 off ("before") and on, against uncompressed fp32 FedCyBGD and both FedAvg baselines (run, not
 counted, on the tiny model).
 
 Bytes are what crosses the wire: the serialised messages (``wire_bytes_down``/``_up`` of the
-rows, :mod:`fedcybgd.message_size`), metadata included; the payload share is kept beside them.
+rows, :mod:`fedcybgd.protocol.message_size`), metadata included; the payload share is kept beside
+them.
 
 Results: printed; JSON and a PNG plot under ``experiments/results/``.
 """
@@ -151,8 +152,8 @@ def profile_base(profile: str, quick: bool, eval_every: int = 0) -> tuple[dict[s
     (``defaults-c1``: four, a cycle there is one round or two)."""
     import math
 
+    from fedcybgd.cli.demo import DEMO_RUN_CONFIG
     from fedcybgd.config import RunConfig
-    from fedcybgd.demo import DEMO_RUN_CONFIG
     from fedcybgd.model.blocks import BlockMap
     from fedcybgd.model.loading import load_model
 
@@ -256,8 +257,9 @@ def profile_main(args: argparse.Namespace) -> None:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "base_config": base, "rounds": rounds,
             "nodes": args.nodes,
-            "bytes": "wire_*: serialised messages (fedcybgd.message_size), per client-round "
-                     "(an instruction and its reply); payload_*: the encoded blocks alone"}
+            "bytes": "wire_*: serialised messages (fedcybgd.protocol.message_size), "
+                     "per client-round (an instruction and its reply); payload_*: the "
+                     "encoded blocks alone"}
     (out / f"{stem}.json").write_text(json.dumps(
         {"meta": meta, "table": table, "loss_vs_bytes": curves,
          "rounds": {r["name"]: r["records"] for r in runs}}, indent=1))

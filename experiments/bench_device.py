@@ -74,9 +74,9 @@ def time_variant(model_name: str, device: str, name: str, batches: list[Any], st
 
     from fedcybgd.client.runtime import ClientModel
     from fedcybgd.client.updates import TrainTask, get_rule
-    from fedcybgd.memory.measure import PeakMemory
+    from fedcybgd.core.measure import PeakMemory
     from fedcybgd.model.precision import Precision
-    from fedcybgd.objective import scored_logits
+    from fedcybgd.tasks.objective import scored_logits
 
     variant, _, where = name.partition("@")
     rule, options, dtype, quant = VARIANTS[variant]
@@ -134,15 +134,15 @@ def main() -> None:
 
     import torch
 
-    from fedcybgd import data
     from fedcybgd.model.devices import resolve_device
     from fedcybgd.model.loading import load_tokenizer
-    from fedcybgd.zeroth_order import z_fingerprint
+    from fedcybgd.protocol.zeroth_order import z_fingerprint
+    from fedcybgd.tasks import shares
 
     device = str(resolve_device(args.device))
-    frame = data.load_split("rotten-tomatoes", "train")
+    frame = shares.load_split("rotten-tomatoes", "train")
     batches = list(itertools.islice(
-        data.batches(frame, load_tokenizer(args.model), args.batch, args.seq, seed=0),
+        shares.batches(frame, load_tokenizer(args.model), args.batch, args.seq, seed=0),
         args.steps + 1))
     fingerprints = {"cpu": z_fingerprint("cpu"), device: z_fingerprint(device)}
     print(f"z fingerprint: cpu {fingerprints['cpu']}, {device} {fingerprints[device]} "

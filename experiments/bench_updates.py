@@ -106,22 +106,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import pandas as pd
     import torch
 
-    from fedcybgd import data
     from fedcybgd.client.updates import TrainTask, get_rule
+    from fedcybgd.core.measure import PeakMemory, release_freed, rss_bytes
     from fedcybgd.memory.estimate import ModelShape, estimate_peak_mb
-    from fedcybgd.memory.measure import PeakMemory, release_freed, rss_bytes
     from fedcybgd.model.blocks import BlockMap
     from fedcybgd.model.layerwise import LayerStack
     from fedcybgd.model.loading import load_model, load_tokenizer, resolve
     from fedcybgd.model.precision import FrozenBlocks, Precision
-    from fedcybgd.objective import batch_loss, scored_logits
+    from fedcybgd.tasks import shares
+    from fedcybgd.tasks.objective import batch_loss, scored_logits
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     rule_name, options = VARIANTS[args.variant]
     precision = Precision(*precision_of(args.variant))
     tokenizer = load_tokenizer(args.model)
-    frame = data.load_split("rotten-tomatoes", "train")
+    frame = shares.load_split("rotten-tomatoes", "train")
     task = None
     if args.task == "sft":
         from fedcybgd.config import RunConfig
@@ -133,7 +133,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "response": frame["text"]}))
     batches = list(
         __import__("itertools").islice(
-            data.batches(frame, tokenizer, args.batch, args.seq, seed=0, task=task),
+            shares.batches(frame, tokenizer, args.batch, args.seq, seed=0, task=task),
             args.steps + 1,
         )
     )
@@ -176,7 +176,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # The estimate at the batches' own scored positions (how good the memory model is), and at
     # the task's bound (what a budget check uses: every position of an sft row may be scored).
     scored = max(b.num_scored for b in batches[1:])  # the peak comes with the largest
-    bound = (task or data.default_task()).max_scored_tokens(args.batch, args.seq)
+    bound = (task or shares.default_task()).max_scored_tokens(args.batch, args.seq)
     estimate, estimate_bound = (
         (estimate_peak_mb(shape, blocks, rule_name, block, args.batch, args.seq,
                           precision=precision, options=options, scored_tokens=n)

@@ -3,7 +3,7 @@
     python experiments/demo_seeds.py                      # seeds 0 1 2, iid and dirichlet
     python experiments/demo_seeds.py --seeds 0 --partitioners dirichlet
 
-Each run is ``make demo`` itself (``python -m fedcybgd.demo``: ``flwr run . local`` on Flower's
+Each run is ``make demo`` itself (``python -m fedcybgd.cli.demo``: ``flwr run . local`` on Flower's
 Simulation Engine with the app's default run config) with only ``seed`` and ``partitioner``
 changed, so the figures are what a user gets. Reads each run's ``summary.json`` and writes
 ``experiments/results/demo_seeds.json`` and ``demo_seeds.md``: per run the eval accuracy and
@@ -38,7 +38,7 @@ def run_demo(seed: int, partitioner: str, out: Path, extra: str,
             return None
     else:
         overrides = f"seed={seed} partitioner='{partitioner}' {extra}".strip()
-        command = [sys.executable, "-m", "fedcybgd.demo", "--output-dir", str(out),
+        command = [sys.executable, "-m", "fedcybgd.cli.demo", "--output-dir", str(out),
                    "--run-config", overrides]
         print("$", " ".join(command), flush=True)
         started = time.perf_counter()

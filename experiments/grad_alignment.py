@@ -111,7 +111,6 @@ def main() -> None:
 
     import torch
 
-    from fedcybgd import data
     from fedcybgd.client.updates.calibration import (
         collect_rows,
         fit_least_squares,
@@ -121,7 +120,8 @@ def main() -> None:
     from fedcybgd.client.updates.local_heads import LocalHead, Translator
     from fedcybgd.model.layerwise import LayerStack
     from fedcybgd.model.loading import load_model, load_tokenizer
-    from fedcybgd.objective import batch_loss, scored_logits, scored_states
+    from fedcybgd.tasks import shares
+    from fedcybgd.tasks.objective import batch_loss, scored_logits, scored_states
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -138,10 +138,10 @@ def main() -> None:
     # the layer each construction's head reads, per measured layer
     reads = {(k, c): min(k + parsed[c][1], last) for k in layers for c in constructions}
     sources = sorted(set(reads.values()))
-    fit = list(itertools.islice(data.batches(data.load_split("rotten-tomatoes", "train"),
+    fit = list(itertools.islice(shares.batches(shares.load_split("rotten-tomatoes", "train"),
                                              tokenizer, args.batch, args.seq, seed=0),
                                 args.fit_batches))
-    held = list(itertools.islice(data.batches(data.load_split("rotten-tomatoes", "validation"),
+    held = list(itertools.islice(shares.batches(shares.load_split("rotten-tomatoes", "validation"),
                                               tokenizer, args.batch, args.seq, seed=1),
                                  args.eval_batches))
 

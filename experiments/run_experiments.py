@@ -188,16 +188,16 @@ def _inference_peak(model: str, batch_size: int, max_seq_len: int, threads: int,
     # ClientModel), so the floor differs from a training client only by the training.
     import torch
 
-    from fedcybgd import data
     from fedcybgd.client.app import app  # noqa: F401  (a client process imports it)
     from fedcybgd.client.runtime import client_model
-    from fedcybgd.memory.measure import PeakMemory
+    from fedcybgd.core.measure import PeakMemory
     from fedcybgd.model.loading import load_tokenizer
+    from fedcybgd.tasks import shares
 
     torch.set_num_threads(threads)
     cm = client_model(model, 1)
-    examples = data.client_examples("rotten-tomatoes", "dirichlet", 0, 8, 0.5, 0)
-    batches = data.batches(examples, load_tokenizer(model), batch_size, max_seq_len, seed=0,
+    examples = shares.client_examples("rotten-tomatoes", "dirichlet", 0, 8, 0.5, 0)
+    batches = shares.batches(examples, load_tokenizer(model), batch_size, max_seq_len, seed=0,
                            shuffle=True)
     with PeakMemory() as mem, torch.no_grad():
         for _ in range(steps):

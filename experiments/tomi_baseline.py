@@ -26,14 +26,13 @@ from typing import Any
 
 import torch
 
-from fedcybgd import data
 from fedcybgd.client.updates import TrainTask, get_rule
 from fedcybgd.config import RunConfig
 from fedcybgd.data.prompts import collate
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model, load_tokenizer
-from fedcybgd.tasks import build_task
+from fedcybgd.tasks import build_task, shares
 from fedcybgd.tasks.sequences import sequence_nll
 from fedcybgd.tasks.sft import generate, normalize_answer, token_f1
 
@@ -127,7 +126,7 @@ def main() -> None:
           f"{zero_shot['token_f1']:.3f}  on {zero_shot['examples']} test questions "
           f"({zero_shot['seconds']} s)", flush=True)
 
-    batches = data.batches(train, tokenizer, args.batch, args.max_seq_len, seed=args.seed,
+    batches = shares.batches(train, tokenizer, args.batch, args.max_seq_len, seed=args.seed,
                            task=task)
     started = time.perf_counter()
     outcome = get_rule("fo").train(TrainTask(

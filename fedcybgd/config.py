@@ -6,8 +6,8 @@ accepted: an unknown key stops the run at start with the closest known key sugge
 value (wrong type, NaN, infinite, out of range, not an allowed choice) with a
 :class:`ConfigError` naming the key and what is allowed. The modules named in ``plugin-modules``
 (and ``rule-modules``, its older name) are imported first (their rules, schedules and
-aggregators register themselves, see :mod:`fedcybgd.plugins`), then ``update-rule`` must name a
-registered rule and every registered rule's options are checked, here, on the server, before
+aggregators register themselves, see :mod:`fedcybgd.core.registry`), then ``update-rule`` must name
+a registered rule and every registered rule's options are checked, here, on the server, before
 round 1; each client builds the same :class:`RunConfig`, so it loads the same plug-ins.
 ``block-schedule`` and ``aggregate`` are only the server's business: their registries live with
 the strategy, so the ServerApp checks them at start (:func:`fedcybgd.strategies.check_names`).
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcybgd import plugins, protocol, rules
+from fedcybgd import protocol, rules
 from fedcybgd.choices import (
     AGGREGATES,
     AUTO_TASK,
@@ -39,13 +39,14 @@ from fedcybgd.choices import (
     STRATEGIES,
     UPDATE_RULES,
 )
-from fedcybgd.class_prior import ClassPriorSpec
 from fedcybgd.compression import CodecError, lossy_delta_spec, parse_spec
-from fedcybgd.config_fields import ConfigError, build, closest, coerce, normalize, setting, settings
+from fedcybgd.core import registry
+from fedcybgd.core.fields import ConfigError, build, closest, coerce, normalize, setting, settings
+from fedcybgd.data.catalogue import builtin_dataset
+from fedcybgd.data.kinds import task_class
 from fedcybgd.model.devices import check_device_name
+from fedcybgd.protocol.prior import ClassPriorSpec
 from fedcybgd.rules import RuleOptions
-from fedcybgd.tasks.builtin_data import builtin_dataset
-from fedcybgd.tasks.registry import task_class
 
 __all__ = [
     "AGGREGATES",
@@ -223,8 +224,8 @@ class RunConfig:
         ``aggregate`` must be well-formed names (whether registered, the server checks)."""
         load_plugins(self.rule_modules, self.plugin_modules)
         for key, name in (("block-schedule", self.block_schedule), ("aggregate", self.aggregate)):
-            if not re.fullmatch(plugins.NAME_PATTERN, name):
-                raise ConfigError(f"{key} must name a registered one ({plugins.NAME_PATTERN}), "
+            if not re.fullmatch(registry.NAME_PATTERN, name):
+                raise ConfigError(f"{key} must name a registered one ({registry.NAME_PATTERN}), "
                                   f"got {name[:80]!r}")
         try:
             rules.rule_spec(self.update_rule)
@@ -321,8 +322,8 @@ class RunConfig:
 
 def load_plugins(rule_modules: str, plugin_modules: str) -> None:
     """Import the modules of ``rule-modules``, then ``plugin-modules`` (errors name the key)."""
-    plugins.load_modules(rule_modules, key="rule-modules")
-    plugins.load_modules(plugin_modules, key="plugin-modules")
+    registry.load_modules(rule_modules, key="rule-modules")
+    registry.load_modules(plugin_modules, key="plugin-modules")
 
 
 def run_config_keys() -> dict[str, Any]:
@@ -365,10 +366,10 @@ class NodeConfig:
                 f"partition-id must be in [0, num-partitions={self.num_partitions}), "
                 f"got {self.partition_id}"
             )
-        if self.update_rule and not re.fullmatch(plugins.NAME_PATTERN, self.update_rule):
+        if self.update_rule and not re.fullmatch(registry.NAME_PATTERN, self.update_rule):
             raise ConfigError(
                 f"update-rule must be empty or a rule name matching "
-                f"{plugins.NAME_PATTERN}, got {self.update_rule[:80]!r}"
+                f"{registry.NAME_PATTERN}, got {self.update_rule[:80]!r}"
             )
         if self.node_key and not re.fullmatch(protocol.NODE_KEY_PATTERN, self.node_key):
             raise ConfigError(

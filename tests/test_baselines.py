@@ -157,6 +157,26 @@ def test_fedavg_drops_bad_uploads_and_averages_the_rest(fedavg_config, tmp_path,
 
 
 def test_fedavg_survives_a_round_of_only_bad_uploads(fedavg_config, tmp_path):
+    # Prepare: every reply of round 1 carries a second, unexpected metric record
+    corrupted: list[int] = []
+
+    def corrupt(reply: Message, pid: int) -> None:
+        if len(corrupted) < 2:  # round 1's two replies
+            corrupted.append(pid)
+            reply.content.metric_records["extra"] = MetricRecord({"x": 1.0})
+
+    config = dict(fedavg_config, **{"num-server-rounds": 2})
+    grid = LoopbackGrid(corrupting_app(corrupt), 4, config)
+    # Execute
+    summary = run_fedavg(grid, RunConfig.from_run_config(config))
+    # Assert: round 1 left the global model as it was; round 2 trained; the run completed
+    rows = records(tmp_path / "out")
+    assert rows[1]["dropped_uploads"] == 2 and rows[1]["eval_loss"] == rows[0]["eval_loss"]
+    assert rows[2]["dropped_uploads"] == 0 and rows[2]["eval_loss"] != rows[0]["eval_loss"]
+    assert summary["status"] == "completed"
+
+
+def test_fedavg_in_which_every_upload_is_bad_fails(fedavg_config, tmp_path):
     # Prepare: every reply carries a second, unexpected metric record
     def corrupt(reply: Message, pid: int) -> None:
         reply.content.metric_records["extra"] = MetricRecord({"x": 1.0})
@@ -164,10 +184,12 @@ def test_fedavg_survives_a_round_of_only_bad_uploads(fedavg_config, tmp_path):
     config = dict(fedavg_config, **{"num-server-rounds": 1})
     grid = LoopbackGrid(corrupting_app(corrupt), 4, config)
     # Execute
-    summary = run_fedavg(grid, RunConfig.from_run_config(config))
-    # Assert: the global model is the initial one, and the server finished the run
-    assert records(tmp_path / "out")[1]["dropped_uploads"] == 2
-    assert summary["final_eval_loss"] == summary["initial_eval_loss"]
+    with pytest.raises(RunFailed, match="no update was averaged in 1 round"):
+        run_fedavg(grid, RunConfig.from_run_config(config))
+    # Assert: the server finished the run and wrote why; no final model
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "malformed 2" in summary["reason"]
+    assert not (tmp_path / "out" / "final").exists()
 
 
 def test_client_rejects_arrays_that_do_not_match_its_model(fedavg_config):

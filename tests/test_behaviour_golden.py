@@ -76,9 +76,9 @@ def run_scenario(name: str, workdir: Path) -> dict[str, Any]:
     from flwr.app import Message, MessageType
 
     from fedcybgd import protocol
-    from fedcybgd.checksum import content_checksum
     from fedcybgd.client.app import app as client_app
     from fedcybgd.config import RunConfig
+    from fedcybgd.core.checksum import content_checksum
     from fedcybgd.harness.loopback import LoopbackGrid
     from fedcybgd.model.loading import load_model
     from fedcybgd.server.app import run_server

@@ -8,12 +8,11 @@ import importlib.metadata
 import numpy as np
 import pytest
 
-from fedcybgd import data
 from fedcybgd.choices import DATASETS as CHOICE_DATASETS
 from fedcybgd.config import RunConfig
 from fedcybgd.data import packaged, tomi
 from fedcybgd.data.builtin import BUILTIN_DATASETS, builtin_splits
-from fedcybgd.tasks import build_task
+from fedcybgd.tasks import build_task, shares
 
 
 def _evals_installed() -> bool:
@@ -33,7 +32,7 @@ needs_evals = pytest.mark.skipif(
 def test_every_built_in_dataset_is_a_choice_and_has_a_known_task_kind():
     from fedcybgd.choices import TASKS
 
-    assert set(BUILTIN_DATASETS) == set(CHOICE_DATASETS) == set(data.DATASETS)
+    assert set(BUILTIN_DATASETS) == set(CHOICE_DATASETS) == set(shares.DATASETS)
     assert {spec.task for spec in BUILTIN_DATASETS.values()} <= set(TASKS)
     assert BUILTIN_DATASETS["tomi"].task == "sft"
     assert "CC BY-NC 4.0" in BUILTIN_DATASETS["tomi"].license
@@ -101,7 +100,7 @@ def test_splits_hold_whole_stories_disjoint_and_seeded():
 @needs_evals
 def test_rows_have_the_fields_of_the_sft_task():
     # Prepare
-    frame = data.load_split("tomi", "test")
+    frame = shares.load_split("tomi", "test")
     # Assert: a one-word answer that the story names; the instruction after the question
     assert list(frame.columns) == ["prompt", "response", "story", "question",
                                    "question_type", "story_id"]
@@ -113,7 +112,7 @@ def test_rows_have_the_fields_of_the_sft_task():
         "first-order": 400, "second-order": 400, "reality": 200, "memory": 200}
     # ... load_split gives a private copy
     frame.loc[0, "response"] = "changed"
-    assert data.load_split("tomi", "test").loc[0, "response"] != "changed"
+    assert shares.load_split("tomi", "test").loc[0, "response"] != "changed"
 
 
 @needs_evals
@@ -136,12 +135,12 @@ def test_partitions_of_tomi_need_no_partition_by():
     task = build_task(RunConfig(dataset="tomi"))
     train = task.split("train")
     # Execute: the default dirichlet skews question types; movie deals whole stories
-    skewed = data.client_examples(task, "dirichlet", 0, 4, 0.5, 0)
-    shares = [data.client_examples(task, "movie", i, 4, 0.5, 0) for i in range(4)]
+    skewed = shares.client_examples(task, "dirichlet", 0, 4, 0.5, 0)
+    parts = [shares.client_examples(task, "movie", i, 4, 0.5, 0) for i in range(4)]
     # Assert
     assert 0 < len(skewed) < len(train)
-    assert sum(len(s) for s in shares) == len(train)
-    owners = [set(s["story_id"]) for s in shares]
+    assert sum(len(s) for s in parts) == len(train)
+    owners = [set(s["story_id"]) for s in parts]
     assert all(not (owners[i] & owners[j]) for i in range(4) for j in range(i + 1, 4))
     counts = skewed["question_type"].value_counts(normalize=True)
     overall = train["question_type"].value_counts(normalize=True)
@@ -151,7 +150,7 @@ def test_partitions_of_tomi_need_no_partition_by():
 def test_a_built_in_datasets_fields_are_its_task_kinds_defaults():
     # dataset = <name> alone: task auto resolves to its kind, whose default fields name the
     # built-in's columns
-    from fedcybgd.config_fields import settings
+    from fedcybgd.core.fields import settings
 
     known = settings(RunConfig)
     for name, spec in BUILTIN_DATASETS.items():
@@ -187,7 +186,7 @@ def test_a_tomi_batch_scores_its_response_tokens_within_the_memory_bound():
     task = build_task(RunConfig(dataset="tomi"))
     frame = task.split("train").head(16)
     # Execute
-    batches = list(itertools.islice(data.batches(frame, tokenizer, 8, 160, seed=0, task=task),
+    batches = list(itertools.islice(shares.batches(frame, tokenizer, 8, 160, seed=0, task=task),
                                     2))
     # Assert: every response token (a word, the end-of-turn mark) is scored, never more than
     # the bound the memory estimate uses; classification scores one token a row

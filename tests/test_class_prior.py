@@ -10,15 +10,15 @@ import pandas as pd
 import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
-import fedcybgd.data as data
 from fedcybgd import protocol
-from fedcybgd.class_prior import ClassPriorSpec, check_counts, pooled_shares
 from fedcybgd.client.app import app as client_app
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.harness.loopback import LoopbackGrid, run_in_process
 from fedcybgd.model.loading import load_tokenizer
+from fedcybgd.protocol.prior import ClassPriorSpec, check_counts, pooled_shares
 from fedcybgd.strategies.node_keys import read_key
 from fedcybgd.strategies.replies import MALFORMED, Dropped
+from fedcybgd.tasks import shares
 from fedcybgd.tasks.base import build_task
 
 
@@ -102,9 +102,9 @@ def test_batches_aim_at_the_target_prior(tokenizer):
     target = [0.4, 0.6]
 
     # Execute
-    adjusted = next(data.batches(frame, tokenizer, 4, 32, seed=0, logit_adjust=True,
+    adjusted = next(shares.batches(frame, tokenizer, 4, 32, seed=0, logit_adjust=True,
                                  target_prior=target))
-    stream = data.batches(frame, tokenizer, 5, 32, seed=0, logit_adjust=True,
+    stream = shares.batches(frame, tokenizer, 5, 32, seed=0, logit_adjust=True,
                           class_balance=True, target_prior=target)
     mixed = [next(stream) for _ in range(4)]
 
@@ -122,7 +122,7 @@ def test_batches_aim_at_the_target_prior(tokenizer):
 def test_a_prior_of_the_wrong_length_is_refused(tokenizer):
     frame = pd.DataFrame({"text": ["a", "b"], "label": [0, 1]})
     with pytest.raises(ValueError, match="class-prior needs 2"):
-        data.batches(frame, tokenizer, 2, 32, seed=0, logit_adjust=True,
+        shares.batches(frame, tokenizer, 2, 32, seed=0, logit_adjust=True,
                      target_prior=[0.2, 0.3, 0.5])
 
 
@@ -142,7 +142,7 @@ def test_global_prior_pools_every_nodes_counts_into_each_instruction(tiny_run_co
                                       "fedavg-params": "lora"})
     run = RunConfig.from_run_config(config)
     task = build_task(run)
-    counts = [data.class_counts(task, data.client_examples(task, "dirichlet", i, 4, 0.5, 0))
+    counts = [shares.class_counts(task, shares.client_examples(task, "dirichlet", i, 4, 0.5, 0))
               for i in range(4)]
     from fedcybgd.server.app import RUNNERS
 
@@ -198,7 +198,7 @@ def test_explicit_shares_of_the_wrong_length_fail_at_start(tiny_run_config, tmp_
 
 def test_stated_counts_survive_a_checkpoint(tiny_run_config):
     # Prepare: a strategy that has heard two nodes' counts
-    from fedcybgd.checksum import content_checksum
+    from fedcybgd.core.checksum import content_checksum
     from fedcybgd.model.blocks import BlockMap
     from fedcybgd.model.loading import load_model
     from fedcybgd.server.app import build_strategy

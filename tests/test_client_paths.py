@@ -12,13 +12,13 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from fedcybgd import protocol
-from fedcybgd.checksum import content_checksum
 from fedcybgd.client.app import app as client_app
 from fedcybgd.client.paths import UnsafeName, block_name, inside, lineage_name, node_dirs
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates.zerolock import heads_path
 from fedcybgd.compression import payload_to_array
 from fedcybgd.config import RunConfig
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model

@@ -1,6 +1,6 @@
 """The commands a user types work twice, tell the truth, and stop what they started.
 
-``make demo`` (``python -m fedcybgd.demo``) and ``make deploy-local``
+``make demo`` (``python -m fedcybgd.cli.demo``) and ``make deploy-local``
 (``python -m fedcybgd.deploy.local``) as a user runs them: back to back, with data that cannot
 be read, and interrupted with Ctrl-C.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedcybgd.demo import stop_local_superlink
+from fedcybgd.cli.demo import stop_local_superlink
 from fedcybgd.deploy import local
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def test_the_demo_exits_1_for_a_run_whose_data_cannot_be_read(tmp_path):
     # Execute
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "fedcybgd.demo", "--nodes", "2", "--output-dir",
+            [sys.executable, "-m", "fedcybgd.cli.demo", "--nodes", "2", "--output-dir",
              str(tmp_path / "out"), "--run-config", f"{TINY} dataset='{data}'"],
             cwd=ROOT, env=demo_env(home), capture_output=True, text=True, timeout=600,
             check=False)
@@ -89,7 +89,7 @@ def test_ctrl_c_stops_the_demo_s_run_and_everything_it_started(tmp_path):
     # Prepare: a demo long enough to be interrupted mid-run, in a session of its own with
     # SIGINT handled as in a terminal
     home = tmp_path / "flwr-home"
-    command = [sys.executable, "-m", "fedcybgd.demo", "--nodes", "2", "--output-dir",
+    command = [sys.executable, "-m", "fedcybgd.cli.demo", "--nodes", "2", "--output-dir",
                str(tmp_path / "out"), "--run-config", f"{TINY} num-server-rounds=500"]
     proc = subprocess.Popen(command, cwd=ROOT, env=demo_env(home), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,

@@ -16,7 +16,6 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import (
     FORMAT_VERSION,
     PAYLOAD_STYPE,
@@ -30,6 +29,7 @@ from fedcybgd.compression import (
 )
 from fedcybgd.compression import decode as strict_decode
 from fedcybgd.compression import read_header as strict_read_header
+from fedcybgd.core.checksum import content_checksum
 
 # FEDCYBGD_FUZZ_SCALE=N runs every hypothesis fuzzer N times longer (the long fuzz runs).
 FUZZ_SCALE = int(os.environ.get("FEDCYBGD_FUZZ_SCALE", "1"))

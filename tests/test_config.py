@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from fedcybgd import rule_options
 from fedcybgd.choices import AGGREGATES, UPDATE_RULES
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig, run_config_keys
-from fedcybgd.config_fields import Setting, settings
+from fedcybgd.core.fields import Setting, settings
+from fedcybgd.rules import builtin_options
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -91,14 +91,14 @@ def test_every_rule_has_an_option_class_and_the_rules_use_the_shared_one():
     from fedcybgd.client.updates import available_rules
     from fedcybgd.client.updates.zerolock import ZeroLockOptions
 
-    assert tuple(rule_options.RULES) == UPDATE_RULES
+    assert tuple(builtin_options.RULES) == UPDATE_RULES
     assert sorted(available_rules()) == sorted(UPDATE_RULES)
-    assert ZeroLockOptions is rule_options.ZeroLockOptions
-    assert set(rule_options.OPTION_DEFAULTS) <= set(FLWR_CONFIG)
+    assert ZeroLockOptions is builtin_options.ZeroLockOptions
+    assert set(builtin_options.OPTION_DEFAULTS) <= set(FLWR_CONFIG)
 
 
 def test_config_modules_never_import_the_client_package():
-    code = ("import sys, fedcybgd.config, fedcybgd.rule_options; "
+    code = ("import sys, fedcybgd.config, fedcybgd.rules.builtin_options; "
             "print([m for m in sys.modules if m.startswith('fedcybgd.client')])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, cwd=ROOT)
@@ -175,7 +175,7 @@ def _outside(s: Setting) -> list[Any]:
     return [s.kind(v) for v in values]
 
 
-RANGED = [(s.key, v) for cls in (RunConfig, *rule_options.RULES.values()) for s in _numeric(cls)
+RANGED = [(s.key, v) for cls in (RunConfig, *builtin_options.RULES.values()) for s in _numeric(cls)
           for v in _outside(s)]
 
 
@@ -187,8 +187,8 @@ def test_every_bound_is_enforced_and_named(key, value):
 
 def test_every_number_except_a_few_has_a_declared_range():
     # checkpoint-every: any integer is meaningful (< 0 = off); the rest are bounded below
-    unbounded = {s.key for cls in (RunConfig, *rule_options.RULES.values()) for s in _numeric(cls)
-                 if s.bounds.describe() == ""}
+    unbounded = {s.key for cls in (RunConfig, *builtin_options.RULES.values())
+                 for s in _numeric(cls) if s.bounds.describe() == ""}
     assert unbounded == {"zerolock-checkpoint-every"}
 
 
@@ -269,22 +269,22 @@ def test_serverapp_stops_at_start_on_a_misspelt_rule_option():
 def test_typed_rule_options_from_the_run_config():
     run = RunConfig.from_run_config({"zo-eps": 1e-2, "lezo-density": 0.5,
                                      "zerolock-head": "tuned", "zerolock-chunks": 2})
-    assert run.rule_options("lezo") == rule_options.LezoOptions(eps=1e-2, density=0.5)
-    assert run.rule_options("mezo") == rule_options.MezoOptions(eps=1e-2)
-    assert run.rule_options("zerolock") == rule_options.ZeroLockOptions(head="tuned", chunks=2)
-    assert run.rule_options("fo") == rule_options.FoOptions()
+    assert run.rule_options("lezo") == builtin_options.LezoOptions(eps=1e-2, density=0.5)
+    assert run.rule_options("mezo") == builtin_options.MezoOptions(eps=1e-2)
+    assert run.rule_options("zerolock") == builtin_options.ZeroLockOptions(head="tuned", chunks=2)
+    assert run.rule_options("fo") == builtin_options.FoOptions()
     assert run.to_run_config()["lezo-density"] == 0.5
     assert RunConfig.from_run_config(run.to_run_config()) == run
 
 
 def test_a_rule_reads_only_its_own_options_but_refuses_unknown_ones():
     # MeZO ignores lezo-density; every rule refuses a key that is no rule option
-    assert rule_options.parse_options("mezo", {"lezo-density": 0.0, "zo-eps": 0.1}) == \
-        rule_options.MezoOptions(eps=0.1)
+    assert builtin_options.parse_options("mezo", {"lezo-density": 0.0, "zo-eps": 0.1}) == \
+        builtin_options.MezoOptions(eps=0.1)
     with pytest.raises(ConfigError, match="unknown option 'zo-esp'; did you mean 'zo-eps'"):
-        rule_options.parse_options("fo", {"zo-esp": 0.1})
+        builtin_options.parse_options("fo", {"zo-esp": 0.1})
     with pytest.raises(ConfigError, match="unknown update rule 'lezzo'; did you mean 'lezo'"):
-        rule_options.parse_options("lezzo", {})
+        builtin_options.parse_options("lezzo", {})
 
 
 # --------------------------------------------------------------- run configs built in code
@@ -368,7 +368,7 @@ def _free_port() -> int:
 def test_flwr_run_with_rule_options_and_no_dependency_installation(tmp_path: Path):
     """`flwr run . local` from this venv, the variable NOT exported: lezo with non-default
     lezo-density and zo-eps, seed-log uploads; the run finishes and nothing is installed."""
-    from fedcybgd.demo import stop_local_superlink, write_flower_config
+    from fedcybgd.cli.demo import stop_local_superlink, write_flower_config
 
     env = {k: v for k, v in os.environ.items() if k != FLWR_NO_DEPS}
     probe = subprocess.run([sys.executable, "-c",

@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fedcybgd.data as data
 from fedcybgd.data import packaged, partition, prompts, rotten_tomatoes
 from fedcybgd.model.loading import load_tokenizer
+from fedcybgd.tasks import shares
 
 DATASET = "rotten-tomatoes"
 SUFFIX = "\nSentiment:"
@@ -31,7 +31,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def train() -> pd.DataFrame:
-    return data.load_split(DATASET, "train")
+    return shares.load_split(DATASET, "train")
 
 
 def _texts(batch: prompts.Batch, tokenizer) -> list[str]:
@@ -66,7 +66,7 @@ def test_corpus_drops_plot_and_deduplicates():
 def test_split_sizes_disjoint_and_pinned():
     # Execute
     positions = rotten_tomatoes.split_positions()
-    frames = {s: data.load_split(DATASET, s) for s in data.SPLITS}
+    frames = {s: shares.load_split(DATASET, s) for s in shares.SPLITS}
 
     # Assert
     assert {s: len(f) for s, f in frames.items()} == {
@@ -85,20 +85,20 @@ def test_split_sizes_disjoint_and_pinned():
 
 def test_load_split_returns_a_private_copy():
     # Prepare
-    first = data.load_split(DATASET, "validation")
+    first = shares.load_split(DATASET, "validation")
 
     # Execute
     first.loc[0, "text"] = "changed"
 
     # Assert
-    assert data.load_split(DATASET, "validation").loc[0, "text"] != "changed"
+    assert shares.load_split(DATASET, "validation").loc[0, "text"] != "changed"
 
 
 def test_unknown_dataset_or_split_is_rejected():
     with pytest.raises(ValueError, match="dataset"):
-        data.load_split("imdb", "train")
+        shares.load_split("imdb", "train")
     with pytest.raises(ValueError, match="validation"):
-        data.load_split(DATASET, "dev")
+        shares.load_split(DATASET, "dev")
 
 
 def test_missing_package_names_install_command(monkeypatch):
@@ -142,7 +142,7 @@ def test_short_prompt_equals_whole_prompt_tokenization(tokenizer):
     text = "A slick, engrossing melodrama."
 
     # Execute
-    encoded = data.encode(tokenizer, [text], [1], 64)
+    encoded = shares.encode(tokenizer, [text], [1], 64)
 
     # Assert
     whole = tokenizer(prompts.TEMPLATE.format(text=text))["input_ids"]
@@ -154,7 +154,7 @@ def test_long_review_is_truncated_and_keeps_suffix(tokenizer):
     text = "An astonishing film " + "that goes on " * 200 + "THE END"
 
     # Execute
-    (ids,) = data.encode(tokenizer, [text], [0], 32).input_ids
+    (ids,) = shares.encode(tokenizer, [text], [0], 32).input_ids
 
     # Assert
     decoded = tokenizer.decode(ids)
@@ -168,7 +168,7 @@ def test_long_review_is_truncated_and_keeps_suffix(tokenizer):
 @given(text=st.text(min_size=1, max_size=400), max_seq_len=st.integers(8, 80))
 def test_any_review_fits_and_ends_with_suffix(tokenizer, text, max_seq_len):
     # Execute
-    (ids,) = data.encode(tokenizer, [text], [1], max_seq_len).input_ids
+    (ids,) = shares.encode(tokenizer, [text], [1], max_seq_len).input_ids
 
     # Assert
     suffix = tokenizer.encode(SUFFIX, add_special_tokens=False)
@@ -178,16 +178,16 @@ def test_any_review_fits_and_ends_with_suffix(tokenizer, text, max_seq_len):
 
 def test_too_small_max_seq_len_is_rejected(tokenizer):
     with pytest.raises(ValueError, match="max-seq-len"):
-        data.encode(tokenizer, ["fine"], [1], 4)
+        shares.encode(tokenizer, ["fine"], [1], 4)
 
 
 def test_collate_pads_right_and_points_at_last_prompt_token(tokenizer):
     # Prepare
     texts = ["Good.", "A long, winding and ultimately rewarding journey through grief."]
-    encoded = data.encode(tokenizer, texts, [1, 0], 64)
+    encoded = shares.encode(tokenizer, texts, [1, 0], 64)
 
     # Execute
-    batch = data.collate(encoded)
+    batch = shares.collate(encoded)
 
     # Assert
     lengths = [len(ids) for ids in encoded.input_ids]
@@ -213,11 +213,11 @@ def test_batches_are_seeded_full_and_cover_each_epoch(tokenizer):
     frame = pd.DataFrame({"text": [f"movie number {i}" for i in range(10)], "label": [0, 1] * 5})
 
     # Execute
-    first = [_texts(next(data.batches(frame, tokenizer, 5, 32, seed=3)), tokenizer)]
-    stream = data.batches(frame, tokenizer, 5, 32, seed=3)
+    first = [_texts(next(shares.batches(frame, tokenizer, 5, 32, seed=3)), tokenizer)]
+    stream = shares.batches(frame, tokenizer, 5, 32, seed=3)
     epochs = [_texts(next(stream), tokenizer) + _texts(next(stream), tokenizer) for _ in range(2)]
-    resumed = _texts(next(data.batches(frame, tokenizer, 5, 32, seed=3, start_step=3)), tokenizer)
-    other = _texts(next(data.batches(frame, tokenizer, 5, 32, seed=4)), tokenizer)
+    resumed = _texts(next(shares.batches(frame, tokenizer, 5, 32, seed=3, start_step=3)), tokenizer)
+    other = _texts(next(shares.batches(frame, tokenizer, 5, 32, seed=4)), tokenizer)
 
     # Assert
     expected = sorted(prompts.TEMPLATE.format(text=t) for t in frame["text"])
@@ -233,7 +233,7 @@ def test_batches_cross_epochs_with_full_batches(tokenizer):
     frame = pd.DataFrame({"text": ["one", "two", "three"], "label": [0, 1, 0]})
 
     # Execute
-    stream = data.batches(frame, tokenizer, 4, 16, seed=0)
+    stream = shares.batches(frame, tokenizer, 4, 16, seed=0)
     sizes = [len(next(stream)) for _ in range(5)]
 
     # Assert
@@ -246,12 +246,12 @@ def test_class_balanced_batches_hold_every_class_evenly(tokenizer):
                           "label": [1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]})
 
     # Execute
-    stream = data.batches(frame, tokenizer, 4, 32, seed=5, logit_adjust=True,
+    stream = shares.batches(frame, tokenizer, 4, 32, seed=5, logit_adjust=True,
                           class_balance=True)
     batches = [next(stream) for _ in range(6)]
-    resumed = next(data.batches(frame, tokenizer, 4, 32, seed=5, logit_adjust=True,
+    resumed = next(shares.batches(frame, tokenizer, 4, 32, seed=5, logit_adjust=True,
                                 class_balance=True, start_step=5))
-    plain = next(data.batches(frame, tokenizer, 4, 32, seed=5, logit_adjust=True))
+    plain = next(shares.batches(frame, tokenizer, 4, 32, seed=5, logit_adjust=True))
 
     # Assert
     assert all(sorted(b.labels.tolist()) == [0, 0, 1, 1] for b in batches)
@@ -269,8 +269,8 @@ def test_class_balance_leaves_one_class_frames_and_classless_tasks_alone(tokeniz
     one_class = pd.DataFrame({"text": [f"review {i}" for i in range(6)], "label": [0] * 6})
 
     # Execute
-    balanced = data.batches(one_class, tokenizer, 3, 32, seed=1, class_balance=True)
-    plain = data.batches(one_class, tokenizer, 3, 32, seed=1)
+    balanced = shares.batches(one_class, tokenizer, 3, 32, seed=1, class_balance=True)
+    plain = shares.batches(one_class, tokenizer, 3, 32, seed=1)
 
     # Assert
     assert [_texts(next(balanced), tokenizer) for _ in range(3)] == \
@@ -287,7 +287,7 @@ def test_class_balance_gives_an_absent_class_the_laplace_share(tokenizer):
                           "label": [0, 0, 0, 0, 0, 0, 0, 1, 1]})
 
     # Execute
-    batch = next(data.batches(frame, tokenizer, 4, 32, seed=0, logit_adjust=True, task=task,
+    batch = next(shares.batches(frame, tokenizer, 4, 32, seed=0, logit_adjust=True, task=task,
                               class_balance=True))
 
     # Assert
@@ -299,10 +299,10 @@ def test_class_balance_gives_an_absent_class_the_laplace_share(tokenizer):
 
 def test_eval_batches_in_order_up_to_limit(tokenizer):
     # Prepare
-    frame = data.load_split(DATASET, "validation")
+    frame = shares.load_split(DATASET, "validation")
 
     # Execute
-    out = list(data.eval_batches(frame, tokenizer, batch_size=8, max_seq_len=64, limit=20))
+    out = list(shares.eval_batches(frame, tokenizer, batch_size=8, max_seq_len=64, limit=20))
 
     # Assert
     assert [len(b) for b in out] == [8, 8, 4]
@@ -313,7 +313,7 @@ def test_eval_batches_in_order_up_to_limit(tokenizer):
 # --- partitions -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", data.PARTITIONERS)
+@pytest.mark.parametrize("method", shares.PARTITIONERS)
 def test_partitions_disjoint_cover_and_deterministic(train, method):
     # Execute
     shares = partition.partition_positions(train, method, 5, 0.5, seed=7)
@@ -358,7 +358,7 @@ def test_dirichlet_skew_follows_alpha(train):
 
 def test_client_examples_facade(train):
     # Execute
-    parts = [data.client_examples(DATASET, "iid", pid, 3, 0.5, seed=0) for pid in range(3)]
+    parts = [shares.client_examples(DATASET, "iid", pid, 3, 0.5, seed=0) for pid in range(3)]
 
     # Assert
     assert sum(len(p) for p in parts) == len(train)
@@ -389,7 +389,7 @@ def test_bad_partition_arguments_name_the_key(kwargs, key):
 
     # Execute / Assert
     with pytest.raises(ValueError, match=key):
-        data.client_examples(**args)  # type: ignore[arg-type]
+        shares.client_examples(**args)  # type: ignore[arg-type]
 
 
 def test_dirichlet_that_cannot_fill_every_client_names_both_keys(train):

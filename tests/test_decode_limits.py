@@ -28,7 +28,6 @@ from flwr.app import Array
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedcybgd import zeroth_order
 from fedcybgd.compression import (
     MAX_DECODED_BYTES,
     PAYLOAD_STYPE,
@@ -39,7 +38,6 @@ from fedcybgd.compression import (
     parse_spec,
     payload_from_array,
     read_header,
-    seedlog,
 )
 from fedcybgd.compression.layout import entry_layout
 from fedcybgd.compression.limits import (
@@ -48,6 +46,7 @@ from fedcybgd.compression.limits import (
     MAX_SEEDLOG_HEADER_BYTES,
 )
 from fedcybgd.compression.tensors import PART_ITEMSIZE
+from fedcybgd.protocol import seedlog, zeroth_order
 
 MiB = 1 << 20
 # What one hostile decode may add to the peak resident set in these tests: the payloads here are

@@ -13,7 +13,6 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedcybgd import zeroth_order
 from fedcybgd.client.app import app as client_app
 from fedcybgd.client.runtime import ClientModel
 from fedcybgd.client.store import BlockStore
@@ -31,7 +30,7 @@ from fedcybgd.model.devices import (
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model
 from fedcybgd.model.precision import FrozenBlocks, Precision, dequantize_rows, quantize_rows
-from fedcybgd.protocol import Holding
+from fedcybgd.protocol import Holding, zeroth_order
 from fedcybgd.server.app import build_strategy
 
 GPU_BOX = DeviceProbe(cuda_count=2, mps=False)
@@ -229,11 +228,11 @@ def test_fo_backprops_through_frozen_int8_and_bf16_layers():
 
 
 def _batch() -> Any:
-    from fedcybgd import data
     from fedcybgd.model.loading import load_tokenizer
+    from fedcybgd.tasks import shares
 
-    frame = data.load_split("rotten-tomatoes", "train").head(8)
-    return next(iter(data.batches(frame, load_tokenizer("tiny-llama"), 4, 32, seed=0)))
+    frame = shares.load_split("rotten-tomatoes", "train").head(8)
+    return next(iter(shares.batches(frame, load_tokenizer("tiny-llama"), 4, 32, seed=0)))
 
 
 # ---------------------------------------------------------- the client's fp32 trained block
@@ -281,7 +280,7 @@ def test_a_lost_cache_file_is_a_codec_error_not_a_silent_upcast(tmp_path):
 def _two_nodes(config, tmp_path):
     """A loopback grid of two nodes sharing a cache folder, and a strategy over one-layer
     blocks of a fresh model (also returned: it holds the server's masters)."""
-    from fedcybgd.checksum import content_checksum
+    from fedcybgd.core.checksum import content_checksum
 
     run = RunConfig.from_run_config(config)
     grid = LoopbackGrid(client_app, 2, config,
@@ -353,11 +352,11 @@ def test_recompute_gives_the_same_gradient(family, block):
 
 
 def _gpt2_batch() -> Any:
-    from fedcybgd import data
     from fedcybgd.model.loading import load_tokenizer
+    from fedcybgd.tasks import shares
 
-    frame = data.load_split("rotten-tomatoes", "train").head(8)
-    return next(iter(data.batches(frame, load_tokenizer("tiny-gpt2"), 4, 32, seed=0)))
+    frame = shares.load_split("rotten-tomatoes", "train").head(8)
+    return next(iter(shares.batches(frame, load_tokenizer("tiny-gpt2"), 4, 32, seed=0)))
 
 
 def test_fo_rule_with_recompute_trains_the_same_block(tiny_run_config):

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fedcybgd import atomic
 from fedcybgd.client.app import app as client_app
 from fedcybgd.config import ConfigError, RunConfig
+from fedcybgd.core import atomic
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.model.loading import load_model
 from fedcybgd.server import app as server_app

@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import (
     DifferentialPrivacyServerSideFixedClipping,
 )
 
-from fedcybgd.checksum import content_checksum
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
 from fedcybgd.strategies import (
@@ -124,7 +124,7 @@ def run_as_documented(example: str, tmp_path: Path, extra: str = "") -> Path:
     is not the project's ``.venv``, the documented ``../../.venv/bin/`` points at its own.
     ``extra``: more ``--run-config`` for the run.
     """
-    from fedcybgd.demo import stop_local_superlink
+    from fedcybgd.cli.demo import stop_local_superlink
 
     command = documented_command(example)
     bin_dir = Path(sys.executable).parent

@@ -19,9 +19,9 @@ def test_app_bundle_holds_the_apps_and_not_the_harness():
     assert {"fedcybgd/server/app.py", "fedcybgd/client/app.py",
             "fedcybgd/strategies/fedcybgd.py"} <= names
     assert {"fedcybgd/model/blocks.py", "fedcybgd/model/layerwise.py",
-            "fedcybgd/memory/estimate.py", "fedcybgd/zeroth_order.py"} <= names
+            "fedcybgd/memory/estimate.py", "fedcybgd/protocol/zeroth_order.py"} <= names
     assert not any(n.startswith(("fedcybgd/deploy/", "fedcybgd/harness/", "fedcybgd/cli/"))
                    for n in names)
-    assert "fedcybgd/demo.py" not in names
+    assert "fedcybgd/cli/demo.py" not in names
     assert not any(n.startswith(("experiments/", "tests/", "outputs/", "examples/"))
                    for n in names)

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent / "fedcybgd"
 SERVER_SIDE = ("fedcybgd.server", "fedcybgd.strategies")
 CLIENT = "fedcybgd.client"
 # On the operator's machine only (kept out of the app bundle): they may use both sides.
-OPERATOR_SIDE = ("fedcybgd.harness", "fedcybgd.deploy", "fedcybgd.demo")
+OPERATOR_SIDE = ("fedcybgd.harness", "fedcybgd.deploy", "fedcybgd.cli")
 
 
 def module_name(path: Path) -> str:
@@ -179,11 +179,55 @@ def test_shared_modules_reach_neither_side():
     # Prepare: every module that is neither side nor operator-side (config, rules, model, ...)
     shared = [m for m in GRAPH if not _on(m, (*SERVER_SIDE, CLIENT, *OPERATOR_SIDE))]
     assert {"fedcybgd.config", "fedcybgd.rules.registry", "fedcybgd.memory.estimate",
-            "fedcybgd.baselines.model", "fedcybgd.plugins", "fedcybgd.zeroth_order"} <= set(shared)
+            "fedcybgd.baselines.model", "fedcybgd.core.registry",
+            "fedcybgd.protocol.zeroth_order"} <= set(shared)
     # Assert: none imports either side, directly or through other modules
     through = {m: sorted(d for d in reachable(m) if _on(d, (*SERVER_SIDE, CLIENT)))
                for m in shared}
     assert {m: d for m, d in through.items() if d} == {}
+
+
+# ------------------------------------------------------------ folders and their floors
+def folder(module: str) -> str:
+    """The sub-package (or root module) of ``fedcybgd`` that ``module`` belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "fedcybgd"
+
+
+FOLDERS = {folder(m): set() for m in GRAPH}
+for _module, _deps in GRAPH.items():
+    FOLDERS[folder(_module)] |= {folder(d) for d in _deps} - {folder(_module)}
+
+# The floors of the package, lowest first: a folder imports only from floors below its own.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("core", "choices"),  # leaf utilities; the lists of allowed values
+    ("data", "compression", "rules", "model"),  # rows, codecs, the rules' contract, models
+    ("protocol", "memory"),  # what both sides agree on; memory estimates
+    ("config",),  # the typed run and node config: the edge every setting enters by
+    ("tasks", "strategies", "baselines"),  # tasks; the server's strategy; FedAvg baselines
+    ("client", "server"),  # the two apps
+    ("cli",),  # the operator's command line
+    ("harness", "deploy"),  # test and experiment rigs, deployments
+)
+
+
+def test_folders_import_no_circle():
+    assert cycles(FOLDERS) == []
+
+
+def test_every_folder_imports_only_from_floors_below():
+    floor = {name: level for level, names in enumerate(FLOORS) for name in names}
+    assert set(FOLDERS) - {"fedcybgd"} == set(floor)  # every folder has its floor
+    upward = {f"{a} -> {b}" for a, deps in FOLDERS.items() for b in deps
+              if floor.get(b, -1) >= floor.get(a, -1)}
+    assert upward == set()
+
+
+def test_the_package_root_holds_only_sub_packages_and_two_modules():
+    # config.py: the one typed object config enters by; choices.py: the allowed values (no
+    # imports, read by every floor)
+    loose = sorted(p.name for p in ROOT.glob("*.py"))
+    assert loose == ["__init__.py", "choices.py", "config.py"]
 
 
 @pytest.mark.parametrize(("graph", "expected"), [

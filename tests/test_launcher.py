@@ -375,7 +375,7 @@ TINY = ("model='tiny-llama' partitioner='iid' num-server-rounds=3 clients-per-ro
 def flower_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The user's environment with the venv on PATH and a private Flower home and ports, so
     the managed SuperLink these runs start is this module's alone (stopped at the end)."""
-    from fedcybgd.demo import stop_local_superlink
+    from fedcybgd.cli.demo import stop_local_superlink
 
     home = tmp_path_factory.mktemp("flwr-home")
     env = {**os.environ, "FLWR_HOME": str(home),

@@ -23,7 +23,7 @@ from fedcybgd.data.prompts import Batch
 from fedcybgd.model.blocks import EMBED, HEAD, BlockMap, UnsupportedModelError
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import TINY_CONFIGS, build_tiny, load_model, load_tokenizer
-from fedcybgd.objective import label_loss
+from fedcybgd.tasks.objective import label_loss
 
 ATOL = 1e-5  # fp32 logits; the pieces run the model's own kernels, so the gap measured is 0
 # fp32 gradients of scale ~1: with transformers 5.24 the model's own backward sums in another

@@ -9,10 +9,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedcybgd import protocol
-from fedcybgd.checksum import content_checksum
 from fedcybgd.client.app import app as client_app
 from fedcybgd.compression import decode
 from fedcybgd.config import ConfigError, RunConfig
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.harness.faults import upload_of
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.model.blocks import BlockMap
@@ -207,7 +207,7 @@ def test_bad_server_optimizer_keys_are_refused():
 # ---------------------------------------------------------------------- logit adjustment
 
 def test_local_log_prior_is_zero_when_balanced_and_suppresses_a_missing_class():
-    from fedcybgd.data import local_log_prior
+    from fedcybgd.tasks.shares import local_log_prior
     assert torch.allclose(local_log_prior([0, 1, 1, 0], 2), torch.zeros(2))
     skewed = local_log_prior([1] * 98, 2)  # shares (1/100, 99/100)
     assert torch.allclose(skewed, torch.log(torch.tensor([0.02, 1.98])))
@@ -216,7 +216,7 @@ def test_local_log_prior_is_zero_when_balanced_and_suppresses_a_missing_class():
 def test_logit_adjustment_shifts_only_the_class_logits_of_the_training_loss():
     # Prepare: a 2-class batch over a 6-token vocabulary, a prior favouring class 1
     from fedcybgd.data.prompts import Batch
-    from fedcybgd.objective import adjusted, label_loss
+    from fedcybgd.tasks.objective import adjusted, label_loss
     classes = torch.tensor([2, 4])
     plain = Batch(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
                   torch.tensor([2, 2]), classes[torch.tensor([0, 1])], torch.tensor([0, 1]),
@@ -237,7 +237,7 @@ def test_adjusted_loss_of_a_one_label_client_does_not_favour_its_label_word():
     # Prepare: a client whose every example is class 0 (prior log(2 x 0.99) vs log(2 x 0.01)),
     # over a vocabulary where the two class tokens start with equal logits
     from fedcybgd.data.prompts import Batch
-    from fedcybgd.objective import label_loss
+    from fedcybgd.tasks.objective import label_loss
     classes = torch.tensor([2, 4])
     prior = torch.log(2 * torch.tensor([0.99, 0.01]))
     batch = Batch(torch.zeros(3, 3, dtype=torch.long), torch.ones(3, 3, dtype=torch.long),
@@ -253,7 +253,7 @@ def test_adjusted_loss_of_a_one_label_client_does_not_favour_its_label_word():
     assert (grad[:, classes] < 0).all()
     assert torch.allclose(grad[:, 2], grad[:, 4], rtol=0.1)
     # (the prior added inside the full-vocabulary softmax pushes only the client's own word up)
-    from fedcybgd.objective import adjusted
+    from fedcybgd.tasks.objective import adjusted
     inside = logits.detach().requires_grad_(True)
     torch.nn.functional.cross_entropy(adjusted(inside, batch), batch.target_ids).backward()
     assert inside.grad is not None
@@ -262,7 +262,7 @@ def test_adjusted_loss_of_a_one_label_client_does_not_favour_its_label_word():
 
 def test_adjusted_loss_without_a_skew_is_the_plain_cross_entropy():
     from fedcybgd.data.prompts import Batch
-    from fedcybgd.objective import label_loss
+    from fedcybgd.tasks.objective import label_loss
     classes = torch.tensor([1, 3])
     batch = Batch(torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
                   torch.tensor([1, 1, 1, 1]), classes[torch.tensor([0, 1, 1, 0])],
@@ -273,18 +273,18 @@ def test_adjusted_loss_without_a_skew_is_the_plain_cross_entropy():
 
 
 def test_client_batches_carry_their_partitions_prior_only_when_asked(tiny_run_config):
-    from fedcybgd import data
     from fedcybgd.model.loading import load_tokenizer
-    frame = data.client_examples("rotten-tomatoes", "dirichlet", 0, 8, 0.5, 0)
+    from fedcybgd.tasks import shares
+    frame = shares.client_examples("rotten-tomatoes", "dirichlet", 0, 8, 0.5, 0)
     tokenizer = load_tokenizer("tiny-llama")
-    on = next(data.batches(frame, tokenizer, 4, 32, seed=0, logit_adjust=True))
-    off = next(data.batches(frame, tokenizer, 4, 32, seed=0))
+    on = next(shares.batches(frame, tokenizer, 4, 32, seed=0, logit_adjust=True))
+    off = next(shares.batches(frame, tokenizer, 4, 32, seed=0))
     # Assert: the prior is the partition's own (partition 0 of seed 0 is mostly positive)
     assert float(frame["label"].mean()) > 0.6
     assert off.class_log_prior is None
     assert on.class_log_prior is not None
     assert torch.allclose(on.class_log_prior,
-                          data.local_log_prior(frame["label"].astype(int).tolist(), 2))
+                          shares.local_log_prior(frame["label"].astype(int).tolist(), 2))
     assert on.class_log_prior[1] > 0 > on.class_log_prior[0]
     assert torch.equal(on.input_ids, off.input_ids)
 
@@ -295,7 +295,7 @@ def test_demo_user_run_config_overrides_the_demos_size(tmp_path, monkeypatch):
 
     from flwr.common.config import parse_config_args
 
-    from fedcybgd import demo
+    from fedcybgd.cli import demo
     seen = {}
 
     def fake_run(command, **kwargs):

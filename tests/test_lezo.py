@@ -13,15 +13,14 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-import fedcybgd.data as data
-from fedcybgd import zeroth_order
 from fedcybgd.client.updates import TrainTask, get_rule, lezo
 from fedcybgd.client.updates.fo import block_loss
-from fedcybgd.compression import seedlog
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model, load_tokenizer
+from fedcybgd.protocol import seedlog, zeroth_order
+from fedcybgd.tasks import shares
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +30,8 @@ def tokenizer() -> PreTrainedTokenizerBase:
 
 @pytest.fixture(scope="module")
 def batches(tokenizer) -> list[Batch]:
-    frame = data.load_split("rotten-tomatoes", "train").iloc[:64]
-    stream = data.batches(frame, tokenizer, 4, 32, seed=0)
+    frame = shares.load_split("rotten-tomatoes", "train").iloc[:64]
+    stream = shares.batches(frame, tokenizer, 4, 32, seed=0)
     return [next(stream) for _ in range(4)]
 
 

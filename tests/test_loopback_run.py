@@ -34,7 +34,7 @@ def make_strategy(run: RunConfig) -> tuple[Any, Any, BlockMap]:
 
 
 def _hash(weights: dict[str, torch.Tensor]) -> str:
-    from fedcybgd.checksum import content_checksum
+    from fedcybgd.core.checksum import content_checksum
 
     return content_checksum(weights)
 

@@ -133,7 +133,7 @@ from fedcybgd.client.local_data import training_batches
 from fedcybgd.client.runtime import client_model
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.memory.estimate import estimate_peak_mb, measured_runtime_mb
-from fedcybgd.memory.measure import PeakMemory, rss_bytes
+from fedcybgd.core.measure import PeakMemory, rss_bytes
 from fedcybgd.model.precision import Precision
 from fedcybgd.client.updates.base import get_rule
 from fedcybgd.rules import TrainTask

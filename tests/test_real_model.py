@@ -7,12 +7,12 @@ import itertools
 import pytest
 import torch
 
-from fedcybgd import data
 from fedcybgd.client.updates import TrainTask, get_rule
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model, load_tokenizer
-from fedcybgd.objective import evaluate
+from fedcybgd.tasks import shares
+from fedcybgd.tasks.objective import evaluate
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +39,8 @@ def test_first_order_steps_on_one_block_lower_the_label_loss(smollm2):
     model, tokenizer = smollm2
     stack = LayerStack(model)
     blocks = BlockMap(model, layers_per_block=1)
-    frame = data.load_split("rotten-tomatoes", "train").head(32)
-    fixed = list(itertools.islice(data.batches(frame, tokenizer, 8, 64, seed=0), 4))
+    frame = shares.load_split("rotten-tomatoes", "train").head(32)
+    fixed = list(itertools.islice(shares.batches(frame, tokenizer, 8, 64, seed=0), 4))
     before = evaluate(stack, fixed)
     start = blocks.get(model, "layer.29")
     task = TrainTask(model=model, stack=stack, blocks=blocks, block="layer.29",
@@ -80,13 +80,13 @@ def test_first_order_sft_steps_lower_the_response_loss(smollm2):
     model, tokenizer = smollm2
     stack = LayerStack(model)
     blocks = BlockMap(model, layers_per_block=1)
-    reviews = data.load_split("rotten-tomatoes", "train").head(32)
+    reviews = shares.load_split("rotten-tomatoes", "train").head(32)
     task = make_task("sft", RunConfig(task="sft", partitioner="iid", max_new_tokens=3))
     frame = task.check(pd.DataFrame({
         "prompt": [f"Is this movie review positive or negative? Answer in one word.\n{t}"
                    for t in reviews["text"]],
         "response": ["positive" if y else "negative" for y in reviews["label"]]}))
-    fixed = list(itertools.islice(data.batches(frame, tokenizer, 8, 128, seed=0, task=task), 4))
+    fixed = list(itertools.islice(shares.batches(frame, tokenizer, 8, 128, seed=0, task=task), 4))
     before = task.evaluate(stack, tokenizer, frame, 16, 128)
     start = blocks.get(model, "layer.29")
     train = TrainTask(model=model, stack=stack, blocks=blocks, block="layer.29",
@@ -131,10 +131,10 @@ def test_sft_training_on_the_builtin_tomi_lowers_the_held_out_response_loss(smol
     blocks = BlockMap(model, layers_per_block=1)
     task = build_task(RunConfig(dataset="tomi", max_seq_len=160))
     assert task.name == "sft"
-    held_out = list(itertools.islice(data.batches(task.split("validation").head(32),
+    held_out = list(itertools.islice(shares.batches(task.split("validation").head(32),
                                                   tokenizer, 16, 160, seed=0, shuffle=False,
                                                   task=task), 2))
-    train = data.batches(task.split("train"), tokenizer, 8, 160, seed=0, task=task)
+    train = shares.batches(task.split("train"), tokenizer, 8, 160, seed=0, task=task)
     before = _response_loss(stack, held_out)
     start = blocks.get(model, "layer.29")
     # Execute

@@ -20,7 +20,8 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcybgd import demo, protocol
+from fedcybgd import protocol
+from fedcybgd.cli import demo
 from fedcybgd.client.app import app as client_app
 from fedcybgd.client.app import train as client_train
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig

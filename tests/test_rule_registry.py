@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedcybgd import rule_options, rules
+from fedcybgd import rules
 from fedcybgd.client.updates import get_rule, step_log_of
 from fedcybgd.config import ConfigError, RunConfig
-from fedcybgd.config_fields import normalize, setting
+from fedcybgd.core.fields import normalize, setting
 from fedcybgd.memory.estimate import (
     ACT_FLOATS_PER_TOKEN_PER_LAYER,
     MB,
@@ -35,7 +35,7 @@ from fedcybgd.memory.estimate import (
 )
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
-from fedcybgd.rules import MemoryNeeds, RuleOptions, TrainOutcome, TrainTask
+from fedcybgd.rules import MemoryNeeds, RuleOptions, TrainOutcome, TrainTask, builtin_options
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_MODULE = "signsgd_rule"
@@ -114,7 +114,7 @@ def test_builtin_rules_are_declared_for_both_sides():
     specs = {s.name: s for s in rules.rule_specs()}
     assert list(specs)[:4] == ["fo", "zerolock", "lezo", "mezo"]
     for name in ("fo", "zerolock", "lezo", "mezo"):
-        assert specs[name].options is rule_options.RULES[name]
+        assert specs[name].options is builtin_options.RULES[name]
         assert isinstance(specs[name].implementation, str)  # the server imports no client code
         assert get_rule(name).name == name
     assert [n for n, s in specs.items() if s.step_log] == ["lezo", "mezo"]

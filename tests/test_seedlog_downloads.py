@@ -12,13 +12,14 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedcybgd import protocol, seedsync, zeroth_order
-from fedcybgd.checksum import content_checksum
+from fedcybgd import protocol
 from fedcybgd.client.app import app as client_app
 from fedcybgd.config import ConfigError, RunConfig
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
+from fedcybgd.protocol import seedsync, zeroth_order
 from fedcybgd.server.app import build_strategy
 from fedcybgd.strategies.aggregate import weighted_mean
 from fedcybgd.strategies.server_step import ServerStep

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcybgd import demo
+from fedcybgd.cli import demo
 
 pytestmark = pytest.mark.slow
 

@@ -21,9 +21,9 @@ from flwr.app import (
 )
 
 from fedcybgd import protocol
-from fedcybgd.checksum import content_checksum
 from fedcybgd.choices import SCHEDULES
 from fedcybgd.compression import decode, encode, payload_from_array, payload_to_array, read_header
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
 from fedcybgd.protocol import Holding

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fedcybgd import demo
+from fedcybgd.cli import demo
 
 
 def write_sets(folder: Path) -> dict[str, dict[str, Any]]:

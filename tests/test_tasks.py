@@ -12,13 +12,12 @@ import pandas as pd
 import pytest
 import torch
 
-from fedcybgd import data
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.data.sources import DataError
 from fedcybgd.model.loading import load_tokenizer
-from fedcybgd.objective import batch_loss, scored_logits
-from fedcybgd.tasks import make_task
+from fedcybgd.tasks import make_task, shares
 from fedcybgd.tasks.base import build_task
+from fedcybgd.tasks.objective import batch_loss, scored_logits
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +48,11 @@ def test_a_single_file_is_split_80_10_10_with_a_fixed_seed(tmp_path):
     # Execute
     first = task_for(task="sft", dataset=str(path))
     again = task_for(task="sft", dataset=str(path), seed=5)
-    sizes = {s: len(first.split(s)) for s in data.SPLITS}
+    sizes = {s: len(first.split(s)) for s in shares.SPLITS}
     # Assert: the held-out rows do not move with the run seed, and no row is in two splits
     assert sizes == {"train": 40, "validation": 5, "test": 5}
     assert first.split("test")["_row"].tolist() == again.split("test")["_row"].tolist()
-    rows = [r for s in data.SPLITS for r in first.split(s)["_row"]]
+    rows = [r for s in shares.SPLITS for r in first.split(s)["_row"]]
     assert sorted(rows) == list(range(1, 51))
 
 
@@ -140,10 +139,10 @@ def test_label_words_must_be_one_token_each(tokenizer):
 def test_rotten_tomatoes_is_the_default_classification_task(tokenizer):
     # Prepare
     task = build_task(RunConfig())
-    frame = data.load_split("rotten-tomatoes", "train").head(8)
+    frame = shares.load_split("rotten-tomatoes", "train").head(8)
     # Execute
-    through_task = next(data.batches(frame, tokenizer, 8, 64, seed=0, shuffle=False, task=task))
-    expected = data.collate(data.encode(tokenizer, frame["text"].tolist(),
+    through_task = next(shares.batches(frame, tokenizer, 8, 64, seed=0, shuffle=False, task=task))
+    expected = shares.collate(shares.encode(tokenizer, frame["text"].tolist(),
                                         frame["label"].tolist(), 64))
     # Assert: the same prompts, positions and targets as the encoder the task layer replaced
     assert torch.equal(through_task.input_ids, expected.input_ids)
@@ -162,7 +161,7 @@ def test_sft_scores_only_the_response_tokens(tmp_path, tokenizer, chat):
     task = task_for(task="sft", dataset=str(path))
     frame = task.split("train").head(3)
     # Execute
-    batch = next(data.batches(frame, tok, 3, 128, seed=0, shuffle=False, task=task))
+    batch = next(shares.batches(frame, tok, 3, 128, seed=0, shuffle=False, task=task))
     # Assert: each target is the next input token, and the targets spell the response
     assert batch.score_rows is not None and batch.score_positions is not None
     for row in range(3):
@@ -203,7 +202,7 @@ def test_logits_are_gathered_at_the_scored_tokens_only(tmp_path, tokenizer):
 
     path = write_jsonl(tmp_path / "d.jsonl", sft_rows(20))
     task = task_for(task="sft", dataset=str(path))
-    batch = next(data.batches(task.split("train"), tokenizer, 4, 128, seed=0, task=task))
+    batch = next(shares.batches(task.split("train"), tokenizer, 4, 128, seed=0, task=task))
     model = load_model("tiny-llama")
     stack = LayerStack(model)
     # Execute
@@ -296,7 +295,7 @@ def test_zerolock_objectives_read_the_tasks_positions(tmp_path, tokenizer):
 
     path = write_jsonl(tmp_path / "d.jsonl", sft_rows(20))
     task = task_for(task="sft", dataset=str(path))
-    batch = next(data.batches(task.split("train"), tokenizer, 4, 96, seed=0, task=task))
+    batch = next(shares.batches(task.split("train"), tokenizer, 4, 96, seed=0, task=task))
     states = torch.randn(*batch.input_ids.shape, 8)
     # Execute
     label_rows, label_targets = loss_rows(states, batch, "label")

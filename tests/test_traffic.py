@@ -19,18 +19,18 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.serde import message_to_proto
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fedcybgd import protocol, selfsync
-from fedcybgd.checksum import content_checksum
+from fedcybgd import protocol
 from fedcybgd.client.app import app as client_app
 from fedcybgd.client.feedback import encode_upload
 from fedcybgd.client.paths import node_dirs
 from fedcybgd.client.store import BlockStore
 from fedcybgd.config import RunConfig
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.harness.loopback import LoopbackGrid
-from fedcybgd.message_size import message_bytes
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
-from fedcybgd.protocol import Holding
+from fedcybgd.protocol import Holding, selfsync
+from fedcybgd.protocol.message_size import message_bytes
 from fedcybgd.server.app import build_strategy
 from fedcybgd.server.baselines import run_fedavg
 from fedcybgd.strategies.replies import MALFORMED, NOT_TRAINED
@@ -375,7 +375,7 @@ def test_quantized_install_moves_fewer_bytes_down_at_the_same_loss(tiny_run_conf
 
 def test_install_codec_must_be_a_lossy_delta_codec(tiny_run_config):
     # Prepare / Execute / Assert: an exact or base-free codec cannot round an install
-    from fedcybgd.config_fields import ConfigError
+    from fedcybgd.core.fields import ConfigError
 
     for spec in ("xor+zstd", "int8+zstd", "fp32", "delta+int9"):
         with pytest.raises(ConfigError, match="install-codec"):

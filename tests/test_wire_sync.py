@@ -10,11 +10,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MessageType
 
 from fedcybgd import protocol
-from fedcybgd.checksum import content_checksum
 from fedcybgd.client.app import app as client_app
 from fedcybgd.client.runtime import client_model
 from fedcybgd.compression import payload_from_array, payload_to_array, read_header
 from fedcybgd.config import RunConfig
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from fedcybgd import data
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule
 from fedcybgd.client.updates.local_heads import LocalHead, Translator
 from fedcybgd.client.updates.zerolock import (
@@ -26,7 +25,8 @@ from fedcybgd.data.prompts import Batch
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model, load_tokenizer
-from fedcybgd.objective import label_loss
+from fedcybgd.tasks import shares
+from fedcybgd.tasks.objective import label_loss
 
 SEED = 11
 
@@ -39,8 +39,8 @@ def base_model() -> Any:
 @pytest.fixture(scope="module")
 def batch_list() -> list[Batch]:
     tokenizer = load_tokenizer("tiny-llama")
-    frame = data.load_split("rotten-tomatoes", "train").iloc[:64]
-    return list(itertools.islice(data.batches(frame, tokenizer, 4, 32, seed=0), 8))
+    frame = shares.load_split("rotten-tomatoes", "train").iloc[:64]
+    return list(itertools.islice(shares.batches(frame, tokenizer, 4, 32, seed=0), 8))
 
 
 @pytest.fixture

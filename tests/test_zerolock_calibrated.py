@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from fedcybgd import data
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule
 from fedcybgd.client.updates.calibration import (
     EMBEDDINGS,
@@ -28,7 +27,8 @@ from fedcybgd.memory.estimate import ModelShape, estimate_peak_mb
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model, load_tokenizer
-from fedcybgd.objective import label_loss
+from fedcybgd.tasks import shares
+from fedcybgd.tasks.objective import label_loss
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,12 @@ def base_model() -> Any:
 
 @pytest.fixture(scope="module")
 def frame() -> Any:
-    return data.load_split("rotten-tomatoes", "train").iloc[:64]
+    return shares.load_split("rotten-tomatoes", "train").iloc[:64]
 
 
 @pytest.fixture(scope="module")
 def batch_list(frame: Any) -> list[Batch]:
-    return list(itertools.islice(data.batches(frame, load_tokenizer("tiny-llama"), 4, 32, seed=0),
+    return list(itertools.islice(shares.batches(frame, load_tokenizer("tiny-llama"), 4, 32, seed=0),
                                  8))
 
 
@@ -111,7 +111,7 @@ def test_calibrated_head_is_fitted_once_then_reused_until_the_layers_above_move(
     tokenizer = load_tokenizer("tiny-llama")
 
     def round_batches(step: int = 0) -> Any:
-        return data.batches(frame, tokenizer, 4, 32, seed=5, start_step=step)
+        return shares.batches(frame, tokenizer, 4, 32, seed=5, start_step=step)
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     # Execute: round 1 fits; round 2 (nothing moved above) reuses; then layer 2 moves

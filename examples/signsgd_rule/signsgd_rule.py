@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcybgd.config_fields import normalize, setting
-from fedcybgd.objective import batch_loss, scored_logits
+from fedcybgd.core.fields import normalize, setting
 from fedcybgd.rules import MemoryNeeds, RuleOptions, TrainOutcome, TrainTask, register_rule
+from fedcybgd.tasks.objective import batch_loss, scored_logits
 
 
 @dataclass(frozen=True)

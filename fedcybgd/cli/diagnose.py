@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fedcybgd.config_fields import unknown_key
+from fedcybgd.core.fields import unknown_key
 
 LOCAL_ADDRESSES = (":local:", ":local-in-memory:")  # Flower's managed local SuperLink
 

@@ -4,13 +4,13 @@ One train message = one assignment: the block to train, the update rule, the rou
 the blocks to download (only those whose version the node's cache lacks). The reply carries the
 encoded new block, the metrics and what the node now holds, so the server never has to guess.
 
-Self-sync (:mod:`fedcybgd.selfsync`): asked to, the node keeps its own decoded upload as a
+Self-sync (:mod:`fedcybgd.protocol.selfsync`): asked to, the node keeps its own decoded upload as a
 pending copy; when the server's next instruction says it installed that block from it, the node
 computes the installed version itself, checks it against the server's checksum and holds it, so
 the block is not sent back. Error feedback (``error-feedback``): with a lossy upload codec, what
 the codec dropped of the node's update is kept per block and added to its next upload of it.
-Seed-log downloads (:mod:`fedcybgd.seedsync`): a block may arrive as the step logs that made its
-new versions, which the node replays on its exact copy and checks by checksum.
+Seed-log downloads (:mod:`fedcybgd.protocol.seedsync`): a block may arrive as the step logs that
+made its new versions, which the node replays on its exact copy and checks by checksum.
 The instruction is untrusted (:mod:`fedcybgd.client.instruction`), and what it asks is bounded
 by the node's own limits (:mod:`fedcybgd.client.limits`): training steps, learning rate, batch
 size, download bytes and decoded sizes, step logs and steps to replay, all checked before the
@@ -31,8 +31,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcybgd import protocol, seedsync, selfsync, zeroth_order
-from fedcybgd.checksum import content_checksum
+from fedcybgd import protocol
 from fedcybgd.client import limits
 from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
 from fedcybgd.client.feedback import encode_upload
@@ -51,21 +50,21 @@ from fedcybgd.compression import (
     payload_to_array,
     raw_fp32_bytes,
     read_header,
-    seedlog,
     uses_base,
 )
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig
-from fedcybgd.data import target_shares
+from fedcybgd.core.checksum import content_checksum
+from fedcybgd.core.measure import PeakMemory, rss_bytes
 from fedcybgd.data.prompts import Batch
 from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule, measured_runtime_mb
-from fedcybgd.memory.measure import PeakMemory, rss_bytes
 from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
-from fedcybgd.protocol import Holding
+from fedcybgd.protocol import Holding, seedlog, seedsync, selfsync, zeroth_order
+from fedcybgd.protocol.zeroth_order import SeedLog
 from fedcybgd.rules import rule_spec
 from fedcybgd.tasks.base import build_task, warn_cut
-from fedcybgd.zeroth_order import SeedLog
+from fedcybgd.tasks.shares import target_shares
 
 log = logging.getLogger(__name__)
 app = ClientApp()

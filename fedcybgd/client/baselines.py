@@ -31,7 +31,7 @@ from fedcybgd.client import limits
 from fedcybgd.client.local_data import training_batches
 from fedcybgd.client.updates.fo import block_loss
 from fedcybgd.config import NodeConfig, RunConfig
-from fedcybgd.memory.measure import PeakMemory
+from fedcybgd.core.measure import PeakMemory
 from fedcybgd.protocol import class_prior
 
 __all__ = ["ARRAYS", "METRICS", "build_full", "build_lora", "is_fedavg_message", "train_fedavg"]

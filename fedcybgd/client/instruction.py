@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fedcybgd import protocol, selfsync
+from fedcybgd import protocol
 from fedcybgd.client.limits import Refusal
 from fedcybgd.compression import CodecError, parse_spec
-from fedcybgd.protocol import Holding
+from fedcybgd.protocol import Holding, selfsync
 
 T = TypeVar("T")
 # The JSON fields (holdings, self-synced blocks) list blocks: a few kB for any real model.

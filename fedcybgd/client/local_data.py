@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from fedcybgd import data
 from fedcybgd.client.runtime import client_tokenizer
 from fedcybgd.config import NodeConfig, RunConfig
+from fedcybgd.tasks import shares
 from fedcybgd.tasks.base import build_task
 
 
@@ -19,15 +19,15 @@ def node_frame(run: RunConfig, node: NodeConfig) -> pd.DataFrame:
     task = build_task(run)
     if node.data_path:
         return task.local_frame(node.data_path)
-    return data.client_examples(task, run.partitioner, node.partition_id, node.num_partitions,
+    return shares.client_examples(task, run.partitioner, node.partition_id, node.num_partitions,
                                 run.dirichlet_alpha, run.seed)
 
 
 def training_batches(run: RunConfig, node: NodeConfig, seed: int,
-                     target_prior: Sequence[float] | None = None) -> data.BatchIterator:
+                     target_prior: Sequence[float] | None = None) -> shares.BatchIterator:
     """This node's endless training batches (:func:`node_frame`), aiming at ``target_prior``
     (the class shares an instruction carries; ``None``: equal shares)."""
-    return data.batches(node_frame(run, node), client_tokenizer(run.model), run.batch_size,
+    return shares.batches(node_frame(run, node), client_tokenizer(run.model), run.batch_size,
                         run.max_seq_len, seed=seed, shuffle=True, logit_adjust=run.logit_adjust,
                         task=build_task(run), class_balance=run.class_balance,
                         target_prior=target_prior)
@@ -40,4 +40,4 @@ def stated_class_counts(run: RunConfig, node: NodeConfig) -> list[int] | None:
     task = build_task(run)
     if run.class_prior.strip().lower() != "global" or task.num_classes() < 2:
         return None
-    return data.class_counts(task, node_frame(run, node))
+    return shares.class_counts(task, node_frame(run, node))

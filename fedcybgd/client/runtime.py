@@ -19,11 +19,11 @@ import functools
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fedcybgd.checksum import content_checksum
 from fedcybgd.client.store import BlockStore
 from fedcybgd.compression import CodecError
+from fedcybgd.core.checksum import content_checksum
+from fedcybgd.core.measure import release_freed
 from fedcybgd.memory.estimate import ModelShape
-from fedcybgd.memory.measure import release_freed
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.devices import to_cpu
 from fedcybgd.model.layerwise import LayerStack

@@ -7,7 +7,8 @@ state; a file that fails its checksum is dropped and the server resends that blo
 
 Besides the blocks it holds, the store keeps two kinds of per-block state (issue 16):
 
-- a *pending* copy (self-sync, :mod:`fedcybgd.selfsync`): the node's own decoded upload of the
+- a *pending* copy (self-sync, :mod:`fedcybgd.protocol.selfsync`): the node's own decoded upload of
+the
   block it just trained, with the holding it trained from. It is held only once the server's
   next instruction says the installed version is what the node can compute from it
   (:meth:`put` of the computed block); until then it is not in :attr:`holdings`, so nothing
@@ -33,9 +34,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from fedcybgd.atomic import save_tensors, write_bytes
-from fedcybgd.checksum import content_checksum
 from fedcybgd.client.paths import UnsafeName, block_name
+from fedcybgd.core.atomic import save_tensors, write_bytes
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.protocol import Holding
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ A payload is one ``bytes`` object::
 
 The header names the block, the base and target versions, the codec spec, each tensor's
 dtype/shape/parts/codec metadata, a sha256 of the stored body and the content checksum of the
-reconstructed tensors (:func:`fedcybgd.checksum.content_checksum`, the same one client caches
+reconstructed tensors (:func:`fedcybgd.core.checksum.content_checksum`, the same one client caches
 keep). The body is the parts back to back, byte-shuffled and zstd-compressed when the spec
 ends in ``zstd``.
 

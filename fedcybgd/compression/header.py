@@ -74,7 +74,7 @@ class PayloadHeader:
     base_version: int
     target_version: int
     entries: tuple[TensorEntry, ...]
-    checksum: str  # fedcybgd.checksum.content_checksum of the reconstructed tensors
+    checksum: str  # fedcybgd.core.checksum.content_checksum of the reconstructed tensors
     base_checksum: str | None  # same, of the base, for delta/xor payloads
     body_length: int  # stored (possibly compressed) body bytes
     raw_body_length: int  # body bytes before compression

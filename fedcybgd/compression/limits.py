@@ -20,7 +20,7 @@ MAX_DIMS = 64
 # costing seconds and hundreds of MB of JSON parsing before any other check.
 MAX_HEADER_BYTES = 1 << 20
 
-# Largest zeroth-order step log :func:`fedcybgd.compression.seedlog.decode_seedlog` reads unless
+# Largest zeroth-order step log :func:`fedcybgd.protocol.seedlog.decode_seedlog` reads unless
 # told otherwise (callers that know the steps and units pass ``seedlog.max_log_bytes``). An honest
 # step is 16 bytes plus a bit per unit: 1,000 steps of a 30-unit block take 20 kB. Decoding costs
 # about 75 times the log's size in memory at most (8 bytes per chosen unit), time linear in it.

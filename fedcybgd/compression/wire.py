@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
-from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import codecs
 from fedcybgd.compression.errors import CodecError
 from fedcybgd.compression.header import (
@@ -34,6 +33,7 @@ from fedcybgd.compression.tensors import (
     torch_dtype,
     work_dtype,
 )
+from fedcybgd.core.checksum import content_checksum
 
 _MIN_ZSTD_LEVEL = -(2**17)  # zstd's fastest negative level
 

@@ -1,12 +1,12 @@
 """The rows of the built-in datasets (the table of them, with their task kinds and fields:
-:mod:`fedcybgd.tasks.builtin_data`)."""
+:mod:`fedcybgd.data.catalogue`)."""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
-from fedcybgd.tasks.builtin_data import BUILTIN_DATASETS, BuiltinDataset, builtin_dataset
+from fedcybgd.data.catalogue import BUILTIN_DATASETS, BuiltinDataset, builtin_dataset
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -60,14 +60,14 @@ class Batch:
         ``[C]`` verbalizer token id of each class, indexed by class (empty: not classification).
     class_log_prior : torch.Tensor
         ``[C]`` added to the class logits by the training loss (logit adjustment, see
-        :func:`fedcybgd.objective.adjusted`); ``None``: no adjustment (evaluation).
+        :func:`fedcybgd.tasks.objective.adjusted`); ``None``: no adjustment (evaluation).
     score_rows, score_positions : torch.Tensor or None
         ``[N]`` (row, position) of every scored position, in row then position order; ``None``:
         one per row at ``last_index`` (a classification prompt). Only these hidden rows reach
-        the LM head (:func:`fedcybgd.objective.scored_logits`), so logits are ``N x V``.
+        the LM head (:func:`fedcybgd.tasks.objective.scored_logits`), so logits are ``N x V``.
     task : Task or None
         The task that made the batch: its ``loss`` scores the logits
-        (:func:`fedcybgd.objective.batch_loss`); ``None``: the classification loss.
+        (:func:`fedcybgd.tasks.objective.batch_loss`); ``None``: the classification loss.
     """
 
     input_ids: torch.Tensor

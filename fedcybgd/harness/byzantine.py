@@ -30,10 +30,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from fedcybgd import protocol
-from fedcybgd.checksum import content_checksum
 from fedcybgd.client.app import app as client_app
 from fedcybgd.compression import decode, encode, read_header
 from fedcybgd.config import RunConfig
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.harness.faults import set_upload, upload_of
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.model.blocks import BlockMap

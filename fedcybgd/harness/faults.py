@@ -22,10 +22,11 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message, MessageType
 
-from fedcybgd import protocol, zeroth_order
+from fedcybgd import protocol
 from fedcybgd.compression import encode, payload_from_array, payload_to_array, read_header
 from fedcybgd.compression.header import MAX_HEADER_BYTES
 from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.protocol import zeroth_order
 
 Tamper = Callable[[Message, random.Random], None]
 

@@ -29,8 +29,8 @@ from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedcybgd.core.measure import PeakMemory
 from fedcybgd.harness.loopback import LocalGrid, node_configs
-from fedcybgd.memory.measure import PeakMemory
 
 
 @dataclass

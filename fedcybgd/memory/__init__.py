@@ -1,5 +1,4 @@
-"""Client memory: what a round takes, measured (``measure``: sampled RSS) and estimated before
-it runs (``estimate``: the model behind ``memory-budget-mb``, neutral for both sides).
-
-Empty on purpose: the server imports ``estimate`` without the sampler thread of ``measure``.
+"""Client memory estimated before a round runs (``estimate``: the model behind
+``memory-budget-mb``, shared by both sides). Measuring a process's memory is
+:mod:`fedcybgd.core.measure`'s.
 """

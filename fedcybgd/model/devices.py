@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcybgd.config_fields import ConfigError
+from fedcybgd.core.fields import ConfigError
 
 DEVICE_PATTERN = r"auto|cpu|cuda|cuda:[0-9]{1,3}|mps"
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N, mps"

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fedcybgd.memory.measure import fix_mmap_threshold
+from fedcybgd.core.measure import fix_mmap_threshold
 from fedcybgd.model.blocks import BlockMap
 
 FROZEN_DTYPES: dict[str, torch.dtype] = {
@@ -124,7 +124,7 @@ class _Workspace(threading.local):
     fragmentation: SmolLM2-135M inference with int8 frozen blocks peaked 140-190 MB above the
     loaded model, against 17 MB in fp32 (measured by RSS sampling; ``malloc_trim`` after a
     step gave it all back, so it was freed heap, not live tensors). With this buffer and a
-    fixed mmap threshold (:func:`fedcybgd.memory.measure.fix_mmap_threshold`) the transient is
+    fixed mmap threshold (:func:`fedcybgd.core.measure.fix_mmap_threshold`) the transient is
     this buffer plus the layer outputs. Thread-local: loopback tests run clients in threads.
     """
 

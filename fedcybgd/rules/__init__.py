@@ -3,7 +3,7 @@
 A rule declares (:class:`RuleSpec`):
 
 * **options**: one frozen dataclass (:class:`RuleOptions`, fields from
-  :func:`fedcybgd.config_fields.setting`); its keys become run-config keys, checked on the
+  :func:`fedcybgd.core.fields.setting`); its keys become run-config keys, checked on the
   server at start by the one parser (:mod:`fedcybgd.rules.options`) that the rule itself uses;
 * **memory**: a function of :class:`MemoryNeeds` giving the MiB it adds on top of runtime and
   weights; the server assigns rules by it to nodes that declare ``memory-budget-mb``, the
@@ -15,15 +15,15 @@ A rule declares (:class:`RuleSpec`):
 
 A plug-in rule is one file: decorate its class with ``@register_rule("name", options=...,
 memory=...)`` and name the module in the run-config key ``plugin-modules``; then
-``update-rule = "name"`` selects it (see :mod:`fedcybgd.plugins` for why a decorator and a
+``update-rule = "name"`` selects it (see :mod:`fedcybgd.core.registry` for why a decorator and a
 config key rather than entry points). Import only neutral modules in it (this package,
-:mod:`fedcybgd.config_fields`, :mod:`fedcybgd.model.layerwise`, :mod:`fedcybgd.objective`, torch):
-the server imports it too, and the server never imports the client package.
+:mod:`fedcybgd.core.fields`, :mod:`fedcybgd.model.layerwise`, :mod:`fedcybgd.tasks.objective`,
+torch): the server imports it too, and the server never imports the client package.
 
 Nothing in this package imports torch or the client package.
 """
 
-from fedcybgd.config_fields import setting
+from fedcybgd.core.fields import setting
 from fedcybgd.rules.contract import (
     MemoryEstimate,
     MemoryNeeds,

@@ -17,7 +17,7 @@ its calibration):
 
 from __future__ import annotations
 
-from fedcybgd.rule_options import FoOptions, LezoOptions, MezoOptions, ZeroLockOptions
+from fedcybgd.rules.builtin_options import FoOptions, LezoOptions, MezoOptions, ZeroLockOptions
 from fedcybgd.rules.contract import MemoryNeeds
 from fedcybgd.rules.registry import declare_rule
 

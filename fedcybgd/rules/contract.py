@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from fedcybgd.data.prompts import Batch
     from fedcybgd.model.blocks import BlockMap
     from fedcybgd.model.layerwise import LayerStack
-    from fedcybgd.zeroth_order import SeedLog
+    from fedcybgd.protocol.zeroth_order import SeedLog
 
 
 @dataclass
@@ -70,7 +70,7 @@ class TrainOutcome:
     """What a rule reports after training (the new weights are in the model).
 
     ``step_log`` is set by a rule that declares ``step_log=True``: the
-    :class:`~fedcybgd.zeroth_order.SeedLog` of the round, which the server replays to
+    :class:`~fedcybgd.protocol.zeroth_order.SeedLog` of the round, which the server replays to
     rebuild the block when the run uploads step logs (``upload-codec = "seedlog"``).
     """
 

@@ -1,7 +1,7 @@
 """The one parser of update-rule options, used by the server at start and by every rule.
 
 A rule's options are a frozen dataclass subclassing :class:`RuleOptions`, each field declared
-with :func:`fedcybgd.config_fields.setting` (run-config key, default, range). The keys of every
+with :func:`fedcybgd.core.fields.setting` (run-config key, default, range). The keys of every
 registered rule are run-config keys. :func:`check_all` validates them for every registered rule
 (:class:`fedcybgd.config.RunConfig` calls it on the server before round 1: a node may switch to
 any rule, so every rule's options must be valid), and a rule reads its own with
@@ -16,14 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
-from fedcybgd.config_fields import Setting, coerce, normalize, settings, unknown_key
+from fedcybgd.core.fields import Setting, coerce, normalize, settings, unknown_key
 from fedcybgd.rules import registry
 
 
 class RuleOptions:
     """Base of the per-rule option dataclasses (declare them ``@dataclass(frozen=True)``).
 
-    A subclass with range-checked fields calls :func:`fedcybgd.config_fields.normalize` in
+    A subclass with range-checked fields calls :func:`fedcybgd.core.fields.normalize` in
     ``__post_init__``, so options built in code are checked like options from the run config.
     """
 

@@ -9,16 +9,16 @@ memory-aware assignment); only a client ever touches the implementation.
 * ``@register_rule("name", options=..., memory=..., step_log=...)`` on the rule's class (or
   any zero-argument factory): the class is the implementation. This is how a plug-in rule is
   written: one file of the user's own, importing only neutral modules (:mod:`fedcybgd.rules`,
-  :mod:`fedcybgd.config_fields`, torch), so the server can import it without the client package.
+  :mod:`fedcybgd.core.fields`, torch), so the server can import it without the client package.
 * :func:`declare_rule` with the implementation as ``"module:attr"`` text, imported only when a
   client makes the rule. The built-in rules are declared so (:mod:`fedcybgd.rules.builtin`):
   their code lives in the client package, which the server must not import.
 
 **Getting a plug-in module loaded.** The run-config key ``plugin-modules`` (or its older name
 ``rule-modules``) names importable modules; :class:`fedcybgd.config.RunConfig` imports them
-(:func:`fedcybgd.plugins.load_modules`) before it checks ``update-rule`` and the rules' options,
-on the server at start and on every client, so both sides see the same registry. Why a
-decorator and a config key rather than an entry-point group: see :mod:`fedcybgd.plugins`.
+(:func:`fedcybgd.core.registry.load_modules`) before it checks ``update-rule`` and the rules'
+options, on the server at start and on every client, so both sides see the same registry. Why a
+decorator and a config key rather than an entry-point group: see :mod:`fedcybgd.core.registry`.
 
 Import-light: nothing here imports torch or the client package.
 """
@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, is_dataclass
 from typing import Any, TypeVar
 
-from fedcybgd.config_fields import ConfigError, Setting, settings, unknown_key
-from fedcybgd.plugins import MODULE_PATTERN, NAME_PATTERN
+from fedcybgd.core.fields import ConfigError, Setting, settings, unknown_key
+from fedcybgd.core.registry import MODULE_PATTERN, NAME_PATTERN
 from fedcybgd.rules.contract import MemoryEstimate, UpdateRule
 
 __all__ = [
@@ -61,7 +61,7 @@ class RuleSpec:
         The ``update-rule`` value that selects it.
     options : type or None
         Its options: a frozen dataclass subclassing :class:`fedcybgd.rules.RuleOptions`, every
-        field declared with :func:`fedcybgd.config_fields.setting` (key, default, range);
+        field declared with :func:`fedcybgd.core.fields.setting` (key, default, range);
         ``None``: the rule has none (its options parse to ``fedcybgd.rules.NoOptions()``).
     memory : MemoryEstimate
         MiB the rule adds on top of runtime + weights for one client-round, from

@@ -24,8 +24,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedcybgd.checksum import content_checksum
 from fedcybgd.config import RunConfig
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.memory.estimate import ModelShape, fitting_rule
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.devices import resolve_device

@@ -33,10 +33,10 @@ from fedcybgd.baselines import (
     from_record,
     to_record,
 )
-from fedcybgd.class_prior import ClassPriorSpec, with_class_prior
 from fedcybgd.config import RunConfig
-from fedcybgd.message_size import message_bytes
 from fedcybgd.model.loading import load_tokenizer
+from fedcybgd.protocol.message_size import message_bytes
+from fedcybgd.protocol.prior import ClassPriorSpec, with_class_prior
 from fedcybgd.server.common import (
     Evaluator,
     class_prior_of,
@@ -106,7 +106,7 @@ class CheckedFedAvg(FedAvg):
         self.last_dropped: list[Message] = []
         self.last_drops: dict[str, int] = {}  # reason -> count, last round
         self.last_sent_bytes = 0
-        self.last_sent_wire_bytes = 0  # the serialised messages (fedcybgd.message_size)
+        self.last_sent_wire_bytes = 0  # the serialised messages (fedcybgd.protocol.message_size)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -30,8 +30,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from fedcybgd.atomic import TEMP_SUFFIX, fsync_dir, make_dirs, save_tensors, write_bytes
-from fedcybgd.checksum import content_checksum
+from fedcybgd.core.atomic import TEMP_SUFFIX, fsync_dir, make_dirs, save_tensors, write_bytes
+from fedcybgd.core.checksum import content_checksum
 
 log = logging.getLogger(__name__)
 

@@ -18,17 +18,17 @@ from pathlib import Path
 import torch
 from flwr.serverapp import Grid
 
-from fedcybgd.atomic import write_bytes
-from fedcybgd.class_prior import ClassPriorSpec
 from fedcybgd.config import ConfigError, RunConfig
+from fedcybgd.core.atomic import write_bytes
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.devices import to_cpu
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_tokenizer
 from fedcybgd.model.precision import FrozenBlocks, Precision
-from fedcybgd.objective import EvalResult
+from fedcybgd.protocol.prior import ClassPriorSpec
 from fedcybgd.server.eval_cache import EvalCache, eval_cache_root, eval_key
 from fedcybgd.tasks.base import build_task
+from fedcybgd.tasks.objective import EvalResult
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Evaluator:
     def __call__(self) -> EvalResult:
         if self.copy is not None:
             self._refresh()
-        # The task's scoring moves each batch to the model's device (fedcybgd.objective).
+        # The task's scoring moves each batch to the model's device (fedcybgd.tasks.objective).
         return self.task.evaluate(self.stack, self.tokenizer, self.frame,
                                   self.run.eval_batch_size, self.run.max_seq_len)
 

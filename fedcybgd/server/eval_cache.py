@@ -25,11 +25,11 @@ import pandas as pd
 import torch
 import transformers
 
-from fedcybgd.atomic import write_bytes
-from fedcybgd.checksum import content_checksum
 from fedcybgd.config import RunConfig
+from fedcybgd.core.atomic import write_bytes
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.loading import cache_root
-from fedcybgd.objective import EvalResult
+from fedcybgd.tasks.objective import EvalResult
 
 log = logging.getLogger(__name__)
 

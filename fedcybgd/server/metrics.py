@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fedcybgd.atomic import append_line, make_dirs, write_bytes
+from fedcybgd.core.atomic import append_line, make_dirs, write_bytes
 from fedcybgd.strategies.record import run_totals
 
 __all__ = ["MetricsWriter", "run_status", "run_totals", "write_summary"]

@@ -11,8 +11,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from fedcybgd.atomic import fsync_dir, make_dirs
 from fedcybgd.config import ConfigError
+from fedcybgd.core.atomic import fsync_dir, make_dirs
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedcybgd.atomic import write_bytes
+from fedcybgd.core.atomic import write_bytes
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ import torch
 
 from fedcybgd.config import ConfigError, RunConfig, run_config_keys
 from fedcybgd.model.blocks import BlockMap
-from fedcybgd.objective import EvalResult
 from fedcybgd.server.checkpoint import (
     STATE,
     Checkpointer,
@@ -34,6 +33,7 @@ from fedcybgd.server.checkpoint import (
 )
 from fedcybgd.strategies.fedcybgd import INSTALL_PAYLOAD, SERVER_STATE, FedCyBGD
 from fedcybgd.strategies.quantized_install import RESIDUAL
+from fedcybgd.tasks.objective import EvalResult
 
 # Run-config keys a resume may change, each with why that is harmless: none of them changes
 # the weights the rounds compute or what the recorded figures measure. Every other key

@@ -37,8 +37,8 @@ from typing import TypeVar
 import torch
 
 from fedcybgd.choices import AGGREGATES
-from fedcybgd.plugins import Registry
-from fedcybgd.selfsync import weighted_mean as shared_weighted_mean
+from fedcybgd.core.registry import Registry
+from fedcybgd.protocol.selfsync import weighted_mean as shared_weighted_mean
 
 Upload = tuple[float, dict[str, torch.Tensor]]
 Aggregator = Callable[[Sequence[Upload]], dict[str, torch.Tensor]]
@@ -70,7 +70,8 @@ def aggregator_names() -> tuple[str, ...]:
 
 def weighted_mean(uploads: Sequence[Upload]) -> dict[str, torch.Tensor]:
     """Mean weighted by examples, in float64; a single upload is returned as it is (exact).
-    (:func:`fedcybgd.selfsync.weighted_mean`: a node rebuilding a merge runs the same code.)"""
+    (:func:`fedcybgd.protocol.selfsync.weighted_mean`: a node rebuilding a merge runs the same
+    code.)"""
     return shared_weighted_mean(uploads)
 
 

@@ -12,8 +12,8 @@ against the best exact base the node holds
 through a low-bit delta (``install-codec``) goes to nodes holding its previous version as that
 delta, which is exact for them. With seed-log downloads (``download-codec = "seedlog"``) a
 block whose every install since the node's exact copy was made from step logs goes as those
-logs (:mod:`fedcybgd.seedsync`), when the node's z fingerprint and torch are the server's and
-the logs weigh less than a sixteenth of the block in fp32 (below any int4 delta of it).
+logs (:mod:`fedcybgd.protocol.seedsync`), when the node's z fingerprint and torch are the server's
+and the logs weigh less than a sixteenth of the block in fp32 (below any int4 delta of it).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from flwr.app import ArrayRecord
 
 from fedcybgd.compression import encode, payload_to_array, raw_fp32_bytes, read_header, uses_base
 from fedcybgd.protocol import Holding
-from fedcybgd.seedsync import encode_chain
+from fedcybgd.protocol.seedsync import encode_chain
 from fedcybgd.strategies.versions import BlockVersions
 
 # One round's encoded payloads, shared between the nodes that need the same one.

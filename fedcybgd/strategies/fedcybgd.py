@@ -25,13 +25,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedcybgd import zeroth_order
-from fedcybgd.checksum import content_checksum
-from fedcybgd.class_prior import ClassPriorSpec, with_class_prior
 from fedcybgd.config import RunConfig
-from fedcybgd.message_size import message_bytes
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
-from fedcybgd.protocol import SEEDLOG
+from fedcybgd.protocol import SEEDLOG, zeroth_order
+from fedcybgd.protocol.message_size import message_bytes
+from fedcybgd.protocol.prior import ClassPriorSpec, with_class_prior
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
 from fedcybgd.strategies.downloads import DownloadPlanner, PayloadCache
 from fedcybgd.strategies.installing import Admitted, BlockInstaller
@@ -81,7 +80,7 @@ class FedCyBGD(Strategy):
         Codec specs: uploads (``"seedlog"``: zeroth-order step logs, replayed here; others use
         ``seedlog_fallback``), frozen downloads (may be lossy; ``"seedlog"``, with seed-log
         uploads only: blocks made from step logs alone go to nodes that can replay them as
-        those logs, :mod:`fedcybgd.seedsync`, others as ``seedlog_fallback``), the trained
+        those logs, :mod:`fedcybgd.protocol.seedsync`, others as ``seedlog_fallback``), the trained
         block (lossless).
     seedlog_max_replay : float
         Most replay work, in passes over a block, a seed-log download may cost a node; a
@@ -111,13 +110,13 @@ class FedCyBGD(Strategy):
         :class:`~fedcybgd.strategies.server_step.ServerStep` (its state per block is
         checkpointed through :meth:`checkpoint_tensors`).
     class_prior, classes
-        The class shares the nodes' training aims at (:mod:`fedcybgd.class_prior`; ``global``
-        pools the counts nodes state in their node-key answers) for a task of ``classes``
+        The class shares the nodes' training aims at (:mod:`fedcybgd.protocol.prior`;
+        ``global`` pools the counts nodes state in their node-key answers) for a task of ``classes``
         classes; sent with every instruction. ``None`` or ``classes < 2``: none sent (equal).
     self_sync : bool
         A node that trained a block alone keeps its decoded upload and, when the installed block
         is what it can compute from it (``sgd`` server step, no clipping: checked here by
-        checksum), holds that version without it being sent (:mod:`fedcybgd.selfsync`).
+        checksum), holds that version without it being sent (:mod:`fedcybgd.protocol.selfsync`).
     return_arrays : bool
         Return the global weights from :meth:`aggregate_train` (``Strategy.start`` needs it).
     device : str

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import raw_fp32_bytes
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.protocol import SEEDLOG
-from fedcybgd.seedsync import LoggedInstall, rebuild
-from fedcybgd.selfsync import Promotion, sgd_step
+from fedcybgd.protocol.seedsync import LoggedInstall, rebuild
+from fedcybgd.protocol.selfsync import Promotion, sgd_step
 from fedcybgd.strategies.aggregate import Aggregator
 from fedcybgd.strategies.quantized_install import RESIDUAL, QuantizedInstall
 from fedcybgd.strategies.reader import BlockUpload, NodeBook
@@ -41,9 +41,9 @@ class BlockInstaller:
     ``retry_seeds`` keeps the seed of each re-queued block, so the node that next trains it
     (alone) can resume its in-round checkpoint. With ``self_sync_book`` (the strategy's node book),
     the node that trained a block alone is credited with the installed version when it can
-    compute it from its own upload (:mod:`fedcybgd.selfsync`). With ``log_downloads``, an
+    compute it from its own upload (:mod:`fedcybgd.protocol.selfsync`). With ``log_downloads``, an
     install made from step logs alone is kept as those logs when a node can rebuild it from them
-    bit for bit (:mod:`fedcybgd.seedsync`), for seed-log downloads.
+    bit for bit (:mod:`fedcybgd.protocol.seedsync`), for seed-log downloads.
     """
 
     blocks: BlockVersions
@@ -141,7 +141,7 @@ class BlockInstaller:
     def _logged(self, block: str, uploads: list[Admitted], installed: Tensors, version: int,
                 parallel: int) -> LoggedInstall | None:
         """``block``'s install as the step logs it came from, if every upload was one and
-        :func:`~fedcybgd.seedsync.rebuild` (what a node runs) gives exactly ``installed``
+        :func:`~fedcybgd.protocol.seedsync.rebuild` (what a node runs) gives exactly ``installed``
         (called before the install: it needs the start)."""
         if not uploads or any(got.kind != SEEDLOG or not got.log for _, got, _ in uploads):
             return None

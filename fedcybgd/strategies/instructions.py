@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedcybgd import protocol, selfsync, zeroth_order
+from fedcybgd import protocol
+from fedcybgd.protocol import selfsync, zeroth_order
 from fedcybgd.strategies.downloads import Download
 from fedcybgd.strategies.matching import Assignment
 
@@ -27,7 +28,7 @@ class RunTerms:
     local_steps: int
     seedlog_fallback: str  # weights codec of a node that cannot send a replayable step log
     device: str = "cpu"  # where the server replays step logs (its z fingerprint is for it)
-    self_sync: bool = False  # ask nodes to keep their decoded upload (fedcybgd.selfsync)
+    self_sync: bool = False  # ask nodes to keep their decoded upload (fedcybgd.protocol.selfsync)
 
 
 def train_message(server_round: int, assignment: Assignment, seed: int, download: Download,

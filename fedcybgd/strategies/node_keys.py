@@ -32,7 +32,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedcybgd import protocol
-from fedcybgd.class_prior import check_counts
+from fedcybgd.protocol.prior import check_counts
 from fedcybgd.strategies.replies import (
     CLIENT_ERROR,
     MALFORMED,

@@ -19,7 +19,7 @@ def check_names(block_schedule: str, aggregate: str) -> None:
 
     Raises
     ------
-    fedcybgd.config_fields.ConfigError
+    fedcybgd.core.fields.ConfigError
         A name is not registered; the message names the key and suggests the closest name.
     """
     SCHEDULE_REGISTRY.get(block_schedule)

@@ -18,20 +18,19 @@ from typing import Any
 import torch
 from flwr.app import Message
 
-from fedcybgd import protocol, selfsync, zeroth_order
+from fedcybgd import protocol
 from fedcybgd.compression import (
     decode,
     parse_spec,
     payload_from_array,
     raw_fp32_bytes,
     read_header,
-    seedlog,
     uses_base,
 )
 from fedcybgd.compression.header import MAX_HEADER_BYTES, PayloadHeader
 from fedcybgd.compression.tensors import dtype_name
 from fedcybgd.model.blocks import BlockMap
-from fedcybgd.protocol import Holding
+from fedcybgd.protocol import Holding, seedlog, selfsync, zeroth_order
 from fedcybgd.strategies.record import RoundRecord
 from fedcybgd.strategies.replies import (
     BAD_PAYLOAD,

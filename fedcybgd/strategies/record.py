@@ -58,7 +58,7 @@ class RoundRecord:
     bytes_down_raw: int = 0
     bytes_up_raw: int = 0
     # what crossed the wire: the serialised messages, metadata and config included
-    # (fedcybgd.message_size), instructions down and replies up
+    # (fedcybgd.protocol.message_size), instructions down and replies up
     wire_bytes_down: int = 0
     wire_bytes_up: int = 0
     train_loss: float | None = None

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from fedcybgd.choices import SCHEDULES
-from fedcybgd.plugins import Registry
+from fedcybgd.core.registry import Registry
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedcybgd.choices import DAMPINGS, SERVER_OPTIMIZERS
-from fedcybgd.selfsync import sgd_step
+from fedcybgd.protocol.selfsync import sgd_step
 from fedcybgd.strategies.replies import guarded
 from fedcybgd.strategies.screen import all_finite, update_rms
 

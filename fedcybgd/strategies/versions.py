@@ -5,8 +5,8 @@ A block's version is the round it last changed (0: pretrained), identified on th
 a base the node already holds exactly, so the server keeps, per block, the pretrained tensors
 (read back from the model's files, or copied before the block is first overwritten) and the
 last ``history`` exact versions it replaced. Installs made from step logs alone are kept as
-those logs (:class:`fedcybgd.seedsync.LoggedInstall`, the newest run of them per block), for
-seed-log downloads; they are not checkpointed (a resumed server sends weights until new logs
+those logs (:class:`fedcybgd.protocol.seedsync.LoggedInstall`, the newest run of them per block),
+for seed-log downloads; they are not checkpointed (a resumed server sends weights until new logs
 accumulate).
 """
 
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from fedcybgd.checksum import content_checksum
 from fedcybgd.compression import read_header
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import Holding
-from fedcybgd.seedsync import MAX_INSTALLS, LogChain, LoggedInstall
+from fedcybgd.protocol.seedsync import MAX_INSTALLS, LogChain, LoggedInstall
 
 Tensors = dict[str, torch.Tensor]
 

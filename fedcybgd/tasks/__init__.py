@@ -3,7 +3,7 @@
 A :class:`~fedcybgd.tasks.base.Task` owns the data splits, how an example becomes token ids and
 loss positions, the loss over a batch, and the evaluation; the update rules, the local heads,
 the server's evaluator and the FedAvg baselines all go through it (via the batches it makes,
-see :mod:`fedcybgd.objective`). Built-in kinds (``task``): ``classification``, ``sft``,
+see :mod:`fedcybgd.tasks.objective`). Built-in kinds (``task``): ``classification``, ``sft``,
 ``multiple-choice``; one's own: :func:`register_task` in a plug-in module.
 
 Importing this package is light (no torch); :class:`Task` and :func:`build_task` are loaded on
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedcybgd.tasks.registry import TASKS, make_task, register_task, task_class, task_names
+from fedcybgd.data.kinds import TASKS, make_task, register_task, task_class, task_names
 
 __all__ = ["TASKS", "Task", "build_task", "make_task", "register_task", "task_class",
            "task_names"]

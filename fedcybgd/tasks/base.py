@@ -10,7 +10,7 @@ What a task decides, and who asks:
 * **encoding** (:meth:`Task.examples`, :meth:`Task.encoder`): a row becomes token ids plus the
   positions that carry the loss and the token each must predict
   (:class:`~fedcybgd.data.prompts.EncodedExamples`); batches carry the task
-  (``Batch.task``), so a rule scores any task through :mod:`fedcybgd.objective`.
+  (``Batch.task``), so a rule scores any task through :mod:`fedcybgd.tasks.objective`.
 * **loss** (:meth:`Task.scores`, :meth:`Task.loss`, :meth:`Task.loss_sum`): by default the
   mean full-vocabulary cross-entropy of the scored tokens; ``loss_sum`` is its sliced form (the
   ZeroLock local heads take the head's loss in slices of rows).
@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from fedcybgd.data.builtin import builtin_dataset, builtin_splits
+from fedcybgd.data.kinds import make_task
 from fedcybgd.data.prompts import Batch, EncodedExamples
 from fedcybgd.data.sources import DataError, make_splits, read_source
-from fedcybgd.objective import EvalResult
-from fedcybgd.tasks.registry import make_task
+from fedcybgd.tasks.objective import EvalResult
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -22,8 +22,8 @@ import torch
 
 from fedcybgd.data.prompts import Batch, EncodedExamples, PromptEncoder, collate
 from fedcybgd.data.sources import DataError, where
-from fedcybgd.objective import EvalResult, adjusted, evaluate, label_nll
 from fedcybgd.tasks.base import Task, warn_cut
+from fedcybgd.tasks.objective import EvalResult, adjusted, evaluate, label_nll
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -107,7 +107,7 @@ class ClassificationTask(Task):
 
     def class_log_prior(self, frame: pd.DataFrame) -> torch.Tensor | None:
         """``log(C * p_c)`` of the frame's Laplace-smoothed label shares."""
-        from fedcybgd.data import local_log_prior
+        from fedcybgd.tasks.shares import local_log_prior
 
         return local_log_prior(frame["label"].astype(int).tolist(), len(self.words))
 
@@ -120,12 +120,12 @@ class ClassificationTask(Task):
         return frame["label"].astype(int).tolist(), len(self.words)
 
     def scores(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Logit-adjusted by the batch's class prior (:func:`fedcybgd.objective.adjusted`)."""
+        """Logit-adjusted by the batch's class prior (:func:`fedcybgd.tasks.objective.adjusted`)."""
         return adjusted(logits, batch)
 
     def loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Label-token cross-entropy, the class choice adjusted by the batch's prior
-        (:func:`fedcybgd.objective.label_nll`)."""
+        (:func:`fedcybgd.tasks.objective.label_nll`)."""
         return label_nll(logits, batch)
 
     def loss_sum(self, logits: torch.Tensor, batch: Batch, part: slice) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import LayerStack
-from fedcybgd.objective import on_model_device, scored_logits
+from fedcybgd.tasks.objective import on_model_device, scored_logits
 
 
 @dataclass

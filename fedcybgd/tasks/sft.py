@@ -30,9 +30,9 @@ import torch
 
 from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids, pad_token_id
 from fedcybgd.data.sources import DataError, where
-from fedcybgd.objective import EvalResult
 from fedcybgd.tasks.base import Task, warn_cut
 from fedcybgd.tasks.classification import check_text
+from fedcybgd.tasks.objective import EvalResult
 from fedcybgd.tasks.sequences import Joiner, sequence_nll
 
 if TYPE_CHECKING:

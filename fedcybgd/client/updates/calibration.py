@@ -42,11 +42,11 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from fedcybgd.atomic import save_tensors
 from fedcybgd.client.updates.local_heads import Translator
+from fedcybgd.core.atomic import save_tensors
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import LayerStack
-from fedcybgd.objective import scored_states
+from fedcybgd.tasks.objective import scored_states
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from torch.utils.checkpoint import checkpoint
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.blocks import EMBED, HEAD
 from fedcybgd.model.layerwise import Hidden, LayerStack
-from fedcybgd.objective import batch_loss, scored_logits
-from fedcybgd.rule_options import FoOptions
 from fedcybgd.rules import TrainOutcome, TrainTask
+from fedcybgd.rules.builtin_options import FoOptions
+from fedcybgd.tasks.objective import batch_loss, scored_logits
 
 
 def recompute_start(task: TrainTask) -> int | None:

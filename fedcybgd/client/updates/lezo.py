@@ -4,7 +4,7 @@ Forward passes only, at inference memory. One step on a batch:
 
 1. pick ``ceil(density * units)`` units of the block (a unit is a decoder layer of a
    multi-layer block, or one tensor of a single-layer/``embed``/``head`` block; see
-   :mod:`fedcybgd.zeroth_order`) with a generator seeded from ``(seed, step)``;
+   :mod:`fedcybgd.protocol.zeroth_order`) with a generator seeded from ``(seed, step)``;
 2. ``theta += eps * z`` on those units, forward -> ``l+``; ``theta -= 2 eps z``, forward ->
    ``l-``; restore ``theta`` exactly; ``g = (l+ - l-) / (2 eps)``;
 3. ``theta -= lr * (g * z + wd * theta)`` on the chosen units; a non-finite ``l+``, ``l-`` or
@@ -40,12 +40,13 @@ it are not perturbed this step either).
 an inference forward for MeZO and LeZO alike.
 
 **Seed log.** Every applied step is recorded (seed, units, fp32 ``g`` and ``lr``); the
-:class:`~fedcybgd.zeroth_order.SeedLog` is returned as ``TrainOutcome.step_log`` (both
+:class:`~fedcybgd.protocol.zeroth_order.SeedLog` is returned as ``TrainOutcome.step_log`` (both
 rules are declared with ``step_log=True``) and kept in ``rule.last_log``, and
 ``zeroth_order.replay`` rebuilds the trained block from it.
 
-Options (``task.options``, run-config keys, parsed by :mod:`fedcybgd.rule_options`): ``zo-eps``
-(1e-3), ``lezo-density`` (0.25; ``mezo`` ignores it). Weight decay is the run's ``weight-decay``.
+Options (``task.options``, run-config keys, parsed by :mod:`fedcybgd.rules.builtin_options`):
+``zo-eps`` (1e-3), ``lezo-density`` (0.25; ``mezo`` ignores it). Weight decay is the run's
+``weight-decay``.
 """
 
 from __future__ import annotations
@@ -58,14 +59,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedcybgd import zeroth_order
-from fedcybgd.checksum import content_checksum
-from fedcybgd.compression import seedlog
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import Hidden, LayerStack
-from fedcybgd.objective import batch_loss, scored_logits
-from fedcybgd.rule_options import LezoOptions, MezoOptions
+from fedcybgd.protocol import seedlog, zeroth_order
 from fedcybgd.rules import TrainOutcome, TrainTask
+from fedcybgd.rules.builtin_options import LezoOptions, MezoOptions
+from fedcybgd.tasks.objective import batch_loss, scored_logits
 
 
 @dataclass(frozen=True)

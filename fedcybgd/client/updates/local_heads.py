@@ -6,8 +6,9 @@ lens: a residual affine map, identity at initialisation, so a new head starts as
 
 Objectives (the targets never depend on anything the client does not already hold):
 
-* ``label``: the task's own loss at its scored positions (:func:`fedcybgd.objective.batch_loss`:
-  the label's verbalizer token for classification, the response tokens for ``sft``). Only the
+* ``label``: the task's own loss at its scored positions
+  (:func:`fedcybgd.tasks.objective.batch_loss`: the label's verbalizer token for
+  classification, the response tokens for ``sft``). Only the
   ``N`` scored rows reach the head, so the logits are ``N x V``; on the last decoder block with
   ``frozen-lm`` this IS the model's true loss.
 * ``next-token``: the language-model loss of the whole example: every real position predicts
@@ -32,7 +33,7 @@ from torch import nn
 from fedcybgd.choices import ZEROLOCK_OBJECTIVES
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import Hidden, LayerStack
-from fedcybgd.objective import batch_loss, loss_sum, scored_states
+from fedcybgd.tasks.objective import batch_loss, loss_sum, scored_states
 
 Objective = Literal["label", "next-token"]
 OBJECTIVES = ZEROLOCK_OBJECTIVES  # zerolock-objective

@@ -93,16 +93,16 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from fedcybgd.atomic import save_tensors
 from fedcybgd.client.paths import block_name
 from fedcybgd.client.updates.calibration import CalibrationReport, calibrated_translators
 from fedcybgd.client.updates.local_heads import LocalHead, Translator
-from fedcybgd.data import BatchIterator
+from fedcybgd.core.atomic import save_tensors
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.blocks import EMBED, HEAD
 from fedcybgd.model.layerwise import Hidden, LayerStack
-from fedcybgd.rule_options import ZeroLockOptions  # the options' one parser (server too)
 from fedcybgd.rules import TrainOutcome, TrainTask
+from fedcybgd.rules.builtin_options import ZeroLockOptions  # the options' one parser (server too)
+from fedcybgd.tasks.shares import BatchIterator
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ def _layer_index(name: str, layers_name: str) -> int:
 
 
 def _atomic_save(tensors: Mapping[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
-    """Write a safetensors file atomically (see :mod:`fedcybgd.atomic`)."""
+    """Write a safetensors file atomically (see :mod:`fedcybgd.core.atomic`)."""
     save_tensors(path, tensors, meta)
 
 

@@ -2,10 +2,10 @@
 
 When every upload of a block was a zeroth-order step log (``upload-codec = "seedlog"``), the
 server's install is a function of the block's previous version and those logs: each log is
-replayed (:func:`fedcybgd.zeroth_order.replay`), the replays are averaged
-(:func:`fedcybgd.selfsync.weighted_mean`) and the server's ``sgd`` step is taken
-(:func:`fedcybgd.selfsync.sgd_step`). A node that holds the previous version exactly can then
-be sent the logs (a few kB) instead of the weights (``download-codec = "seedlog"``, DeComFL /
+replayed (:func:`fedcybgd.protocol.zeroth_order.replay`), the replays are averaged
+(:func:`fedcybgd.protocol.selfsync.weighted_mean`) and the server's ``sgd`` step is taken
+(:func:`fedcybgd.protocol.selfsync.sgd_step`). A node that holds the previous version exactly can
+then be sent the logs (a few kB) instead of the weights (``download-codec = "seedlog"``, DeComFL /
 FedKSeed style). The server records an install as a :class:`LoggedInstall` only after
 computing it once more through :func:`rebuild` itself and finding it bit-equal to what it
 installed, so a server step, an aggregator or a rounding a node cannot reproduce falls back to
@@ -20,7 +20,7 @@ The wire form of a :class:`LogChain`, every number little-endian, nothing ever u
 
 The header names the block, the version the chain starts from and, per install, its version,
 checksum, step size, upload weights and the byte length of each of its logs
-(:mod:`fedcybgd.compression.seedlog`'s format). Neither the strategy nor the client imports the
+(:mod:`fedcybgd.protocol.seedlog`'s format). Neither the strategy nor the client imports the
 other; both import this module.
 """
 
@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from fedcybgd.checksum import content_checksum
-from fedcybgd.compression.seedlog import decode_seedlog
-from fedcybgd.selfsync import Tensors, sgd_step, weighted_mean
-from fedcybgd.zeroth_order import SeedLog, replay
+from fedcybgd.core.checksum import content_checksum
+from fedcybgd.protocol.seedlog import decode_seedlog
+from fedcybgd.protocol.selfsync import Tensors, sgd_step, weighted_mean
+from fedcybgd.protocol.zeroth_order import SeedLog, replay
 
 MAGIC = b"FCSD"
 FORMAT_VERSION = 1

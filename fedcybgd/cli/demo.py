@@ -23,7 +23,7 @@ import psutil
 from fedcybgd.cli.launch import EXIT_OK, Launch, launch
 from fedcybgd.model.loading import cache_root
 
-PROJECT = Path(__file__).resolve().parent.parent
+PROJECT = Path(__file__).resolve().parents[2]
 # The demo's size on top of the app's (tuned) defaults: 4 rounds of one 4-layer block each, top
 # first (half a cycle), 4 nodes averaged per block, evaluated before and after only; IID
 # partitions, the paper's setting (Dirichlet 0.5 too: experiments/demo_seeds.py). In the sweep

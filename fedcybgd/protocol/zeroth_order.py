@@ -26,7 +26,7 @@ CPU vector extensions), so a log carries the torch version and a fingerprint of 
 update arithmetic (:func:`z_fingerprint`); :func:`replay` refuses a log whose fingerprint
 differs from its own, and checks the client's result checksum when the log has one.
 
-The log's bytes on the wire are :mod:`fedcybgd.compression.seedlog`'s business.
+The log's bytes on the wire are :mod:`fedcybgd.protocol.seedlog`'s business.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcybgd.checksum import content_checksum
+from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
 
 Z_CHUNK = 1 << 20  # elements of z drawn per randn call (a multiple of 16)
@@ -242,7 +242,7 @@ class SeedStep:
 class SeedLog:
     """Everything needed to replay a client's zeroth-order training of one block.
 
-    ``base`` and ``result`` are content checksums (:func:`fedcybgd.checksum.content_checksum`)
+    ``base`` and ``result`` are content checksums (:func:`fedcybgd.core.checksum.content_checksum`)
     of the block before and after training; empty when unknown.
     """
 

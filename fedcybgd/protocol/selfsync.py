@@ -47,7 +47,7 @@ def sgd_step(start: Mapping[str, torch.Tensor], merged: Mapping[str, torch.Tenso
 def weighted_mean(uploads: Sequence[tuple[float, Mapping[str, torch.Tensor]]]) -> Tensors:
     """Mean of ``(weight, tensors)`` weighted by the weights (example counts), in float64, in
     the order given; a single upload is returned as it is (exact). The ``mean`` aggregator's
-    arithmetic, here so that a node rebuilding a merge (:mod:`fedcybgd.seedsync`) runs the
+    arithmetic, here so that a node rebuilding a merge (:mod:`fedcybgd.protocol.seedsync`) runs the
     server's very operations."""
     if len(uploads) == 1:
         return dict(uploads[0][1])

@@ -1,7 +1,7 @@
 """The built-in update rules' options (``zerolock-*``, ``zo-*``, ``lezo-*``): a dataclass each.
 
 Each dataclass declares its rule's run-config keys, defaults and ranges with
-:func:`fedcybgd.config_fields.setting`; the rules are declared with them in
+:func:`fedcybgd.core.fields.setting`; the rules are declared with them in
 :mod:`fedcybgd.rules.builtin`. They are parsed by the one parser of every rule's options,
 :mod:`fedcybgd.rules.options` (re-exported here: :func:`parse_options`, :func:`check_all`),
 which the server runs for every registered rule at start and each rule runs again on the
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedcybgd.choices import ZEROLOCK_HEADS, ZEROLOCK_OBJECTIVES
-from fedcybgd.config_fields import normalize, setting, settings
+from fedcybgd.core.fields import normalize, setting, settings
 from fedcybgd.rules.options import RuleOptions, check_all, parse_options
 
 __all__ = [

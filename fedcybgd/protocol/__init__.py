@@ -1,7 +1,12 @@
-"""Names both sides of the wire agree on: record keys, config keys and reply statuses.
+"""What both sides of the wire agree on. This module: record keys, config keys and reply
+statuses. Its submodules: the arithmetic both sides must compute alike, bit for bit
+(:mod:`~fedcybgd.protocol.zeroth_order` perturbations and step-log replay,
+:mod:`~fedcybgd.protocol.selfsync` and :mod:`~fedcybgd.protocol.seedsync` for blocks a node
+rebuilds instead of downloading, :mod:`~fedcybgd.protocol.prior`), and how big a message
+is on the wire (:mod:`~fedcybgd.protocol.message_size`).
 
-The strategy and the client never import each other; they share these names, the payload
-format of :mod:`fedcybgd.compression` and Flower records.
+The strategy and the client never import each other; they share these names and modules, the
+payload format of :mod:`fedcybgd.compression` and Flower records.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Any
 # Records of a train instruction (server -> client).
 CONFIG = "config"  # ConfigRecord: the round's assignment
 DOWNLOAD = "download"  # ArrayRecord: block name -> payload Array
-DOWNLOAD_LOGS = "download-logs"  # ArrayRecord: block name -> step-log chain (fedcybgd.seedsync)
+# ArrayRecord: block name -> step-log chain (fedcybgd.protocol.seedsync)
+DOWNLOAD_LOGS = "download-logs"
 
 # Records of a reply (client -> server).
 UPLOAD = "upload"  # ArrayRecord: block name -> payload Array
@@ -35,8 +41,8 @@ ZO_TORCH = "zo-torch"  # the server's torch version (seed-log replay check)
 SEEDLOG_FALLBACK = "seedlog-fallback"  # codec for weights when a seed log cannot be replayed
 LOCAL_STEPS = "local-steps"  # steps the server asks for; a seed log may hold no more
 LR = "lr"  # the round's client learning rate (the server's schedule); absent: the run config's
-# the class shares training aims at (fedcybgd.class_prior): a list of floats, one per class;
-# absent: equal shares. Instructions of FedCyBGD and of the FedAvg baselines alike.
+# the class shares training aims at (fedcybgd.protocol.prior): a list of floats, one per
+# class; absent: equal shares. Instructions of FedCyBGD and of the FedAvg baselines alike.
 CLASS_PRIOR = "class-prior"
 
 # Keys of the reply's ConfigRecord.
@@ -135,7 +141,7 @@ def load_holdings(text: str) -> dict[str, Holding]:
 
 # Self-sync (issue 16): the node computes the block the server installs from its own upload.
 # Instruction: SELF_SYNC (bool) asks the node to keep its decoded upload as a pending copy;
-# PROMOTE (JSON, see fedcybgd.selfsync) tells it which pending copy became which installed
+# PROMOTE (JSON, see fedcybgd.protocol.selfsync) tells it which pending copy became which installed
 # version, through which server step, and its checksum. Reply (STATE): SELF_SYNC_CHECKSUM, the
 # checksum of the pending copy the node kept ("" when none).
 SELF_SYNC = "self-sync"

@@ -1,7 +1,8 @@
 """The class prior training aims the model at (``class-prior``), for tasks with classes.
 
-Logit adjustment and class-balanced batches (:class:`fedcybgd.data.BatchIterator`) take a label-
-skewed node's own class shares out of its update. What they put in their place is this prior:
+Logit adjustment and class-balanced batches (:class:`fedcybgd.tasks.shares.BatchIterator`)
+take a label-skewed node's own class shares out of its update. What they put in their place
+is this prior:
 
 * ``uniform``: equal shares. The model is left with no prior at all, which costs accuracy
   whenever the classes are not equally common where it is used (Rotten Tomatoes' splits are 58%

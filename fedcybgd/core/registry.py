@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
-from fedcybgd.config_fields import ConfigError, unknown_key
+from fedcybgd.core.fields import ConfigError, unknown_key
 
 __all__ = ["MODULE_PATTERN", "NAME_PATTERN", "Registry", "load_modules"]
 

@@ -1,4 +1,7 @@
-"""The task registry: names -> task classes, built-in kinds and the user's own.
+"""The kinds of task, by name (``task``): the registry of task classes, built-in and the user's.
+
+It sits with the datasets' catalogue, below the run config, which checks ``task`` against it;
+the task classes themselves (:mod:`fedcybgd.tasks`) take a run config and sit above it.
 
 A task of one's own is one file (a plug-in module, named in ``plugin-modules``) with a subclass
 of :class:`fedcybgd.tasks.base.Task` decorated with :func:`register_task`; ``task = "<name>"``
@@ -12,7 +15,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fedcybgd.plugins import Registry
+from fedcybgd.core.registry import Registry
 
 if TYPE_CHECKING:
     from fedcybgd.tasks.base import Task

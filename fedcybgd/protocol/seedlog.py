@@ -1,11 +1,11 @@
-"""The wire form of a zeroth-order step log (:class:`fedcybgd.zeroth_order.SeedLog`).
+"""The wire form of a zeroth-order step log (:class:`fedcybgd.protocol.zeroth_order.SeedLog`).
 
 ``b"FCZL" | u16 version | u32 header length | JSON header | steps``, each step being
 ``u64 seed | f32 g | f32 lr | unit bitmask (ceil(units / 8) bytes)``, little-endian, unit ``u``
 in bit ``u % 8`` of byte ``u // 8``. Nothing is ever unpickled; every malformed input raises
 ``ValueError``, and a decoded log is checked as strictly as one about to be encoded
-(:func:`fedcybgd.zeroth_order.check_log`). Encoding and decoding take time linear in the log's
-size. What a log means, and how it is replayed, is :mod:`fedcybgd.zeroth_order`'s.
+(:func:`fedcybgd.protocol.zeroth_order.check_log`). Encoding and decoding take time linear in the
+log's size. What a log means, and how it is replayed, is :mod:`fedcybgd.protocol.zeroth_order`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from fedcybgd.compression.limits import MAX_SEEDLOG_BYTES, MAX_SEEDLOG_HEADER_BYTES
-from fedcybgd.zeroth_order import SeedLog, SeedStep, check_log
+from fedcybgd.protocol.zeroth_order import SeedLog, SeedStep, check_log
 
 FORMAT_VERSION = 1
 MAGIC = b"FCZL"
