@@ -18,13 +18,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 
 from fedcybgd import protocol
 from fedcybgd.client.app import app as client_app
-from fedcybgd.compression import encode, payload_to_array, seedlog
+from fedcybgd.compression import encode, payload_to_array
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
-from fedcybgd.protocol import seedsync, zeroth_order
+from fedcybgd.protocol import seedlog, seedsync, zeroth_order
 from fedcybgd.server.app import build_strategy
 
 Tamper = Callable[[Message, BlockMap], None]

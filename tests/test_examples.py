@@ -175,6 +175,42 @@ def test_signsgd_example_runs_as_documented(tmp_path):
     assert all(r["bytes_up"] > 0 for r in rows)
 
 
+@pytest.mark.slow
+def test_pair_task_example_runs_as_documented(tmp_path):
+    # Execute: fedcybgd's own apps, the task loaded from the example's folder by run config
+    out = run_as_documented("pair_task", tmp_path) / "pair-task"
+    # Assert: the plug-in task ran: both rounds trained on the pairs and were evaluated
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["status"] == "completed" and summary["run_config"]["task"] == "sentence-pair"
+    assert [r["round"] for r in rows] == [0, 1, 2] and all(r["bytes_up"] > 0 for r in rows[1:])
+    assert summary["final_eval_loss"] != summary["initial_eval_loss"]
+
+
+def test_pair_task_reads_both_sentences_and_names_a_bad_row(monkeypatch):
+    # Prepare: the example's module, importable as plugin-modules imports it
+    import pandas as pd
+
+    from fedcybgd.config import RunConfig
+    from fedcybgd.tasks import build_task
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "pair_task"))
+    run = RunConfig.from_run_config({
+        "plugin-modules": "pair_task", "task": "sentence-pair", "label-words": "no,yes",
+        "dataset": str(EXAMPLES / "pair_task" / "pairs.jsonl")})
+    task = build_task(run)
+    frame = pd.DataFrame({"premise": ["A is red.", "B is blue."],
+                          "hypothesis": ["A is red.", "B is red."], "label": ["yes", "no"]})
+    # Execute
+    checked = task.check(frame)
+    # Assert: one text holding both sentences, labels by word; a missing sentence is named
+    assert checked["text"].tolist()[0] == "Premise: A is red.\nHypothesis: A is red."
+    assert checked["label"].tolist() == [1, 0]
+    assert len(task.split("train")) > 0 and set(task.split("train")["label"]) == {0, 1}
+    with pytest.raises(ValueError, match="field 'hypothesis' is empty"):
+        task.check(frame.assign(hypothesis=["A is red.", ""]))
+
+
 # ------------------------------------------------------------ Flower's strategy wrappers
 
 

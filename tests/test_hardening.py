@@ -26,14 +26,14 @@ from hypothesis import strategies as st
 
 from fedcybgd import protocol
 from fedcybgd.client.app import app as client_app
-from fedcybgd.compression import decode, encode, seedlog
+from fedcybgd.compression import decode, encode
 from fedcybgd.config import RunConfig
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.harness.faults import HOSTILE, SANITIZED, set_upload, upload_of
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
-from fedcybgd.protocol import zeroth_order
+from fedcybgd.protocol import seedlog, zeroth_order
 from fedcybgd.server.app import build_strategy
 from fedcybgd.strategies.aggregate import coordinate_median, trimmed_mean, weighted_mean
 
