@@ -9,7 +9,7 @@ model's size, and its accuracy is not reported.
 
     python experiments/bench_comm.py                 # SmolLM2, 30 rounds, 8 clients, 4 per round
     python experiments/bench_comm.py --quick         # tiny random model, a smoke test
-    python experiments/bench_comm.py --profile defaults --quick   # issue 16: the app's defaults
+    python experiments/bench_comm.py --profile defaults --quick   # the app's defaults
     python experiments/bench_comm.py --profile demo --quick       # ... and the demo's settings
 
 ``--profile paper`` (the default) is the one-layer-block, one-step setting of the paper's
@@ -18,7 +18,7 @@ blocks, all of a round's nodes on one block, 5 local steps, int8 codecs; with ``
 4-layer tiny model gets 1-layer blocks so that a cycle has 4 blocks), ``defaults-c1`` the same
 with one node per block, ``demo`` the defaults plus ``make demo``'s settings
 (``fedcybgd.cli.demo.DEMO_RUN_CONFIG``). Those profiles run two full cycles and compare the traffic
-features of issue 16 (``self-sync``, ``error-feedback``, ``install-codec``, ``max-staleness``)
+traffic features (``self-sync``, ``error-feedback``, ``install-codec``, ``max-staleness``)
 off ("before") and on, against uncompressed fp32 FedCyBGD and both FedAvg baselines (run, not
 counted, on the tiny model).
 
@@ -58,7 +58,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-# Issue 16's feature variants (profiles other than "paper"): "before" is the traffic as it was.
+# The traffic features' variants (profiles other than "paper"): "before" is the traffic as it was.
 # Two bits a value both ways: int2 uploads with the node's error feedback, int2 installs with
 # the server's, so a node holding the previous version gets each change exactly (the defaults).
 INT2: dict[str, Any] = {"upload-codec": "delta+int2+zstd", "download-codec": "delta+int2+zstd",
@@ -89,7 +89,7 @@ FEATURES: dict[str, dict[str, Any]] = {
                        "install-codec": "none"},
     "fedavg-full": {"strategy": "fedavg", "fedavg-params": "full"},
     "fedavg-lora": {"strategy": "fedavg", "fedavg-params": "lora"},
-    # zeroth-order rules with step logs both ways (seed-log downloads, issue 16 part 4), and
+    # zeroth-order rules with step logs both ways (seed-log downloads), and
     # the same with weight downloads; "all" layers per block: whole-stack MeZO
     "lezo-seedlog": {"update-rule": "lezo", "upload-codec": "seedlog", "lr": 1e-6},
     "lezo-seedlog-both": {"update-rule": "lezo", "upload-codec": "seedlog",
@@ -187,7 +187,7 @@ def profile_base(profile: str, quick: bool, eval_every: int = 0) -> tuple[dict[s
 
 
 def profile_main(args: argparse.Namespace) -> None:
-    """Issue 16's comparison on one profile: the traffic features off and on, fp32, the
+    """The traffic features' comparison on one profile: the traffic features off and on, fp32, the
     paper's scheme and both FedAvg baselines, same seeds; bytes are serialised messages."""
     base, rounds = profile_base(args.profile, args.quick, args.eval_every)
     for item in args.set:  # e.g. layers-per-block=1 num-server-rounds=16

@@ -1,6 +1,6 @@
 """The client's update rules on an accelerator, side by side with the CPU: exactness and speed.
 
-Prepared for a lent GPU (issue 14: run it there and put its figures in the note); it runs on
+Prepared for a lent GPU (run it there and record its figures); it runs on
 any ``--device`` (``cpu`` too, which is how it is kept working here). In one process, on the
 real SmolLM2 model and Rotten Tomatoes batches, through the client's own :class:`ClientModel`
 (device placement, frozen precision) and the registered rules:

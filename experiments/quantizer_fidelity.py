@@ -1,4 +1,4 @@
-"""How much of a real FedCyBGD update each quantizer keeps, one shot (issue 16).
+"""How much of a real FedCyBGD update each quantizer keeps, one shot.
 
 Trains SmolLM2 for two rounds at the app's defaults with exact fp32 traffic (the real ServerApp
 logic and ClientApp over the loopback Grid), takes the installed update (the final model minus

@@ -1,4 +1,4 @@
-"""The learning sweep (issue 12): each method's settings on the validation split, each at its
+"""The learning sweep: each method's settings on the validation split, each at its
 own best, with the same client-rounds; the app's defaults are set from what it finds.
 
     python experiments/sweep.py                         # experiments/configs/sweep.toml

@@ -1,4 +1,4 @@
-"""Seeded loopback runs give the same per-round numbers as before the strategy split (issue 13).
+"""Seeded loopback runs give the same per-round numbers as before the strategy was split into parts.
 
 ``tests/golden/strategy_rounds.json`` holds, per scenario, every field of ``metrics.jsonl``
 but the measured ones (times, sampled memory), the summary totals and the final block
@@ -8,7 +8,7 @@ running this file as a script against that commit's tree::
     git archive 8fcd74e | tar -x -C /tmp/before
     PYTHONPATH=/tmp/before .venv/bin/python tests/test_behaviour_golden.py --write
 
-``wire_bytes_down``/``wire_bytes_up`` (issue 16: serialised message sizes) were added to the
+``wire_bytes_down``/``wire_bytes_up`` (serialised message sizes) were added to the
 rows later, from a run whose every other number matched this file; the runs keep self-sync and
 error feedback off, the behaviour they were recorded with.
 
@@ -40,7 +40,7 @@ BASE: dict[str, Any] = {
     "local-steps": 2, "batch-size": 4, "max-seq-len": 48, "lr": 1e-3,
     "eval-every": 3, "eval-examples": 16, "eval-batch-size": 16, "seed": 7,
     "logit-adjust": False, "class-balance": False, "class-prior": "uniform",
-    # issue 16's traffic features change what is sent and installed: the golden runs keep the
+    # the traffic features change what is sent and installed: the golden runs keep the
     # behaviour they were recorded with (tests/test_traffic.py covers the features)
     "self-sync": False, "error-feedback": False, "install-codec": "none",
     # every run evaluates round 0 itself: its row then never says it came from the cache

@@ -1,4 +1,4 @@
-"""Issue 14, parts 2-4: devices, frozen blocks in bf16/fp16/int8, recomputation for ``fo``.
+"""Devices, frozen blocks in bf16/fp16/int8, recomputation for ``fo``.
 
 This machine has no accelerator: device resolution and its refusals run through a
 :class:`DeviceProbe` describing other machines; every tensor path runs on the CPU.

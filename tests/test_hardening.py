@@ -1,6 +1,6 @@
 """No reply can crash, stall or poison the server: each hostile case is a named drop.
 
-Every case found by trying the server as an attacker (issue 11) is here: the server drops the
+Every case found by trying the server as an attacker is here: the server drops the
 reply by name, re-queues the block, installs nothing non-finite or outsized, and goes on.
 """
 

@@ -290,30 +290,27 @@ def test_client_batches_carry_their_partitions_prior_only_when_asked(tiny_run_co
 
 
 def test_demo_user_run_config_overrides_the_demos_size(tmp_path, monkeypatch):
-    # Prepare: capture the flwr command instead of running it
-    import subprocess
-
+    # Prepare: capture what the demo hands the launcher instead of running it
     from flwr.common.config import parse_config_args
 
     from fedcybgd.cli import demo
     seen = {}
 
-    def fake_run(command, **kwargs):
-        if "--run-config" in command:
-            seen["command"] = command
-        return subprocess.CompletedProcess(command, 0, stdout="")  # pgrep finds nothing
+    def fake_launch(run):
+        seen["run"] = run
+        return 0
 
-    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    monkeypatch.setattr(demo, "launch", fake_launch)
+    monkeypatch.setattr(demo, "stop_local_superlink", lambda home: 0)
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
     # Execute: a user's key that the demo also sets
     demo.main(["--output-dir", str(tmp_path / "out"),
                "--run-config", "num-server-rounds=2 partitioner='dirichlet'"])
     # Assert: Flower's own parser reads the demo's keys, then the user's, which win
-    command = seen["command"]
-    values = [command[i + 1] for i, c in enumerate(command) if c == "--run-config"]
-    config = parse_config_args(values)
+    config = parse_config_args(seen["run"].run_config)
     assert config["num-server-rounds"] == 2 and config["partitioner"] == "dirichlet"
     assert config["eval-every"] == 0 and config["overwrite"] is True
+    assert seen["run"].stop_on_interrupt and seen["run"].superlink == "local"
 
 
 def test_reply_arrival_order_does_not_change_the_merge(tiny_run_config, tmp_path):

@@ -122,9 +122,9 @@ def test_builtin_rules_are_declared_for_both_sides():
 
 @pytest.mark.parametrize("scored", [None, 100, 600])
 def test_builtin_estimates_are_unchanged(scored):
-    # The estimate before the per-rule branch moved into the rules, written out (since issue
-    # 14b: gradients and kept activations count as the larger of the two; since issue 15 the
-    # logits are those of the scored positions, one a row unless given, in the copies the
+    # The estimate before the per-rule branch moved into the rules, written out (gradients
+    # and kept activations count as the larger of the two; the logits are those of the
+    # scored positions, one a row unless given, in the copies the
     # loss keeps, zerolock's at most zerolock-slice = 256 rows at a time).
     from fedcybgd.rules.builtin import BACKWARD_LOGIT_COPIES, FORWARD_LOGIT_COPIES
 

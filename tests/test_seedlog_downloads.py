@@ -1,4 +1,4 @@
-"""Seed-log downloads (issue 16 part 4): blocks made from step logs reach nodes as those logs."""
+"""Seed-log downloads: blocks made from step logs reach nodes as those logs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Traffic (issue 16): self-synced trained blocks and error feedback on lossy uploads.
+"""Traffic: self-synced trained blocks and error feedback on lossy uploads.
 
 Loopback runs of the real ServerApp strategy and ClientApp on a tiny random Llama: a node that
 trained a block alone holds the installed version bit for bit without it being sent; a wrong

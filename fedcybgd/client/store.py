@@ -5,7 +5,7 @@ later version are stored, one safetensors file each, named by block and version.
 is written last and atomically (temp file + rename), so a crash leaves the previous complete
 state; a file that fails its checksum is dropped and the server resends that block.
 
-Besides the blocks it holds, the store keeps two kinds of per-block state (issue 16):
+Besides the blocks it holds, the store keeps two kinds of per-block state:
 
 - a *pending* copy (self-sync, :mod:`fedcybgd.protocol.selfsync`): the node's own decoded upload of
 the

@@ -139,7 +139,7 @@ def load_holdings(text: str) -> dict[str, Holding]:
         out[name] = Holding(value[0], value[1])
     return out
 
-# Self-sync (issue 16): the node computes the block the server installs from its own upload.
+# Self-sync: the node computes the block the server installs from its own upload.
 # Instruction: SELF_SYNC (bool) asks the node to keep its decoded upload as a pending copy;
 # PROMOTE (JSON, see fedcybgd.protocol.selfsync) tells it which pending copy became which installed
 # version, through which server step, and its checksum. Reply (STATE): SELF_SYNC_CHECKSUM, the
