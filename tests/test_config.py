@@ -1,5 +1,6 @@
 """Strict run config: known keys only, finite numbers in range, rule options checked at start,
-README / RunConfig / ``[tool.flwr.app.config]`` in step, and ``flwr run`` with rule options."""
+docs/configuration.md / RunConfig / ``[tool.flwr.app.config]`` in step, and ``flwr run`` with
+rule options."""
 
 from __future__ import annotations
 
@@ -27,23 +28,23 @@ FLWR_CONFIG: dict[str, Any] = PYPROJECT["tool"]["flwr"]["app"]["config"]
 FLWR_NO_DEPS = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
 
 
-# --------------------------------------------------------------------- README and pyproject
+# ------------------------------------------------------ docs/configuration.md and pyproject
 
 
 def _readme_tables() -> tuple[dict[str, Any], dict[str, Any]]:
-    """README's configuration tables: (run-config key -> default, node-config key -> default)."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Configuration", 1)[1].split("\n## ", 1)[0]
+    """The configuration reference's tables (docs/configuration.md): (run-config key ->
+    default, node-config key -> default)."""
+    section = (ROOT / "docs" / "configuration.md").read_text()
     run: dict[str, Any] = {}
     node: dict[str, Any] = {}
     table = run
     for line in section.splitlines():
-        if line.startswith("### "):
+        if line.startswith("## "):
             table = node if "Node config" in line else run
         match = re.match(r"^\| `([a-z0-9-]+)` \| ([^|]+?) \|", line)
         if match:
             key = match.group(1)
-            assert key not in table, f"README lists {key} twice"
+            assert key not in table, f"docs/configuration.md lists {key} twice"
             table[key] = _readme_value(match.group(2).strip())
     return run, node
 
@@ -69,8 +70,8 @@ def test_readme_pyproject_and_run_config_list_the_same_keys_and_defaults():
     readme, _ = _readme_tables()
     typed = run_config_keys()
     # Assert: the same keys, both directions, in all three
-    assert set(readme) - set(typed) == set(), "README lists keys RunConfig does not know"
-    assert set(typed) - set(readme) == set(), "RunConfig keys missing from README's table"
+    assert set(readme) - set(typed) == set(), "the docs list keys RunConfig does not know"
+    assert set(typed) - set(readme) == set(), "RunConfig keys missing from the docs' tables"
     assert set(FLWR_CONFIG) - set(typed) == set(), "pyproject keys RunConfig does not know"
     assert set(typed) - set(FLWR_CONFIG) == set(), "keys missing from [tool.flwr.app.config]"
     # ... and the same defaults, with the same types

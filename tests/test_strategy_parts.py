@@ -535,7 +535,7 @@ def test_record_row_has_the_metrics_contract_keys():
     # Execute
     row = record.to_json()
     zero = RoundRecord(0, eval_loss=1.0, eval_accuracy=0.5, eval_examples=16).to_json()
-    # Assert: the README's "Outputs" keys, node ids as text, the rule set
+    # Assert: docs/outputs.md's keys, node ids as text, the rule set
     assert list(row) == ["round", "blocks", "clients", "update_rule", "failed_blocks",
                          "bytes_down", "bytes_up", "bytes_down_raw", "bytes_up_raw",
                          "wire_bytes_down", "wire_bytes_up",

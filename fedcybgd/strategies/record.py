@@ -3,7 +3,7 @@ round in flight.
 
 The strategy fills the training half of a :class:`RoundRecord` (blocks, nodes, traffic, client
 metrics, drops); the server adds the evaluation and the round's time. :meth:`RoundRecord.to_json`
-is the row in ``metrics.jsonl`` (README, "Outputs": the contract other tools read),
+is the row in ``metrics.jsonl`` (docs/outputs.md: the contract other tools read),
 :meth:`RoundRecord.to_metric_record` what ``aggregate_train`` returns to Flower, and
 :func:`run_totals` the summary figures of a run's records. Rows read back from ``metrics.jsonl``
 become records again with :meth:`RoundRecord.from_json`. :class:`RoundInFlight` is what the

@@ -17,7 +17,7 @@ tuned-lens idea, here with a closed-form start):
 2. **KL refinement** (:func:`refine_kl`, measured by ``experiments/grad_alignment.py`` only):
    AdamW steps on ``KL(final || lens)`` at the rows the task scores (the label positions), the
    tuned lens's own objective, from the least-squares map. It did not improve the alignment
-   over least squares (see the README), so the rule fits least squares only.
+   over least squares (see docs/results.md), so the rule fits least squares only.
 
 The map is the :class:`~fedcybgd.client.updates.local_heads.Translator` of the ``tuned`` head
 (``x + x @ delta + bias``, with ``delta = A - I``), so it slots into :class:`LocalHead`
