@@ -28,8 +28,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from fedcybgd.choices import AGGREGATES
 from fedcybgd.harness.byzantine import ATTACKS, Colluders, Federation
+from fedcybgd.strategies import aggregator_names
 
 OUT = Path(__file__).parent / "results" / "byzantine"
 # (attack, colluders of 4): the honest run, then each attack
@@ -90,9 +90,10 @@ def table(results: list[dict[str, Any]]) -> str:
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in results:
         groups.setdefault((r["model"], r["aggregate"], r["attack"], r["colluders"]), []).append(r)
+    order = aggregator_names()
     for (model, aggregate, attack, colluders), runs in sorted(
-            groups.items(), key=lambda g: (g[0][0], AGGREGATES.index(g[0][1])
-                                           if g[0][1] in AGGREGATES else 99, g[0][3], g[0][2])):
+            groups.items(), key=lambda g: (g[0][0], order.index(g[0][1])
+                                           if g[0][1] in order else 99, g[0][3], g[0][2])):
         honest = groups.get((model, aggregate, "none", 0), [])
         loss = [r["eval_loss"][-1] for r in runs]
         drop = [r["eval_loss"][0] - r["eval_loss"][-1] for r in runs]
@@ -110,7 +111,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--aggregates", default=",".join(AGGREGATES))
+    parser.add_argument("--aggregates", default=",".join(aggregator_names()))
     parser.add_argument("--scenarios", default="",
                         help="e.g. none:0,push:1,push:2 (default: every scenario)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -1,22 +1,21 @@
-"""The allowed values of every enumerated config key, in one place.
+"""The allowed values of every fixed-choice config key, in one place.
 
 The run config (:mod:`fedcybgd.config`), the rule options (:mod:`fedcybgd.rules.builtin_options`)
-and the code that acts on a value import these tuples, so a value that passes the check at start is
-one the code knows. No imports: the server, the clients and the tools can all use this module.
+and the code that acts on a value import these tuples, so a value that passes the check at start
+is one the code knows. No imports: the server, the clients and the tools can all use this module.
+
+Keys whose values plug-ins can add have a registry instead, and the registry is the list:
+``update-rule`` (:mod:`fedcybgd.rules`), ``block-schedule`` and ``aggregate``
+(:mod:`fedcybgd.strategies`), ``task`` (:mod:`fedcybgd.data.kinds`) and the built-in
+``dataset`` names (:mod:`fedcybgd.data.catalogue`).
 """
 
 from __future__ import annotations
 
-UPDATE_RULES: tuple[str, ...] = ("fo", "zerolock", "lezo", "mezo")  # update-rule
-SCHEDULES: tuple[str, ...] = ("ascending", "descending", "random", "spread")  # block-schedule
 PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "movie")  # partitioner
-DATASETS: tuple[str, ...] = ("rotten-tomatoes", "tomi")  # dataset (built-in names; or a path)
-TASKS: tuple[str, ...] = ("classification", "sft", "multiple-choice")  # task (built-ins)
 AUTO_TASK = "auto"  # task: the built-in dataset's own kind; classification for other data
 STRATEGIES: tuple[str, ...] = ("fedcybgd", "fedavg")  # strategy (fedavg: Flower's own FedAvg)
 FEDAVG_PARAMS: tuple[str, ...] = ("full", "lora")  # fedavg-params
-AGGREGATES: tuple[str, ...] = ("mean", "median", "trimmed-mean", "geometric-median",
-                                 "centered-clip")  # aggregate
 ZEROLOCK_HEADS: tuple[str, ...] = ("frozen-lm", "tuned", "calibrated")  # zerolock-head
 ZEROLOCK_OBJECTIVES: tuple[str, ...] = ("label", "next-token")  # zerolock-objective
 DAMPINGS: tuple[str, ...] = ("none", "inverse", "inverse-sqrt")  # parallel-damping

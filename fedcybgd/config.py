@@ -23,10 +23,8 @@ from typing import Any
 
 from fedcybgd import protocol, rules
 from fedcybgd.choices import (
-    AGGREGATES,
     AUTO_TASK,
     DAMPINGS,
-    DATASETS,
     EVAL_PRECISIONS,
     EVAL_SPLITS,
     FEDAVG_PARAMS,
@@ -34,10 +32,8 @@ from fedcybgd.choices import (
     FROZEN_QUANTS,
     LR_SCHEDULES,
     PARTITIONERS,
-    SCHEDULES,
     SERVER_OPTIMIZERS,
     STRATEGIES,
-    UPDATE_RULES,
 )
 from fedcybgd.compression import CodecError, lossy_delta_spec, parse_spec
 from fedcybgd.core import registry
@@ -49,13 +45,9 @@ from fedcybgd.protocol.prior import ClassPriorSpec
 from fedcybgd.rules import RuleOptions
 
 __all__ = [
-    "AGGREGATES",
-    "DATASETS",
     "FEDAVG_PARAMS",
     "PARTITIONERS",
-    "SCHEDULES",
     "STRATEGIES",
-    "UPDATE_RULES",
     "ConfigError",
     "NodeConfig",
     "RunConfig",
@@ -77,10 +69,10 @@ class RunConfig:
     lora_alpha: int = setting(16, ge=1)
     lora_target_modules: str = setting("q_proj,v_proj")  # comma-separated module names
     # The task layer (fedcybgd.tasks): what is fine-tuned, on which data, how it is scored
-    # A registered task (built-ins: TASKS), checked; "auto": the built-in dataset's own kind
+    # A registered task (fedcybgd.data.kinds), checked; "auto": the built-in dataset's own kind
     # (classification for files and hub names). The resolved kind: `task_kind`.
     task: str = setting(AUTO_TASK)
-    dataset: str = setting("rotten-tomatoes")  # a built-in name (DATASETS), a path or hub name
+    dataset: str = setting("rotten-tomatoes")  # a built-in name (data.catalogue), a path, hub name
     eval_dataset: str = setting("")  # the server's own held-out file; "": dataset's eval-split
     text_field: str = setting("text")  # classification
     label_field: str = setting("label")  # classification: class index or label word
@@ -101,7 +93,7 @@ class RunConfig:
     clients_per_round: int = setting(4, ge=1)
     # 0: all of a round's clients train one block (averaged); k: k clients per block
     clients_per_block: int = setting(0, ge=0)
-    # A registered schedule (built-ins: SCHEDULES; plug-ins' too), checked at server start
+    # A registered schedule (built-ins' and plug-ins'), checked at server start
     block_schedule: str = setting("descending")
     layers_per_block: int = setting(4, ge=1)
     train_embeddings: bool = setting(False)
@@ -147,7 +139,7 @@ class RunConfig:
     outlier_factor: float = setting(10.0, ge=0)  # refuse a delta > factor x median; 0 = off
     # refuse a delta whose RMS exceeds this share of the block's own RMS (a wipe); 0 = off
     max_update_ratio: float = setting(0.5, ge=0, le=10)
-    # clients-per-block > 1: a registered aggregator (built-ins: AGGREGATES), checked at start
+    # clients-per-block > 1: a registered aggregator (built-ins' and plug-ins'), checked at start
     aggregate: str = setting("mean")
     trim_fraction: float = setting(0.2, ge=0, lt=0.5)  # trimmed-mean: share cut at each end
     server_lr: float = setting(1.0, gt=0, le=10)  # the server's step on each merged block

@@ -8,7 +8,6 @@ import importlib.metadata
 import numpy as np
 import pytest
 
-from fedcybgd.choices import DATASETS as CHOICE_DATASETS
 from fedcybgd.config import RunConfig
 from fedcybgd.data import packaged, tomi
 from fedcybgd.data.builtin import BUILTIN_DATASETS, builtin_splits
@@ -30,10 +29,10 @@ needs_evals = pytest.mark.skipif(
 
 
 def test_every_built_in_dataset_is_a_choice_and_has_a_known_task_kind():
-    from fedcybgd.choices import TASKS
+    from fedcybgd.data.kinds import task_names
 
-    assert set(BUILTIN_DATASETS) == set(CHOICE_DATASETS) == set(shares.DATASETS)
-    assert {spec.task for spec in BUILTIN_DATASETS.values()} <= set(TASKS)
+    assert set(BUILTIN_DATASETS) == {"rotten-tomatoes", "tomi"} == set(shares.DATASETS)
+    assert {spec.task for spec in BUILTIN_DATASETS.values()} <= set(task_names())
     assert BUILTIN_DATASETS["tomi"].task == "sft"
     assert "CC BY-NC 4.0" in BUILTIN_DATASETS["tomi"].license
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from fedcybgd.choices import AGGREGATES, SCHEDULES
 from fedcybgd.config import ConfigError, RunConfig, run_config_keys
 from fedcybgd.strategies import (
     aggregator_names,
@@ -108,8 +107,9 @@ def _main(grid: Any, run_config: dict[str, Any]) -> None:
 
 
 def test_the_builtins_are_registered_under_their_config_names_as_the_same_functions():
-    assert schedule_names()[: len(SCHEDULES)] == SCHEDULES
-    assert aggregator_names()[: len(AGGREGATES)] == AGGREGATES
+    assert schedule_names()[:4] == ("ascending", "descending", "random", "spread")
+    assert aggregator_names()[:5] == ("mean", "median", "trimmed-mean", "geometric-median",
+                                      "centered-clip")
     assert build_aggregator("mean") is weighted_mean
     assert build_aggregator("median") is coordinate_median
     # trimmed-mean is made per run with its trim-fraction: the same numbers as the function

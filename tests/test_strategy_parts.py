@@ -21,7 +21,6 @@ from flwr.app import (
 )
 
 from fedcybgd import protocol
-from fedcybgd.choices import SCHEDULES
 from fedcybgd.compression import decode, encode, payload_from_array, payload_to_array, read_header
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
@@ -36,6 +35,7 @@ from fedcybgd.strategies.reader import BlockUpload, NodeBook, ReplyReader
 from fedcybgd.strategies.record import RoundInFlight
 from fedcybgd.strategies.replies import BAD_PAYLOAD, NON_FINITE, NOT_TRAINED, DropLog, Dropped
 from fedcybgd.strategies.schedule import (
+    ORDERS,
     BlockSchedule,
     build_schedule,
     register_schedule,
@@ -70,8 +70,8 @@ def moved(versions: BlockVersions, block: str, by: float) -> dict[str, torch.Ten
 
 # ----------------------------------------------------------------------------- schedules
 def test_builtin_orders_are_registered_by_their_config_names():
-    assert set(SCHEDULES) <= set(schedule_names())
-    for name in SCHEDULES:
+    assert set(ORDERS) <= set(schedule_names())
+    for name in ORDERS:
         assert isinstance(build_schedule(name, LAYERS, seed=1), Schedule)
 
 

@@ -417,7 +417,7 @@ def train(msg: Message, context: Context) -> Message:
 def zo_node(device: torch.device) -> str:
     """``"<torch>|<z fingerprint>"`` of this node's replay on ``device``: the server sends step
     logs (seed-log downloads) only to nodes whose replay is exactly its own."""
-    return f"{torch.__version__}|{zeroth_order.z_fingerprint(device)}"
+    return zeroth_order.replay_identity(device)
 
 
 def self_sync_blocks(cm: ClientModel, store: BlockStore,

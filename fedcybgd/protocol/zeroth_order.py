@@ -202,6 +202,12 @@ def to_f32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def replay_identity(device: torch.device | str = "cpu") -> str:
+    """``"<torch>|<z fingerprint>"``: what a node and the server compare to know that one
+    replays the other's step logs bit for bit on ``device`` (seed-log downloads)."""
+    return f"{torch.__version__}|{z_fingerprint(device)}"
+
+
 def z_fingerprint(device: torch.device | str = "cpu") -> str:
     """Hash of z and update arithmetic on a fixed probe: equal iff replay can be exact here.
 

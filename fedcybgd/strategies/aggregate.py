@@ -22,7 +22,7 @@ Flower's Krum and Bulyan need ``n >= 2f + 3`` (Bulyan ``4f + 3``) nodes on the s
 than a block is shared by in practice, so they are not offered; a plug-in can add them.
 
 Aggregators are found by name (``aggregate`` in the run config) in a registry: the built-ins
-(:data:`fedcybgd.choices.AGGREGATES`) and any a plug-in adds with :func:`register_aggregator`
+(registered below) and any a plug-in adds with :func:`register_aggregator`
 (a module named in ``plugin-modules``). ``FedCyBGD(aggregate=...)`` also takes any
 :data:`Aggregator` callable directly.
 """
@@ -36,7 +36,6 @@ from typing import TypeVar
 
 import torch
 
-from fedcybgd.choices import AGGREGATES
 from fedcybgd.core.registry import Registry
 from fedcybgd.protocol.selfsync import weighted_mean as shared_weighted_mean
 
@@ -174,7 +173,7 @@ def build_aggregator(name: str, trim_fraction: float = 0.2) -> Aggregator:
     return AGGREGATOR_REGISTRY.get(name)(trim_fraction=trim_fraction)
 
 
-# The built-ins, registered under aggregate's values (AGGREGATES, in that order).
+# The built-ins, registered first, in this order.
 _BUILTINS: dict[str, AggregatorFactory] = {
     "mean": lambda **_: weighted_mean,
     "median": lambda **_: coordinate_median,
@@ -182,6 +181,5 @@ _BUILTINS: dict[str, AggregatorFactory] = {
     "geometric-median": lambda **_: geometric_median,
     "centered-clip": lambda **_: centered_clip,
 }
-assert tuple(_BUILTINS) == AGGREGATES
 for _name, _factory in _BUILTINS.items():
     register_aggregator(_name)(_factory)

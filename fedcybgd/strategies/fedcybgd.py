@@ -203,7 +203,7 @@ class FedCyBGD(Strategy):
             raise ValueError("download-codec 'seedlog' needs upload-codec 'seedlog' (downloads "
                              "resend the uploaded step logs)")
         # a node replays step logs exactly iff its torch and z arithmetic are the server's
-        self.zo = (f"{torch.__version__}|{zeroth_order.z_fingerprint(device)}"
+        self.zo = (zeroth_order.replay_identity(device)
                    if log_downloads else "")
         self.nodes = NodeBook()
         self.downloads = DownloadPlanner(

@@ -5,7 +5,7 @@ training failed (``requeue``: it comes again before the cycle moves on, so no bl
 silently) and checkpoints itself as JSON (``state`` / ``load_state``). A schedule may also
 define ``observe(block, update_rms)``: the strategy then tells it, for every block it installs,
 the RMS of the step the block took (see :class:`ObservingSchedule`), so an order can follow
-where the model moves. The built-in orders (:data:`fedcybgd.choices.SCHEDULES`) are registered
+where the model moves. The built-in orders (:data:`ORDERS`) are registered
 by name; a plug-in registers its own with :func:`register_schedule` (a module named in the
 run-config key ``plugin-modules``, then ``block-schedule = "its-name"``), or passes any object
 with these methods to ``FedCyBGD``.
@@ -17,7 +17,6 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from fedcybgd.choices import SCHEDULES
 from fedcybgd.core.registry import Registry
 
 
@@ -54,6 +53,8 @@ class ObservingSchedule(Schedule, Protocol):
 # name -> factory called as factory(blocks=[...], seed=int)
 ScheduleFactory = Callable[..., Schedule]
 _F = TypeVar("_F", bound=ScheduleFactory)
+# The built-in orders of :class:`BlockSchedule`, registered under these names, in this order.
+ORDERS: tuple[str, ...] = ("ascending", "descending", "random", "spread")
 SCHEDULE_REGISTRY: Registry[ScheduleFactory] = Registry("block schedule", "block-schedule")
 
 
@@ -111,8 +112,8 @@ class BlockSchedule:
     """
 
     def __init__(self, blocks: list[str], order: str = "ascending", seed: int = 0) -> None:
-        if order not in SCHEDULES:
-            raise ValueError(f"block-schedule {order!r} is not allowed; choose one of {SCHEDULES}")
+        if order not in ORDERS:
+            raise ValueError(f"block-schedule {order!r} is not allowed; choose one of {ORDERS}")
         if not blocks:
             raise ValueError("the block cycle is empty: nothing to train")
         self.blocks = list(blocks)
@@ -201,5 +202,5 @@ def _builtin(order: str) -> ScheduleFactory:
     return make
 
 
-for _order in SCHEDULES:
+for _order in ORDERS:
     register_schedule(_order)(_builtin(_order))
