@@ -223,11 +223,64 @@ def node_key(msg: Message, context: Context) -> Message:
     return Message(RecordDict({protocol.IDENTITY: identity}), reply_to=msg)
 
 
+class Answered(Exception):
+    """A step ended the round early with this reply (a refusal, a rejection, a resync)."""
+
+    def __init__(self, reply: Message) -> None:
+        super().__init__(reply.content.config_records[protocol.STATE][protocol.STATUS])
+        self.reply = reply
+
+
+@dataclass
+class Round:
+    """One FedCyBGD assignment as the steps of :func:`train` fill it in."""
+
+    msg: Message
+    run: RunConfig
+    node: NodeConfig
+    ins: Instruction
+    lr: float  # the round's rate, within the node's limit
+    rule_name: str
+    max_bytes: int  # the run's bound on one payload, and the node's own
+    device: torch.device
+    precision: Precision
+    cm: ClientModel
+    store: BlockStore
+    rule_state: Path
+    incoming: Downloads = field(default_factory=Downloads)
+    batches: Any = None
+
+    def answer(self, status: str, reason: str, store: bool = True) -> Answered:
+        """End the round with ``status`` and ``reason`` (the holdings too with ``store``)."""
+        return Answered(_reply(self.msg, status, self.store if store else None, reason,
+                               budget=self.node.memory_budget_mb))
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Handle one FedCyBGD assignment (see the module docstring), or a FedAvg round."""
+    """Handle one FedCyBGD assignment (see the module docstring), or a FedAvg round.
+
+    The round's steps, each of which may end it early with its reply: read and check the
+    instruction, check the downloads against the node's limits, prepare the batches, fit a
+    rule to the memory budget, install the downloads, train the block, encode the upload.
+    """
     if is_fedavg_message(msg):
         return train_fedavg(msg, context)
+    try:
+        rnd = open_round(msg, context)
+        check_downloads(rnd)
+        prepare_batches(rnd)
+        fit_memory_budget(rnd)
+        install_downloads(rnd)
+        outcome, trained, start, base, mem, train_s = train_block(rnd)
+        return upload_reply(rnd, outcome, trained, start, base, mem.peak_mb, train_s)
+    except Answered as done:
+        return done.reply
+
+
+def open_round(msg: Message, context: Context) -> Round:
+    """Read the instruction and check it against the node's limits, its rule, the model the
+    node holds and the names it would turn into paths; open the node's block store."""
     run = RunConfig.from_run_config(context.run_config)
     node = NodeConfig.from_node_config(context.node_config)
     try:
@@ -235,8 +288,7 @@ def train(msg: Message, context: Context) -> Message:
         lr = limits.check_training(run, node, ins.lr, ins.local_steps)
     except Refusal as err:
         log.warning("refused an instruction (%s)", err)
-        return _reply(msg, protocol.REFUSED, None, str(err))
-    block, server_round, seed = ins.block, ins.server_round, ins.seed
+        raise Answered(_reply(msg, protocol.REFUSED, None, str(err))) from None
     rule_name = node.update_rule or ins.rule
     # Registered once the run's rule-modules are loaded (RunConfig above); the node's own
     # choice is checked only here, so a misspelt one names the key.
@@ -244,116 +296,133 @@ def train(msg: Message, context: Context) -> Message:
         rule_spec(rule_name)
     except ConfigError as err:
         if not node.update_rule:  # the server's: refused
-            return _reply(msg, protocol.REFUSED, None,
-                          f"instruction field {protocol.RULE!r} = {rule_name[:80]!r}: {err}")
+            raise Answered(_reply(
+                msg, protocol.REFUSED, None,
+                f"instruction field {protocol.RULE!r} = {rule_name[:80]!r}: {err}")) from None
         raise ConfigError(f"update-rule = {rule_name!r} (node config): {err}") from None
-    upload_codec = ins.upload_codec
-    # the run's bound on one payload, and the node's own
-    max_bytes = int(min(run.max_payload_mb, node.max_download_mb) * limits.MB)
-
     device = node_device(run.device, node.device)
     precision = Precision(run.frozen_dtype, run.frozen_quant)
     cm = client_model(run.model, run.layers_per_block, str(device), precision)
     if ins.base_hash != cm.base_hash:
-        return _reply(
+        raise Answered(_reply(
             msg, protocol.REJECTED, None,
-            f"pretrained weights differ: server {ins.base_hash}, client {cm.base_hash}",
-        )
+            f"pretrained weights differ: server {ins.base_hash}, client {cm.base_hash}"))
     cache_dir = Path(node.cache_dir) if node.cache_dir else cache_root()
     downloads = msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord())
     log_downloads = msg.content.array_records.get(protocol.DOWNLOAD_LOGS, ArrayRecord())
-    promotions = ins.promotions
     try:
         # Names the server sends become paths: checked before anything is touched.
         dirs = node_dirs(cache_dir, ins.lineage, context.node_id)
-        for name in (block, *downloads.keys(), *log_downloads.keys(), *promotions):
+        for name in (ins.block, *downloads.keys(), *log_downloads.keys(), *ins.promotions):
             if block_name(name) not in cm.blocks.names:
                 raise UnsafeName(f"block {name!r} is not one of this model's {cm.blocks.names}")
     except UnsafeName as err:
-        log.warning("round %s: refused an instruction (%s)", server_round, err)
-        return _reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")
-    store = BlockStore(dirs.store, cm.base_hash)
-    # The downloads' cost against the node's limits, before any is decoded or replayed.
+        log.warning("round %s: refused an instruction (%s)", ins.server_round, err)
+        raise Answered(_reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")) from None
+    return Round(msg, run, node, ins, lr, rule_name,
+                 int(min(run.max_payload_mb, node.max_download_mb) * limits.MB), device,
+                 precision, cm, BlockStore(dirs.store, cm.base_hash), dirs.rule_state)
+
+
+def check_downloads(rnd: Round) -> None:
+    """The downloads' cost against the node's limits, before any is decoded or replayed."""
+    msg = rnd.msg
     try:
-        incoming = read_downloads(downloads, log_downloads, node, max_bytes, ins.local_steps)
+        rnd.incoming = read_downloads(
+            msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord()),
+            msg.content.array_records.get(protocol.DOWNLOAD_LOGS, ArrayRecord()),
+            rnd.node, rnd.max_bytes, rnd.ins.local_steps)
     except Refusal as err:
-        log.warning("round %s: refused an instruction (%s)", server_round, err)
-        return _reply(msg, protocol.REFUSED, store, str(err), budget=node.memory_budget_mb)
+        log.warning("round %s: refused an instruction (%s)", rnd.ins.server_round, err)
+        raise rnd.answer(protocol.REFUSED, str(err)) from None
     except CodecError as err:
-        return _resync_after_bad_download(msg, server_round, cm, store, err,
-                                          node.memory_budget_mb)
-    # Before the budget check: the tokenizer and data are then resident, part of what this
-    # process measures as its runtime.
-    target = ins.class_prior
+        raise Answered(_resync_after_bad_download(msg, rnd.ins.server_round, rnd.cm, rnd.store,
+                                                  err, rnd.node.memory_budget_mb)) from None
+
+
+def prepare_batches(rnd: Round) -> None:
+    """The round's batches, aimed at the instruction's class prior when it sends one. Before
+    the budget check: the tokenizer and data are then resident, part of what this process
+    measures as its runtime."""
+    target = rnd.ins.class_prior
     try:
         if target is not None:  # one share per class of the task
-            target_shares(target, build_task(run).num_classes())
+            target_shares(target, build_task(rnd.run).num_classes())
     except ValueError as err:
-        log.warning("round %s: refused an instruction (%s)", server_round, err)
-        return _reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")
-    batches = training_batches(run, node, seed, target)
-    if node.memory_budget_mb:
-        shape = cm.shape
-        # An sft batch scores every response token, not one per row (an upper bound here)
-        scored = build_task(run).max_scored_tokens(run.batch_size, run.max_seq_len)
-        runtime = measured_runtime_mb(shape, cm.blocks, precision, rss_bytes() / 2**20)
-        fit = fitting_rule(shape, cm.blocks, block, node.memory_budget_mb, run.batch_size,
-                           run.max_seq_len, rule_name, precision, run.options, scored, runtime)
-        if fit is None:
-            need = estimate_peak_mb(shape, cm.blocks, "lezo", block, run.batch_size,
-                                    run.max_seq_len, precision, run.options, scored, runtime)
-            return _reply(
-                msg, protocol.REJECTED, None,
-                f"memory-budget-mb = {node.memory_budget_mb:.0f} fits no update rule for "
-                f"block {block} (the smallest, lezo, needs about {need:.0f} MB, "
-                f"{runtime:.0f} MB of it this process's runtime)",
-                budget=node.memory_budget_mb,
-            )
-        rule_name = fit
+        log.warning("round %s: refused an instruction (%s)", rnd.ins.server_round, err)
+        raise Answered(_reply(rnd.msg, protocol.REFUSED, None,
+                              f"bad instruction: {err}")) from None
+    rnd.batches = training_batches(rnd.run, rnd.node, rnd.ins.seed, target)
+
+
+def fit_memory_budget(rnd: Round) -> None:
+    """With a memory budget, the asked rule or a smaller one that fits; none fits: rejected."""
+    run, node, cm = rnd.run, rnd.node, rnd.cm
+    if not node.memory_budget_mb:
+        return
+    block = rnd.ins.block
+    # An sft batch scores every response token, not one per row (an upper bound here)
+    scored = build_task(run).max_scored_tokens(run.batch_size, run.max_seq_len)
+    runtime = measured_runtime_mb(cm.shape, cm.blocks, rnd.precision, rss_bytes() / 2**20)
+    fit = fitting_rule(cm.shape, cm.blocks, block, node.memory_budget_mb, run.batch_size,
+                       run.max_seq_len, rnd.rule_name, rnd.precision, run.options, scored,
+                       runtime)
+    if fit is None:
+        need = estimate_peak_mb(cm.shape, cm.blocks, "lezo", block, run.batch_size,
+                                run.max_seq_len, rnd.precision, run.options, scored, runtime)
+        raise rnd.answer(
+            protocol.REJECTED,
+            f"memory-budget-mb = {node.memory_budget_mb:.0f} fits no update rule for "
+            f"block {block} (the smallest, lezo, needs about {need:.0f} MB, "
+            f"{runtime:.0f} MB of it this process's runtime)", store=False)
+    rnd.rule_name = fit
+
+
+def install_downloads(rnd: Round) -> None:
+    """Self-synced blocks, then the downloads (weights and step logs); the holdings must then
+    be what the server expects, else a resync."""
+    cm, store, node = rnd.cm, rnd.store, rnd.node
     cm.sync(store)
     # before the downloads: a block sent as a delta may be one against a self-synced version
-    self_sync_blocks(cm, store, promotions)
-
+    self_sync_blocks(cm, store, rnd.ins.promotions)
     try:
-        apply_downloads(cm, store, incoming.weights, max_bytes,
+        apply_downloads(cm, store, rnd.incoming.weights, rnd.max_bytes,
                         int(node.max_decoded_mb * limits.MB))
-        apply_log_downloads(cm, store, incoming.chains, device)
+        apply_log_downloads(cm, store, rnd.incoming.chains, rnd.device)
     except CodecError as err:
-        return _resync_after_bad_download(msg, server_round, cm, store, err,
-                                          node.memory_budget_mb)
-    bytes_down = incoming.received
-    if store.holdings != ins.expect:
-        return _reply(msg, protocol.RESYNC, store, "cache differs from the server's record",
-                      budget=node.memory_budget_mb)
+        raise Answered(_resync_after_bad_download(rnd.msg, rnd.ins.server_round, cm, store,
+                                                  err, node.memory_budget_mb)) from None
+    if store.holdings != rnd.ins.expect:
+        raise rnd.answer(protocol.RESYNC, "cache differs from the server's record")
 
+
+def train_block(rnd: Round) -> tuple[TrainOutcome, dict[str, torch.Tensor],
+                                     dict[str, torch.Tensor], Holding, PeakMemory, float]:
+    """Train the assigned block with the round's rule; the cache keeps the block as the server
+    had it. Returns the outcome, the trained and starting tensors (CPU), the holding trained
+    from, the memory sampler and the training time."""
+    cm, store, run, ins = rnd.cm, rnd.store, rnd.run, rnd.ins
+    block = ins.block
     try:
         cm.train_block(block, store)  # fp32 from exact tensors; the rest frozen
     except CodecError as err:
         store.clear()
         cm.sync(store)
-        return _reply(msg, protocol.RESYNC, store, f"cannot rebuild block {block}: {err}",
-                      budget=node.memory_budget_mb)
+        raise rnd.answer(protocol.RESYNC, f"cannot rebuild block {block}: {err}") from None
     # Rules get their batches where the model is (on the CPU the iterator itself, which
     # zerolock can skip through without tokenizing).
-    feed: Iterator[Batch] = batches if device.type == "cpu" else (b.to(device) for b in batches)
+    batches = rnd.batches
+    feed: Iterator[Batch] = (batches if rnd.device.type == "cpu"
+                             else (b.to(rnd.device) for b in batches))
     start = to_cpu(cm.blocks.get(cm.model, block))
     start_holding = store.holdings.get(block, Holding(0, ""))
-    torch.manual_seed(seed)
-    task = TrainTask(
-        model=cm.model,
-        stack=cm.stack,
-        blocks=cm.blocks,
-        block=block,
-        batches=iter(feed),
-        steps=run.local_steps,
-        lr=lr,
-        weight_decay=run.weight_decay,
-        seed=seed,
-        options=dict(run.options),
-        state_dir=dirs.rule_state,
-    )
+    torch.manual_seed(ins.seed)
+    task = TrainTask(model=cm.model, stack=cm.stack, blocks=cm.blocks, block=block,
+                     batches=iter(feed), steps=run.local_steps, lr=rnd.lr,
+                     weight_decay=run.weight_decay, seed=ins.seed, options=dict(run.options),
+                     state_dir=rnd.rule_state)
     began = time.perf_counter()
-    rule = get_rule(rule_name)
+    rule = get_rule(rnd.rule_name)
     try:
         with PeakMemory() as mem:
             outcome = rule.train(task)
@@ -363,26 +432,36 @@ def train(msg: Message, context: Context) -> Message:
         # version arrives like any other.
         cm.blocks.set(cm.model, block, start)
     train_s = time.perf_counter() - began
-    warn_cut(f"round {server_round}, block {block}", batches.encoder.cut,
+    warn_cut(f"round {ins.server_round}, block {block}", batches.encoder.cut,
              outcome.examples, run.max_seq_len, "see the task's truncation rule",
-             key=("training", msg.metadata.run_id))
+             key=("training", rnd.msg.metadata.run_id))
+    return outcome, trained, start, start_holding, mem, train_s
 
+
+def upload_reply(rnd: Round, outcome: TrainOutcome, trained: dict[str, torch.Tensor],
+                 start: dict[str, torch.Tensor], start_holding: Holding, peak_mb: float,
+                 train_s: float) -> Message:
+    """The upload (the step log, or the weights through the asked codec with error feedback
+    and the pending copy for self-sync), the round's metrics and the node's holdings."""
+    run, ins, store, block = rnd.run, rnd.ins, rnd.store, rnd.ins.block
+    upload_codec = ins.upload_codec
     kind, note = protocol.WEIGHTS, ""
+    payload: bytes | None = None
     if upload_codec == protocol.SEEDLOG:
-        payload, note = _seedlog_payload(rule_name, outcome, ins)
+        payload, note = _seedlog_payload(rnd.rule_name, outcome, ins)
         kind = protocol.SEEDLOG if payload is not None else protocol.WEIGHTS
         upload_codec = ins.seedlog_fallback
     pending = ""
     if kind == protocol.WEIGHTS:
         keep = ins.keep_pending  # the server asks for the pending copy
         feedback = run.error_feedback and not parse_spec(upload_codec).lossless
-        up = encode_upload(trained, start, upload_codec, block=block, version=server_round,
+        up = encode_upload(trained, start, upload_codec, block=block, version=ins.server_round,
                            base_version=start_holding.version,
-                           residual=store.residual(block, server_round) if feedback else None,
-                           feedback=feedback, want_decoded=keep)
+                           residual=store.residual(block, ins.server_round) if feedback
+                           else None, feedback=feedback, want_decoded=keep)
         payload = up.payload
         if up.residual is not None:
-            store.put_residual(block, server_round, up.residual)
+            store.put_residual(block, ins.server_round, up.residual)
         if up.decoded is not None:
             pending = store.put_pending(block, up.decoded, start_holding)
     assert payload is not None
@@ -393,24 +472,24 @@ def train(msg: Message, context: Context) -> Message:
             "train_loss": outcome.loss,
             "steps": outcome.steps,
             "skipped_steps": outcome.skipped_steps,
-            "peak_mem_mb": mem.peak_mb,
+            "peak_mem_mb": peak_mb,
             "train_s": train_s,
             "bytes_up": len(payload),
             "seedlog_fallback": float(bool(note)),
             "bytes_up_raw": raw_fp32_bytes(trained),
-            "bytes_down": bytes_down,
+            "bytes_down": rnd.incoming.received,
             **{k: float(v) for k, v in outcome.metrics.items()},
         }
     )
     upload = ArrayRecord({block: payload_to_array(payload)})
     reply = _reply(
-        msg, protocol.OK, store, note, rule_name, node.memory_budget_mb,
+        rnd.msg, protocol.OK, store, note, rnd.rule_name, rnd.node.memory_budget_mb,
         **{protocol.UPLOAD: upload, protocol.METRICS: metrics},
     )
     reply.content.config_records[protocol.STATE][protocol.UPLOAD_KIND] = kind
     reply.content.config_records[protocol.STATE][protocol.SELF_SYNC_CHECKSUM] = pending
     if run.download_codec == protocol.SEEDLOG:
-        reply.content.config_records[protocol.STATE][protocol.ZO_NODE] = zo_node(device)
+        reply.content.config_records[protocol.STATE][protocol.ZO_NODE] = zo_node(rnd.device)
     return reply
 
 
