@@ -189,14 +189,14 @@ def test_a_node_with_its_own_data_path_trains_on_it(tiny_run_config, tmp_path, m
                            + "\n" for i in range(12)), encoding="utf-8")
     config = {**tiny_run_config, **sets["sft"], "num-server-rounds": 2, "eval-examples": 4}
     seen: dict[str, set[str]] = {}
-    real = local_data.data.batches
+    real = local_data.shares.batches
 
     def spy(frame, *args, **kwargs):
         key = "own" if frame["_file"].iloc[0] == str(own) else "shared"
         seen.setdefault(key, set()).update(m[0]["content"] for m in frame["messages"])
         return real(frame, *args, **kwargs)
 
-    monkeypatch.setattr(local_data.data, "batches", spy)
+    monkeypatch.setattr(local_data.shares, "batches", spy)
 
     def node_config(i: int) -> dict[str, Any]:
         extra: dict[str, Any] = {"cache-dir": str(tmp_path / "cache")}

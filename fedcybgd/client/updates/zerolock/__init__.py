@@ -82,21 +82,32 @@ import json
 import logging
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 from torch import nn
 
-from fedcybgd.client.paths import block_name
 from fedcybgd.client.updates.calibration import CalibrationReport, calibrated_translators
 from fedcybgd.client.updates.local_heads import LocalHead, Translator
-from fedcybgd.core.atomic import save_tensors
+from fedcybgd.client.updates.zerolock.checkpoints import (
+    Progress,
+    atomic_save,
+    checkpoint_path,
+    fits_chunks,
+    heads_path,
+    read_state,
+    restore_checkpoint,
+    save_checkpoint,
+    skip_batches,
+    translator_params,
+)
+from fedcybgd.client.updates.zerolock.chunks import (
+    Chunk,
+    layer_index,
+    live_hidden_size,
+    split_layers,
+)
+from fedcybgd.client.updates.zerolock.prefix import PrefixCache
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.blocks import EMBED, HEAD
 from fedcybgd.model.layerwise import Hidden, LayerStack
@@ -106,336 +117,7 @@ from fedcybgd.tasks.shares import BatchIterator
 
 log = logging.getLogger(__name__)
 
-_STATE = "zerolock"
-_CHECKPOINT = "checkpoint.safetensors"
-
-
-# ------------------------------------------------------------------------------ prefix cache
-
-
-class PrefixCache:
-    """Outputs of the frozen layers ``0..end-1`` per example, for one round.
-
-    A row is keyed by its real tokens; only right-padded rows are cached (their states at real
-    positions do not depend on the batch's width or other rows). A batch is served from the
-    cache only when every row is there; otherwise the prefix runs on the whole batch and its
-    rows are stored while the bound allows.
-    """
-
-    def __init__(self, stack: LayerStack, end: int, max_bytes: int) -> None:
-        self.stack = stack
-        self.end = end
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-        self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-
-    @torch.no_grad()
-    def __call__(self, batch: Batch) -> Hidden:
-        """The hidden states entering layer ``end`` for ``batch`` (no grad)."""
-        hidden = self.stack.embed(batch.input_ids, batch.attention_mask)
-        if self.end == 0:
-            return hidden
-        keys = self._keys(batch) if self.max_bytes > 0 else None
-        if keys is not None and all(k in self._rows for k in keys):
-            states = hidden.states.clone()
-            for row, key in enumerate(keys):
-                cached = self._rows[key]
-                states[row, : cached.shape[0]] = cached
-            self.hits += 1
-            return hidden.with_states(states)
-        self.misses += 1
-        out = self.stack.run(hidden, 0, self.end)
-        if keys is not None:
-            for row, key in enumerate(keys):
-                if key in self._rows:
-                    continue
-                length = int(batch.attention_mask[row].sum())
-                size = length * out.states.shape[-1] * out.states.element_size()
-                if self.bytes + size > self.max_bytes:
-                    break
-                self._rows[key] = out.states[row, :length].clone()
-                self.bytes += size
-        return out
-
-    @staticmethod
-    def _keys(batch: Batch) -> list[bytes] | None:
-        mask = batch.attention_mask
-        lengths = mask.sum(dim=1)
-        positions = torch.arange(mask.shape[1], device=mask.device)
-        if not torch.equal(mask.bool(), positions[None, :] < lengths[:, None]):
-            return None  # not right-padded: states at real positions may depend on padding
-        return [
-            batch.input_ids[row, : int(lengths[row])].cpu().numpy().tobytes()
-            for row in range(mask.shape[0])
-        ]
-
-
-# ------------------------------------------------------------------------------------ chunks
-
-
-@dataclass
-class _Chunk:
-    """A trainable piece of the block with its own local head, optimizer(s) and loss record.
-
-    ``fused``: each parameter gets its own AdamW, stepped by a post-accumulate-grad hook as soon
-    as its gradient is complete during the backward pass, and its gradient is then dropped; the
-    block's gradients are never all alive at once (one parameter's worth at most), which lowers
-    the peak when the activations are smaller than the gradients (module docstring). AdamW is
-    elementwise, so this is the same update as one AdamW over all parameters. Used where the
-    block's parameters receive their gradient in one backward call (layer and embed blocks);
-    the ``head`` block, whose gradient arrives slice by slice, steps after the backward.
-    """
-
-    index: int
-    kind: str  # "embed" | "layers" | "top"
-    layers: tuple[int, int]  # decoder layers [a, b) run with grad (empty for embed/top)
-    key: str  # where the head reads: names the translator in the heads file
-    params: list[nn.Parameter]
-    masters: list[torch.Tensor]
-    shared: bool  # masters are the params themselves (fp32 weights)
-    head: LocalHead
-    optimizers: list[torch.optim.Optimizer]  # one per parameter when fused, else one for all
-    head_optimizer: torch.optim.Optimizer | None
-    fused: bool
-    loss_sum: float = 0.0
-    loss_count: int = 0
-    _hooks: list[Any] = field(default_factory=list)
-
-    def named_optimizers(self) -> list[tuple[str, torch.optim.Optimizer]]:
-        """Every optimizer of the chunk, under a stable name (for checkpoints)."""
-        named = [(f"b{i}", opt) for i, opt in enumerate(self.optimizers)]
-        if self.head_optimizer is not None:
-            named.append(("h", self.head_optimizer))
-        return named
-
-    def attach(self) -> None:
-        """Fused mode: install the per-parameter step hooks (params must require grad)."""
-        if not self.fused:
-            return
-        for p, master, opt in zip(self.params, self.masters, self.optimizers, strict=True):
-            self._hooks.append(
-                p.register_post_accumulate_grad_hook(
-                    lambda p, master=master, opt=opt: self._step_one(p, master, opt)
-                )
-            )
-
-    def detach_hooks(self) -> None:
-        """Remove the hooks :meth:`attach` installed."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-
-    def _step_one(self, p: torch.Tensor, master: torch.Tensor, opt: torch.optim.Optimizer) -> None:
-        if not self.shared:
-            master.grad = None if p.grad is None else p.grad.float()
-            p.grad = None
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if not self.shared:
-            with torch.no_grad():
-                p.copy_(master)
-
-    def forward(self, stack: LayerStack, source: Hidden, batch: Batch) -> Hidden:
-        """The chunk's output (with grad) for its input ``source`` (detached)."""
-        if self.kind == "embed":
-            return stack.embed(batch.input_ids, batch.attention_mask)
-        if self.kind == "top":
-            return source
-        return stack.run(source, *self.layers)
-
-    def update(self, out: Hidden, batch: Batch) -> float | None:
-        """Local loss, backward inside the chunk, AdamW step(s); ``None`` if skipped.
-
-        A non-finite loss is never propagated into the block (see ``LocalHead.backward``), so
-        a fused chunk takes no step either.
-        """
-        loss = self.head.backward(out, batch)
-        if not math.isfinite(loss):
-            for _, opt in self.named_optimizers():
-                opt.zero_grad(set_to_none=True)
-            for p in self.params:
-                p.grad = None
-            return None
-        if not self.fused:
-            opt = self.optimizers[0]
-            if not self.shared:
-                for master, p in zip(self.masters, self.params, strict=True):
-                    master.grad = None if p.grad is None else p.grad.float()
-                    p.grad = None
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if not self.shared:
-                with torch.no_grad():
-                    for master, p in zip(self.masters, self.params, strict=True):
-                        p.copy_(master)
-        if self.head_optimizer is not None:
-            self.head_optimizer.step()
-            self.head_optimizer.zero_grad(set_to_none=True)
-        self.loss_sum += loss
-        self.loss_count += 1
-        return loss
-
-
-def split_layers(start: int, end: int, chunks: int) -> list[tuple[int, int]]:
-    """Split layers ``start..end`` (inclusive) into ``chunks`` contiguous ``[a, b)`` ranges.
-
-    As LoPT's ``build_block_ranges``: equal sizes, the remainder going to the earliest chunks;
-    never more chunks than layers.
-    """
-    count = end - start + 1
-    chunks = max(1, min(chunks, count))
-    base, extra = divmod(count, chunks)
-    ranges = []
-    at = start
-    for i in range(chunks):
-        size = base + (1 if i < extra else 0)
-        ranges.append((at, at + size))
-        at += size
-    return ranges
-
-
-def live_hidden_size(stack: LayerStack) -> int:
-    """Width of the hidden states entering the final norm (read from the norm's weight)."""
-    weight = getattr(stack.norm, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError("cannot tell the hidden size: config.hidden_size and norm.weight absent")
-    return int(weight.shape[0])
-
-
-def _layer_index(name: str, layers_name: str) -> int:
-    return int(name[len(layers_name) + 1 :].split(".", 1)[0])
-
-
-# ------------------------------------------------------------------------------- persistence
-
-
-def _atomic_save(tensors: Mapping[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
-    """Write a safetensors file atomically (see :mod:`fedcybgd.core.atomic`)."""
-    save_tensors(path, tensors, meta)
-
-
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
-    """Tensors and metadata of a safetensors file, ``None`` if absent or unreadable."""
-    if not path.is_file():
-        return None
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-        return load_file(str(path)), meta
-    except (OSError, ValueError, SafetensorError) as err:  # corrupt: start afresh
-        log.warning("ignoring unreadable %s (%s)", path, err)
-        return None
-
-
-def heads_path(state_dir: Path, block: str) -> Path:
-    """Where the tuned maps of ``block`` are kept between rounds."""
-    return state_dir / _STATE / "heads" / f"{block_name(block)}.safetensors"
-
-
-def checkpoint_path(state_dir: Path) -> Path:
-    """Where a round's in-progress checkpoint is kept."""
-    return state_dir / _STATE / _CHECKPOINT
-
-
-@dataclass
-class _Progress:
-    """Round progress besides the tensors: what a resumed round continues from."""
-
-    step: int = 0  # batches consumed (applied + skipped steps)
-    losses: list[float] = field(default_factory=list)  # final chunk's loss per applied step
-    examples: int = 0
-    skipped: int = 0
-    chunk_sums: list[float] = field(default_factory=list)
-    chunk_counts: list[int] = field(default_factory=list)
-
-
-def _save_checkpoint(
-    path: Path, identity: dict[str, Any], progress: _Progress, chunks: list[_Chunk]
-) -> None:
-    tensors: dict[str, torch.Tensor] = {}
-    for chunk in chunks:
-        c = f"c{chunk.index}"
-        for j, master in enumerate(chunk.masters):
-            tensors[f"{c}.w.{j}"] = master
-        for name, p in _translator_params(chunk):
-            tensors[f"{c}.map.{name}"] = p
-        for oname, opt in chunk.named_optimizers():
-            for idx, state in opt.state_dict()["state"].items():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
-                        tensors[f"{c}.{oname}.{idx}.{key}"] = value
-    progress.chunk_sums = [c.loss_sum for c in chunks]
-    progress.chunk_counts = [c.loss_count for c in chunks]
-    meta = {
-        "identity": json.dumps(identity, sort_keys=True),
-        "progress": json.dumps(asdict(progress)),
-    }
-    _atomic_save(tensors, path, meta)
-
-
-def _fits(tensors: dict[str, torch.Tensor], meta: dict[str, str], chunks: list[_Chunk]) -> bool:
-    """Does a checkpoint hold every tensor these chunks need, with the right shapes?"""
-    try:
-        progress = _Progress(**json.loads(meta["progress"]))
-    except (KeyError, TypeError, ValueError):
-        return False
-    if len(progress.chunk_sums) != len(chunks) or len(progress.chunk_counts) != len(chunks):
-        return False
-    for chunk in chunks:
-        c = f"c{chunk.index}"
-        wanted = {f"{c}.w.{j}": m.shape for j, m in enumerate(chunk.masters)}
-        wanted.update({f"{c}.map.{n}": p.shape for n, p in _translator_params(chunk)})
-        for key, shape in wanted.items():
-            if key not in tensors or tensors[key].shape != shape:
-                return False
-    return True
-
-
-def _restore_checkpoint(
-    tensors: dict[str, torch.Tensor], meta: dict[str, str], chunks: list[_Chunk]
-) -> _Progress:
-    progress = _Progress(**json.loads(meta["progress"]))
-    with torch.no_grad():
-        for chunk in chunks:
-            c = f"c{chunk.index}"
-            for j, (master, p) in enumerate(zip(chunk.masters, chunk.params, strict=True)):
-                master.copy_(tensors[f"{c}.w.{j}"])
-                if not chunk.shared:
-                    p.copy_(master)
-            for name, param in _translator_params(chunk):
-                param.copy_(tensors[f"{c}.map.{name}"])
-            for oname, opt in chunk.named_optimizers():
-                state_dict = opt.state_dict()
-                state: dict[int, dict[str, torch.Tensor]] = {}
-                prefix = f"{c}.{oname}."
-                for key, value in tensors.items():
-                    if key.startswith(prefix):
-                        idx, name = key[len(prefix) :].split(".", 1)
-                        state.setdefault(int(idx), {})[name] = value
-                state_dict["state"] = state
-                opt.load_state_dict(state_dict)
-            chunk.loss_sum = progress.chunk_sums[chunk.index]
-            chunk.loss_count = progress.chunk_counts[chunk.index]
-    return progress
-
-
-def _translator_params(chunk: _Chunk) -> list[tuple[str, nn.Parameter]]:
-    translator = chunk.head.translator
-    return [] if translator is None else list(translator.named_parameters())
-
-
-def _skip(batches: Iterator[Batch], count: int) -> None:
-    """Consume ``count`` batches (a BatchIterator skips without tokenizing)."""
-    if isinstance(batches, BatchIterator):
-        batches.step += count
-        return
-    for _ in range(count):
-        next(batches)
-
-
-# -------------------------------------------------------------------------------------- rule
+__all__ = ["ZeroLock", "ZeroLockOptions", "checkpoint_path", "heads_path", "split_layers"]
 
 
 class ZeroLock:
@@ -510,7 +192,7 @@ class ZeroLock:
         for index, (a, b) in enumerate(ranges):
             if kind == "layers":
                 names = [
-                    n for n in info.param_names if a <= _layer_index(n, blocks.layers_name) < b
+                    n for n in info.param_names if a <= layer_index(n, blocks.layers_name) < b
                 ]
                 chunk_params = [by_name[n] for n in names]
                 key = f"layer.{b - 1}"
@@ -553,17 +235,17 @@ class ZeroLock:
             "aux_layers": aux,
         }
         ckpt = checkpoint_path(task.state_dir) if task.state_dir is not None else None
-        progress = _Progress()
+        progress = Progress()
         resumed_from = 0
         if ckpt is not None:
-            found = _read(ckpt)
+            found = read_state(ckpt)
             if found is not None:
                 tensors, meta = found
                 same = meta.get("identity") == json.dumps(identity, sort_keys=True)
-                if same and _fits(tensors, meta, chunks):
-                    progress = _restore_checkpoint(tensors, meta, chunks)
+                if same and fits_chunks(tensors, meta, chunks):
+                    progress = restore_checkpoint(tensors, meta, chunks)
                     resumed_from = progress.step
-                    _skip(batches, progress.step)
+                    skip_batches(batches, progress.step)
                     log.info("zerolock: resuming %s at step %d", task.block, progress.step)
                 else:
                     ckpt.unlink(missing_ok=True)  # a previous round's leftover (or unusable)
@@ -593,7 +275,7 @@ class ZeroLock:
                         and time.monotonic() - last_save >= opts.checkpoint_seconds
                     )
                     if due:
-                        _save_checkpoint(ckpt, identity, progress, chunks)
+                        save_checkpoint(ckpt, identity, progress, chunks)
                         last_save = time.monotonic()
         finally:
             for chunk in chunks:
@@ -606,9 +288,9 @@ class ZeroLock:
             maps = {
                 f"{chunk.key}.{name}": p
                 for chunk in chunks
-                for name, p in _translator_params(chunk)
+                for name, p in translator_params(chunk)
             }
-            _atomic_save(maps, heads_path(task.state_dir, task.block),
+            atomic_save(maps, heads_path(task.state_dir, task.block),
                          {"rank": str(opts.head_rank)})
         if ckpt is not None:
             ckpt.unlink(missing_ok=True)
@@ -627,7 +309,7 @@ class ZeroLock:
 
     @staticmethod
     def _train_step(
-        stack: LayerStack, cache: PrefixCache, chunks: list[_Chunk], batch: Batch
+        stack: LayerStack, cache: PrefixCache, chunks: list[Chunk], batch: Batch
     ) -> float | None:
         """One local step over all chunks; the final chunk's loss, ``None`` if any skipped.
 
@@ -665,7 +347,7 @@ class ZeroLock:
         head: LocalHead,
         task: TrainTask,
         opts: ZeroLockOptions,
-    ) -> _Chunk:
+    ) -> Chunk:
         shared = all(p.dtype == torch.float32 for p in params)
         masters: list[torch.Tensor] = (
             list(params)
@@ -685,14 +367,14 @@ class ZeroLock:
             if head_params
             else None
         )
-        return _Chunk(index, kind, layers, key, list(params), masters, shared, head, optimizers,
+        return Chunk(index, kind, layers, key, list(params), masters, shared, head, optimizers,
                       head_optimizer, fused)
 
     @staticmethod
     def _load_maps(task: TrainTask, opts: ZeroLockOptions) -> dict[str, torch.Tensor]:
         if opts.head != "tuned" or task.state_dir is None:
             return {}
-        found = _read(heads_path(task.state_dir, task.block))
+        found = read_state(heads_path(task.state_dir, task.block))
         return {} if found is None else found[0]
 
     @staticmethod
