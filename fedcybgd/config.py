@@ -25,6 +25,7 @@ from fedcybgd import protocol, rules
 from fedcybgd.choices import (
     AUTO_TASK,
     DAMPINGS,
+    DP_MODES,
     EVAL_PRECISIONS,
     EVAL_SPLITS,
     FEDAVG_PARAMS,
@@ -142,6 +143,13 @@ class RunConfig:
     # clients-per-block > 1: a registered aggregator (built-ins' and plug-ins'), checked at start
     aggregate: str = setting("mean")
     trim_fraction: float = setting(0.2, ge=0, lt=0.5)  # trimmed-mean: share cut at each end
+    # User-level differential privacy (docs/privacy.md): off; central (the server adds the
+    # noise to each merged block); local (each node adds it before upload)
+    dp: str = setting("off", choices=DP_MODES)
+    dp_clip_norm: float = setting(1.0, gt=0)  # L2 bound of a node's block delta, per round
+    dp_noise_multiplier: float = setting(1.0, ge=0, le=100)  # noise deviation / dp-clip-norm
+    dp_delta: float = setting(1e-5, gt=0, lt=1)  # the delta epsilon is read at
+    dp_target_epsilon: float = setting(0.0, ge=0)  # the budget: no round beyond it; 0 = none
     server_lr: float = setting(1.0, gt=0, le=10)  # the server's step on each merged block
     parallel_damping: str = setting("none", choices=DAMPINGS)  # shrink steps of parallel blocks
     server_optimizer: str = setting("sgd", choices=SERVER_OPTIMIZERS)  # FedOpt, per block
@@ -209,6 +217,25 @@ class RunConfig:
         if 0 < self.outlier_factor < 1:
             # below 1 it would refuse about half of the honest updates
             raise ConfigError(f"outlier-factor must be 0 (off) or >= 1, got {self.outlier_factor}")
+        self._check_dp()
+
+    def _check_dp(self) -> None:
+        """User-level DP bounds each node's block delta and adds noise to a plain mean: it
+        needs weight uploads, the ``mean`` aggregate, FedCyBGD and a noise multiplier > 0."""
+        if self.dp == "off":
+            return
+        for wrong, why in (
+            (self.strategy != "fedcybgd", f"strategy = {self.strategy!r}: dp covers FedCyBGD "
+                                          "runs (Flower's DP wrappers cover FedAvg's)"),
+            (self.aggregate != "mean", f"aggregate = {self.aggregate!r}: dp's noise is "
+                                       "calibrated to a mean of clipped deltas; use 'mean'"),
+            (self.upload_codec == "seedlog", "upload-codec = 'seedlog': a step log is not a "
+                                             "clipped delta; upload weights"),
+            (self.dp_noise_multiplier == 0, "dp-noise-multiplier = 0 adds no noise: no "
+                                            "privacy to account for"),
+        ):
+            if wrong:
+                raise ConfigError(f"dp = {self.dp!r} with {why}")
 
     def _check_rules(self) -> None:
         """Load the plug-in modules; ``update-rule`` must be registered, and no rule's option

@@ -21,6 +21,7 @@ Messages from Flower's own FedAvg (the baselines) go to :mod:`fedcybgd.client.ba
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule, measured_ru
 from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
-from fedcybgd.protocol import Holding, seedlog, seedsync, selfsync, zeroth_order
+from fedcybgd.protocol import Holding, dp, seedlog, seedsync, selfsync, zeroth_order
 from fedcybgd.protocol.zeroth_order import SeedLog
 from fedcybgd.rules import rule_spec
 from fedcybgd.tasks.base import build_task, warn_cut
@@ -453,6 +454,7 @@ def upload_reply(rnd: Round, outcome: TrainOutcome, trained: dict[str, torch.Ten
         upload_codec = ins.seedlog_fallback
     pending = ""
     if kind == protocol.WEIGHTS:
+        trained = private_update(run, trained, start)
         keep = ins.keep_pending  # the server asks for the pending copy
         feedback = run.error_feedback and not parse_spec(upload_codec).lossless
         up = encode_upload(trained, start, upload_codec, block=block, version=ins.server_round,
@@ -491,6 +493,21 @@ def upload_reply(rnd: Round, outcome: TrainOutcome, trained: dict[str, torch.Ten
     if run.download_codec == protocol.SEEDLOG:
         reply.content.config_records[protocol.STATE][protocol.ZO_NODE] = zo_node(rnd.device)
     return reply
+
+
+def private_update(run: RunConfig, trained: dict[str, torch.Tensor],
+                   start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """User-level DP on the node (:mod:`fedcybgd.protocol.dp`): the block delta clipped to
+    ``dp-clip-norm`` before compression and error feedback; with ``dp = "local"``, Gaussian
+    noise of ``dp-noise-multiplier x dp-clip-norm`` added from the node's own randomness (a seed
+    the server could know would let it subtract the noise)."""
+    if run.dp == "off":
+        return trained
+    clipped, _ = dp.clip_delta(trained, start, run.dp_clip_norm)
+    if run.dp != "local":
+        return clipped
+    return dp.add_noise(clipped, run.dp_noise_multiplier * run.dp_clip_norm,
+                        seed=secrets.randbits(63))
 
 
 def zo_node(device: torch.device) -> str:

@@ -13,6 +13,7 @@ runner, for the ServerApp and the experiments harness alike.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -25,6 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedcybgd.config import RunConfig
+from fedcybgd.core.atomic import write_bytes
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.memory.estimate import ModelShape, fitting_rule
 from fedcybgd.model.blocks import BlockMap
@@ -185,6 +187,12 @@ def run_server(
     for server_round in range(first_round, run.num_server_rounds + 1):
         round_start = time.perf_counter()
         messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), watch)
+        if strategy.privacy_stop is not None:  # the next round would exceed the DP budget
+            if server_round > first_round and last_eval_round != server_round - 1:
+                last_eval, last_eval_round = evaluator(), server_round - 1
+            failure = verdict.at_end(server_round - 1,
+                                     run_totals(writer.records)["dropped"])
+            break
         replies = watch.send_and_receive(messages, timeout=run.round_timeout)
         strategy.aggregate_train(server_round, replies)
         record = strategy.history[-1]
@@ -223,6 +231,9 @@ def run_server(
             log.info("replacing the final model in %s", final_dir)
         model.save_pretrained(final_dir)
         load_tokenizer(run.model).save_pretrained(final_dir)
+    privacy = privacy_summary(run, strategy)
+    if privacy and failure is None:
+        write_bytes(final_dir / "privacy.json", json.dumps(privacy, indent=1).encode())
     summary = {
         "model": run.model,
         "update_rule": run.update_rule,
@@ -241,6 +252,7 @@ def run_server(
         "block_versions": strategy.versions,
         "output_dir": str(out),
         "run_config": run.to_run_config(),
+        **privacy,
         **run_status(failure, writer.records),
     }
     write_summary(out, summary)
@@ -250,6 +262,20 @@ def run_server(
         raise RunFailed(failure)
     print_summary_table(summary)
     return summary
+
+
+def privacy_summary(run: RunConfig, strategy: FedCyBGD) -> dict[str, Any]:
+    """What user-level DP spent (empty with ``dp = "off"``): the summary's ``dp_*`` keys and the
+    final model's ``privacy.json``."""
+    ledger = strategy.privacy
+    if ledger is None:
+        return {}
+    return {"dp": run.dp, "dp_epsilon": ledger.spent(), "dp_delta": ledger.delta,
+            "dp_clip_norm": run.dp_clip_norm, "dp_noise_multiplier": run.dp_noise_multiplier,
+            "dp_target_epsilon": run.dp_target_epsilon, "dp_stop": strategy.privacy_stop,
+            "dp_accounting": ("RDP, Poisson-subsampled Gaussian per round" if run.dp == "central"
+                              else "RDP, Gaussian per round a node took part in (no "
+                                   "amplification), the node that took part most")}
 
 
 def configure_logging() -> None:

@@ -37,6 +37,7 @@ from fedcybgd.strategies.installing import Admitted, BlockInstaller
 from fedcybgd.strategies.instructions import RunTerms, train_message
 from fedcybgd.strategies.lr_schedule import build_lr_schedule
 from fedcybgd.strategies.matching import RuleForBudget, match
+from fedcybgd.strategies.privacy import DpMean, PrivacyLedger
 from fedcybgd.strategies.quantized_install import QuantizedInstall
 from fedcybgd.strategies.reader import NodeBook, ReplyReader
 from fedcybgd.strategies.record import RoundInFlight, RoundRecord
@@ -170,6 +171,11 @@ class FedCyBGD(Strategy):
         self_sync: bool = _RUN.self_sync,
         class_prior: ClassPriorSpec | None = None,
         classes: int = 0,
+        dp: str = _RUN.dp,
+        dp_clip_norm: float = _RUN.dp_clip_norm,
+        dp_noise_multiplier: float = _RUN.dp_noise_multiplier,
+        dp_delta: float = _RUN.dp_delta,
+        dp_target_epsilon: float = _RUN.dp_target_epsilon,
     ) -> None:
         clients_per_block = clients_per_block or clients_per_round  # 0: all on one block
         if clients_per_round < 1 or clients_per_block < 1 or clients_per_round % clients_per_block:
@@ -189,6 +195,21 @@ class FedCyBGD(Strategy):
         self.seed, self.lineage, self.base_hash = seed, lineage, base_hash
         self.node_wait_s, self.return_arrays = node_wait_s, return_arrays
         self.local_steps, self.client_lr = local_steps, client_lr
+        if dp not in ("off", "central", "local"):
+            raise ValueError(f"dp must be 'off', 'central' or 'local', got {dp!r}")
+        self.dp = dp
+        # User-level DP (strategies.privacy): the server clips every upload again (central)
+        # and merges a block's clipped deltas as an unweighted mean, plus noise (central).
+        self.privacy = (None if dp == "off" else
+                        PrivacyLedger(dp, dp_noise_multiplier, dp_delta, dp_target_epsilon))
+        self.privacy_stop: str | None = None  # why the budget ended the run, once it has
+        self._dp_round: tuple[float, list[str]] = (0.0, [])
+        if dp != "off":
+            aggregate = DpMean(dp_noise_multiplier * dp_clip_norm if dp == "central" else 0.0,
+                               seed)
+            if dp == "central":
+                max_update_norm = (min(max_update_norm, dp_clip_norm) if max_update_norm
+                                   else dp_clip_norm)
         self.aggregate = (build_aggregator(aggregate, trim_fraction)
                           if isinstance(aggregate, str) else aggregate)
         self.aggregate_name = aggregate if isinstance(aggregate, str) else type(aggregate).__name__
@@ -223,7 +244,9 @@ class FedCyBGD(Strategy):
         self.device = device
         self.class_prior, self.classes = class_prior, classes
         # Self-sync needs one node per block and a server step the node can reproduce.
-        self.self_sync = self_sync and clients_per_block == 1 and server_optimizer == "sgd"
+        # (and, under central DP, no noise the node cannot know)
+        self.self_sync = (self_sync and clients_per_block == 1 and server_optimizer == "sgd"
+                          and dp != "central")
         self.installer = BlockInstaller(
             self.blocks, self.schedule, self.screen, self.step, self.aggregate,
             self.nodes if self.self_sync else None,
@@ -276,6 +299,11 @@ class FedCyBGD(Strategy):
             "client_lr": build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
                                            run.warmup_rounds),
             "self_sync": run.self_sync,
+            "dp": run.dp,
+            "dp_clip_norm": run.dp_clip_norm,
+            "dp_noise_multiplier": run.dp_noise_multiplier,
+            "dp_delta": run.dp_delta,
+            "dp_target_epsilon": run.dp_target_epsilon,
         }
         settings.update(overrides)
         if "base_hash" not in settings:
@@ -314,6 +342,10 @@ class FedCyBGD(Strategy):
             "client-lr": None if self.client_lr is None else
             [self.client_lr(r) for r in (1, 2, 10)],
             "self-sync": self.self_sync,
+            "dp": self.dp,
+            "dp-ledger": None if self.privacy is None else (
+                self.privacy.noise_multiplier, self.privacy.delta, self.privacy.target_epsilon),
+            "dp-noise": getattr(self.aggregate, "noise_std", None),
         }
 
     # What tests and the ServerApp read directly.
@@ -369,6 +401,9 @@ class FedCyBGD(Strategy):
         if self.class_prior is not None:  # after sampling: the new nodes' counts are known
             config = with_class_prior(config, self.class_prior, self.classes,
                                       self.sampler.keys.class_counts)
+        if self.privacy is not None and not self._privacy_allows(server_round, nodes):
+            self.round = RoundInFlight(RoundRecord.training(server_round, self.update_rule), [])
+            return []
         blocks = self.schedule.take(len(nodes) // self.clients_per_block)
         nodes = nodes[: len(blocks) * self.clients_per_block]
         pairs = match(nodes, blocks, per_block=self.clients_per_block, rule=self.update_rule,
@@ -454,11 +489,31 @@ class FedCyBGD(Strategy):
             drops.add(node, f"upload of block {block}", Dropped(NO_REPLY, "timeout or lost"))
         live.awaiting = {}
         self.installer.close(live, arrived, drops)
+        if self.privacy is not None and live.sent:
+            rate, dp_nodes = self._dp_round
+            record.extra["dp_epsilon"] = self.privacy.record(rate, dp_nodes)
         self.history.append(record)
         if not record.accepted or not self.return_arrays:
             return None, record.to_metric_record()
         live.returned = ArrayRecord({k: v.detach().clone() for k, v in self.weights.items()})
         return live.returned, record.to_metric_record()
+
+    def _privacy_allows(self, server_round: int, nodes: list[int]) -> bool:
+        """Whether the round sampling ``nodes`` fits ``dp-target-epsilon``; keeps its sampling
+        rate and nodes for the ledger. Beyond the budget, :attr:`privacy_stop` says why."""
+        assert self.privacy is not None
+        rate = len(nodes) / max(self.sampler.population, len(nodes), 1)
+        asked = [str(n) for n in nodes]
+        ok, after = self.privacy.allows(rate, asked)
+        if not ok:
+            self.privacy_stop = (
+                f"round {server_round} would take epsilon from {self.privacy.spent():.3g} to "
+                f"{after:.3g}, above dp-target-epsilon = {self.privacy.target_epsilon:g} "
+                f"(at dp-delta = {self.privacy.delta:g})")
+            log.warning("privacy budget: %s; no more rounds", self.privacy_stop)
+            return False
+        self._dp_round = (rate, asked)
+        return True
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -491,7 +546,9 @@ class FedCyBGD(Strategy):
                 "class_counts": self.sampler.keys.counts_state(),
                 "server_steps": self.step.state(),
                 "traffic_seen": {} if self.budget is None else {
-                    c: list(r) for c, r in self.budget.seen.items()}}
+                    c: list(r) for c, r in self.budget.seen.items()},
+                "privacy": {} if self.privacy is None else {
+                    **self.privacy.state(), "merges": getattr(self.aggregate, "merges", 0)}}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state`'s output (weights must be restored by the caller)."""
@@ -507,3 +564,8 @@ class FedCyBGD(Strategy):
         if self.budget is not None:
             self.budget.seen = {str(c): [float(x) for x in r]
                                 for c, r in state.get("traffic_seen", {}).items()}
+        if self.privacy is not None:
+            privacy = state.get("privacy", {})
+            self.privacy.load_state(privacy)
+            if isinstance(self.aggregate, DpMean):
+                self.aggregate.merges = int(privacy.get("merges", 0))

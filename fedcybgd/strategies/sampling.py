@@ -33,6 +33,7 @@ class NodeSampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self.keys = NodeKeys()
+        self.population = 0  # the usable, keyed nodes the last sample was drawn from
 
     def sample(self, grid: Grid, server_round: int, *, count: int, per_block: int,
                excluded: Container[int], wait_s: float) -> list[int]:
@@ -56,6 +57,7 @@ class NodeSampler:
                                f"fewer than clients-per-block={per_block}")
         self.keys.learn(grid, usable, server_round, timeout_s=max(self.keys.timeout_s, wait_s))
         nodes = self.keys.order(usable)
+        self.population = len(nodes)
         take = min(count, len(nodes) // per_block * per_block)
         if take < count:
             log.warning("round %d: only %d usable nodes (%d with a node key) for "

@@ -1,0 +1,66 @@
+"""User-level differential privacy: the clip and the Gaussian noise both sides apply alike.
+
+A node's contribution to a round is its block delta (trained minus the block it started from).
+With ``dp`` on, the node clips that delta to L2 norm ``dp-clip-norm`` before it is compressed
+(:func:`clip_delta`), and with ``dp = "local"`` adds Gaussian noise of standard deviation
+``dp-noise-multiplier x dp-clip-norm`` to every coordinate before upload (:func:`add_noise`).
+The server clips every decoded upload again (a hostile node's too, and lossy codecs can move
+the norm a little), and with ``dp = "central"`` adds noise of the same scale to the sum of a
+block's clipped deltas (that is, ``multiplier x clip / n`` to their mean).
+
+Noise is drawn from a seeded CPU generator in float64 and cast to each tensor's dtype, so a run
+is reproducible; the seeds are the server's (central) or the node's own (local).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+@torch.no_grad()
+def delta_norm(tensors: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm of ``tensors - start`` over every tensor (float64)."""
+    total = 0.0
+    for name, t in tensors.items():
+        diff = t.double() - start[name].double()
+        total += float(torch.dot(diff.flatten(), diff.flatten()))
+    return math.sqrt(total)
+
+
+@torch.no_grad()
+def clip_delta(tensors: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor],
+               clip: float) -> tuple[Tensors, float]:
+    """``start + delta * min(1, clip / |delta|)``: the delta clipped to L2 norm ``clip``.
+
+    Returns the clipped tensors (in their own dtypes) and the delta's norm before clipping.
+    """
+    if not clip > 0 or not math.isfinite(clip):
+        raise ValueError(f"dp-clip-norm must be finite and > 0, got {clip}")
+    norm = delta_norm(tensors, start)
+    if not math.isfinite(norm):
+        raise ValueError("the update's norm is not finite: nothing to clip")
+    if norm <= clip:
+        return {name: t.clone() for name, t in tensors.items()}, norm
+    scale = clip / norm
+    return {name: (start[name].double() + (t.double() - start[name].double()) * scale)
+            .to(t.dtype) for name, t in tensors.items()}, norm
+
+
+@torch.no_grad()
+def add_noise(tensors: Mapping[str, torch.Tensor], std: float, seed: int) -> Tensors:
+    """``tensors`` plus Gaussian noise of standard deviation ``std`` on every coordinate,
+    drawn from a CPU generator seeded with ``seed`` (in sorted tensor-name order)."""
+    if std < 0 or not math.isfinite(std):
+        raise ValueError(f"noise standard deviation must be finite and >= 0, got {std}")
+    generator = torch.Generator().manual_seed(seed)
+    out: Tensors = {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        noise = torch.randn(t.shape, generator=generator, dtype=torch.float64) * std
+        out[name] = (t.double() + noise).to(t.dtype)
+    return {name: out[name] for name in tensors}

@@ -1,0 +1,278 @@
+"""User-level differential privacy: the accountant against independent computations, the clip
+bounding each node's influence, the noise's scale and distribution, the budget the run enforces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from scipy import optimize, stats
+
+from fedcybgd.protocol.dp import add_noise, clip_delta, delta_norm
+from fedcybgd.strategies.privacy import PrivacyLedger, epsilon
+
+
+def exact_gaussian_epsilon(sigma: float, delta: float) -> float:
+    """The exact epsilon of a Gaussian mechanism of sensitivity 1 and deviation ``sigma`` at
+    ``delta`` (Balle and Wang's analytic formula, solved for epsilon)."""
+    def gap(eps: float) -> float:
+        return (stats.norm.cdf(-eps * sigma + 1 / (2 * sigma))
+                - math.exp(eps) * stats.norm.cdf(-eps * sigma - 1 / (2 * sigma)) - delta)
+    return float(optimize.brentq(gap, 0.0, 500.0))
+
+
+@pytest.mark.parametrize(("z", "rounds"), [(1.0, 1), (2.0, 10), (4.0, 50), (0.8, 3)])
+def test_full_participation_epsilon_bounds_the_exact_gaussian_and_stays_close(z, rounds):
+    # T Gaussian rounds of multiplier z compose exactly into one of multiplier z / sqrt(T)
+    exact = exact_gaussian_epsilon(z / math.sqrt(rounds), 1e-5)
+    # Execute
+    ours = epsilon([(1.0, rounds)], z, 1e-5)
+    # Assert: RDP is an upper bound, and not a loose one
+    assert exact <= ours <= 1.35 * exact + 0.05, (exact, ours)
+
+
+@pytest.mark.parametrize(("q", "z", "rounds"), [(0.1, 1.0, 100), (0.04, 0.8, 300),
+                                                 (0.01, 1.1, 1000)])
+def test_subsampled_epsilon_bounds_the_pld_accountant(q, z, rounds):
+    # Prepare: dp-accounting's privacy-loss-distribution accountant (a different method,
+    # near exact) on the same mechanism
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+
+    pld = PLDAccountant()
+    pld.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), rounds)
+    tight = pld.get_epsilon(1e-5)
+    # Execute
+    ours = epsilon([(q, rounds)], z, 1e-5)
+    # Assert
+    assert tight <= ours <= 1.3 * tight, (tight, ours)
+
+
+def test_subsampling_amplifies_and_more_rounds_cost_more():
+    assert epsilon([(0.05, 100)], 1.0, 1e-5) < epsilon([(1.0, 100)], 1.0, 1e-5)
+    assert epsilon([(0.05, 100)], 1.0, 1e-5) < epsilon([(0.05, 200)], 1.0, 1e-5)
+    assert epsilon([(0.05, 100)], 2.0, 1e-5) < epsilon([(0.05, 100)], 1.0, 1e-5)
+    assert epsilon([(0.05, 100)], 0.0, 1e-5) == math.inf
+
+
+# ---------------------------------------------------------------------------- the ledger
+def test_the_ledger_refuses_the_round_that_would_exceed_the_target():
+    # Prepare
+    ledger = PrivacyLedger("central", noise_multiplier=1.0, delta=1e-5, target_epsilon=3.0)
+    # Execute: record rounds while allowed
+    ran = 0
+    while True:
+        ok, after = ledger.allows(0.1)
+        if not ok:
+            break
+        ledger.record(0.1)
+        ran += 1
+    # Assert: the spent epsilon is within the target; one more round would pass it
+    assert 0 < ledger.spent() <= 3.0 < after
+    assert ran == sum(ledger.rates.values()) >= 3
+
+
+def test_local_dp_counts_the_node_that_took_part_most_without_amplification():
+    ledger = PrivacyLedger("local", noise_multiplier=2.0, delta=1e-5)
+    for nodes in (["a", "b"], ["a", "c"], ["a", "b"]):
+        ledger.record(0.1, nodes)
+    assert ledger.spent() == pytest.approx(epsilon([(1.0, 3)], 2.0, 1e-5))
+
+
+def test_the_ledger_survives_its_checkpoint_state():
+    ledger = PrivacyLedger("central", 1.0, 1e-5)
+    for rate in (0.1, 0.1, 0.2):
+        ledger.record(rate)
+    again = PrivacyLedger("central", 1.0, 1e-5)
+    again.load_state(ledger.state())
+    assert again.spent() == ledger.spent()
+
+
+# ------------------------------------------------------------------- clip and noise
+def test_clipping_bounds_an_adversarially_large_update():
+    start = {"w": torch.zeros(50, 40), "b": torch.zeros(7)}
+    huge = {"w": torch.full((50, 40), 1e30), "b": torch.full((7,), -1e30)}
+    clipped, norm = clip_delta(huge, start, 0.5)
+    assert norm > 1e30 and delta_norm(clipped, start) == pytest.approx(0.5, rel=1e-6)
+    small = {"w": torch.full((50, 40), 1e-4), "b": torch.zeros(7)}
+    kept, _ = clip_delta(small, start, 0.5)
+    assert torch.equal(kept["w"], small["w"])  # within the bound: unchanged
+
+
+def test_clipping_refuses_a_non_finite_update():
+    with pytest.raises(ValueError, match="not finite"):
+        clip_delta({"w": torch.tensor([math.nan])}, {"w": torch.tensor([0.0])}, 1.0)
+
+
+def test_noise_has_the_asked_scale_and_is_gaussian():
+    # Execute: noise on 200,000 zeros
+    zeros = {"a": torch.zeros(100_000), "b": torch.zeros(100_000)}
+    noised = add_noise(zeros, std=0.3, seed=11)
+    values = torch.cat([noised["a"], noised["b"]]).double().numpy()
+    # Assert: mean ~0, deviation 0.3 (chi-square interval), normal by Kolmogorov-Smirnov,
+    # seeded (same seed, same noise; another seed, other noise)
+    n = values.size
+    assert abs(values.mean()) < 4 * 0.3 / math.sqrt(n)
+    low, high = (math.sqrt(stats.chi2.ppf(p, n) / n) * 0.3 for p in (1e-6, 1 - 1e-6))
+    assert low < values.std() < high
+    assert stats.kstest(values / 0.3, "norm").pvalue > 1e-4
+    assert torch.equal(add_noise(zeros, 0.3, 11)["a"], noised["a"])
+    assert not torch.equal(add_noise(zeros, 0.3, 12)["a"], noised["a"])
+
+
+# ------------------------------------------------------------------ merged at the server
+def test_the_dp_mean_adds_noise_of_multiplier_times_clip_over_n():
+    from fedcybgd.strategies.privacy import DpMean
+
+    # Prepare: 4 uploads that did not move a 200,000-weight block
+    start = {"w": torch.zeros(200_000)}
+    merge = DpMean(noise_std=0.5 * 2.0, seed=3)  # multiplier 0.5, clip 2.0
+    # Execute
+    merged = merge([(1.0, start), (5.0, start), (1.0, start), (2.0, start)])
+    # Assert: the noise on the mean has deviation 0.5 x 2.0 / 4, examples do not weigh
+    values = merged["w"].double().numpy()
+    n = values.size
+    low, high = (math.sqrt(stats.chi2.ppf(p, n) / n) * 0.25 for p in (1e-6, 1 - 1e-6))
+    assert low < values.std() < high and abs(values.mean()) < 4 * 0.25 / math.sqrt(n)
+    plain = DpMean(noise_std=0.0, seed=3)([(1.0, {"w": torch.ones(3)}),
+                                          (9.0, {"w": torch.zeros(3)})])
+    assert torch.equal(plain["w"], torch.full((3,), 0.5))
+
+
+def _dp_run(tiny_run_config, tmp_path, **overrides):
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.config import RunConfig
+    from fedcybgd.harness.loopback import LoopbackGrid
+    from fedcybgd.server.app import run_server
+
+    config = dict(tiny_run_config, **{"clients-per-round": 4, "clients-per-block": 2,
+                                      "num-server-rounds": 4, "eval-every": 0, **overrides})
+    grid = LoopbackGrid(client_app, 8, config,
+                        node_config=lambda i: {"cache-dir": str(tmp_path / f"cache-{i}")})
+    summary = run_server(grid, RunConfig.from_run_config(config), node_wait_s=5)
+    out = Path(config["output-dir"])
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows, out
+
+
+def test_a_central_dp_run_accounts_every_round(tiny_run_config, tmp_path):
+    # Execute: 8 nodes, 4 sampled a round (q = 0.5), noise multiplier 1, clip 0.05
+    summary, rows, out = _dp_run(tiny_run_config, tmp_path, **{
+        "dp": "central", "dp-clip-norm": 0.05, "dp-noise-multiplier": 1.0})
+    # Assert: each round's epsilon is the accountant's after that many rounds at q = 0.5
+    spent = [r["dp_epsilon"] for r in rows[1:]]
+    assert spent == pytest.approx([epsilon([(0.5, k)], 1.0, 1e-5) for k in (1, 2, 3, 4)])
+    assert summary["dp_epsilon"] == pytest.approx(spent[-1]) and summary["dp_stop"] is None
+    assert summary["status"] == "completed" and all(r["accepted"] for r in rows[1:])
+    card = json.loads((out / "final" / "privacy.json").read_text())
+    assert card["dp"] == "central" and card["dp_epsilon"] == pytest.approx(spent[-1])
+
+
+def test_a_run_stops_before_the_round_that_would_exceed_its_budget(tiny_run_config, tmp_path):
+    # Prepare: a budget two rounds fit in and three do not
+    two, three = (epsilon([(0.5, k)], 1.0, 1e-5) for k in (2, 3))
+    # Execute
+    summary, rows, out = _dp_run(tiny_run_config, tmp_path, **{
+        "dp": "central", "dp-clip-norm": 0.05, "dp-target-epsilon": (two + three) / 2})
+    # Assert: two rounds ran, the third was not started; the run completed, saying why
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert summary["dp_epsilon"] == pytest.approx(two)
+    assert summary["dp_epsilon"] < summary["dp_target_epsilon"]
+    assert "round 3 would take epsilon" in summary["dp_stop"]
+    assert summary["status"] == "completed" and (out / "final" / "privacy.json").exists()
+
+
+def test_central_dp_clips_every_upload_at_the_server_and_turns_self_sync_off(tiny_run_config):
+    from fedcybgd.config import RunConfig
+    from fedcybgd.model.blocks import BlockMap
+    from fedcybgd.model.loading import load_model
+    from fedcybgd.strategies import FedCyBGD
+
+    model = load_model("tiny-llama")
+    run = RunConfig.from_run_config({**tiny_run_config, "dp": "central", "dp-clip-norm": 0.3,
+                                     "clients-per-block": 1, "self-sync": True})
+    strategy = FedCyBGD.from_config(run, BlockMap(model, 1), dict(model.named_parameters()))
+    assert strategy.screen.max_norm == 0.3 and strategy.self_sync is False
+    # a hostile node's upload far above the bound (within the screen's other limits) leaves
+    # the screen clipped to it
+    start = strategy.block_tensors("layer.0")
+    direction = {k: torch.randn_like(v) for k, v in start.items()}
+    scale = 2.0 / delta_norm(direction, {k: torch.zeros_like(v) for k, v in start.items()})
+    large = {k: v + direction[k] * scale for k, v in start.items()}  # a delta of norm 2.0
+    admitted, _ = strategy.screen.admit("layer.0", start, large)
+    assert delta_norm(admitted, start) == pytest.approx(0.3, rel=1e-4)
+
+
+def test_local_dp_noise_comes_from_the_node_not_the_server():
+    from fedcybgd.client.app import private_update
+    from fedcybgd.config import RunConfig
+
+    run = RunConfig.from_run_config({"dp": "local", "dp-clip-norm": 0.1,
+                                     "dp-noise-multiplier": 2.0})
+    start = {"w": torch.zeros(10_000)}
+    trained = {"w": torch.full((10_000,), 5.0)}
+    # Execute: the same update, twice
+    one, two = private_update(run, trained, start), private_update(run, trained, start)
+    # Assert: clipped to 0.1 then noised at 0.2 a coordinate, with fresh noise each time
+    assert not torch.equal(one["w"], two["w"])
+    assert float(one["w"].std()) == pytest.approx(0.2, rel=0.05)
+    assert float(one["w"].mean()) == pytest.approx(0.1 / 100, abs=4 * 0.2 / 100)
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    ({"aggregate": "median"}, "use 'mean'"),
+    ({"upload-codec": "seedlog", "download-codec": "fp32"}, "not a clipped delta"),
+    ({"dp-noise-multiplier": 0.0}, "adds no noise"),
+    ({"strategy": "fedavg"}, "Flower's DP wrappers"),
+])
+def test_dp_settings_that_would_not_be_private_are_refused_at_start(overrides, fragment):
+    from fedcybgd.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        RunConfig.from_run_config({"dp": "central", **overrides})
+
+
+@pytest.mark.slow
+def test_dp_through_flwr_run_as_the_docs_show(tmp_path):
+    # Prepare: docs/privacy.md's command with a tiny model, a private Flower home and ports
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from fedcybgd.cli.demo import stop_local_superlink
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    home, out = tmp_path / "flwr-home", tmp_path / "out"
+    env = {**os.environ, "FLWR_HOME": str(home),
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(free_port())}
+    command = [str(Path(sys.executable).with_name("fedcybgd")), "run", ".", "local",
+               "--run-config", "dp='central' dp-clip-norm=0.05 dp-noise-multiplier=1.0 "
+               "dp-target-epsilon=8 clients-per-round=4",
+               "--run-config", f"model='tiny-llama' layers-per-block=1 num-server-rounds=2 "
+               f"local-steps=2 batch-size=4 max-seq-len=48 eval-examples=16 "
+               f"output-dir='{out}'",
+               "--federation-config", "num-supernodes=8 client-resources-num-cpus=1"]
+    # Execute
+    try:
+        done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], env=env,
+                              capture_output=True, text=True, timeout=900, check=False)
+    finally:
+        stop_local_superlink(home)
+    # Assert: completed, every round accounted at q = 4 / 8
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["dp_epsilon"] for r in rows[1:]] == pytest.approx(
+        [epsilon([(0.5, k)], 1.0, 1e-5) for k in (1, 2)])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dp"] == "central" and summary["run_config"]["dp-target-epsilon"] == 8.0
