@@ -63,6 +63,45 @@ def started_under(home: Path) -> list[str]:
     return found
 
 
+def cmdline(proc: psutil.Process) -> str:
+    """``proc``'s command line; empty for one that has exited since it was listed."""
+    try:
+        return " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return ""
+
+
+def stop_gracefully(proc: subprocess.Popen[str]) -> None:
+    """A command a failed test leaves running: Ctrl-C first, so it stops what it started
+    (SIGKILL would orphan its SuperLink and SuperNodes), SIGKILL only if that does not work."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def as_in_a_terminal(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """``command`` in a session of its own, SIGINT handled as in a terminal, output piped."""
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def read_until(proc: subprocess.Popen[str], marker: str) -> None:
+    """Read ``proc``'s output up to the first line holding ``marker``; fail if it ends first."""
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            return
+    pytest.fail(f"the command ended before {marker!r}: " + "".join(seen[-30:]))
+
+
 @pytest.mark.slow
 def test_the_demo_exits_1_for_a_run_whose_data_cannot_be_read(tmp_path):
     # Prepare
@@ -91,28 +130,18 @@ def test_ctrl_c_stops_the_demo_s_run_and_everything_it_started(tmp_path):
     home = tmp_path / "flwr-home"
     command = [sys.executable, "-m", "fedcybgd.cli.demo", "--nodes", "2", "--output-dir",
                str(tmp_path / "out"), "--run-config", f"{TINY} num-server-rounds=500"]
-    proc = subprocess.Popen(command, cwd=ROOT, env=demo_env(home), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = as_in_a_terminal(command, demo_env(home))
     try:
-        assert proc.stdout is not None
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if "round 3/500" in line:
-                break
-        else:
-            pytest.fail("the demo ended before round 3: " + "".join(seen[-30:]))
+        read_until(proc, "round 3/500")
         running = started_under(home)
         # Execute: Ctrl-C, as the terminal sends it, to the demo's whole process group
         os.killpg(proc.pid, signal.SIGINT)
-        rest = proc.stdout.read()
-        code = proc.wait(timeout=120)
+        rest = proc.communicate(timeout=120)[0]
+        code = proc.returncode
         time.sleep(2.0)
         left = started_under(home)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_gracefully(proc)
         stop_local_superlink(home)
     # Assert: the SuperLink, SuperExec and simulation were running; now nothing is, the run
     # was stopped (not left to go on) and the demo says so with the interrupt's exit status
@@ -156,33 +185,23 @@ def test_ctrl_c_stops_deploy_local_and_everything_it_started(tmp_path):
     # Prepare: a long quick run on 2 nodes, in a session of its own, SIGINT as in a terminal
     command = [sys.executable, "-m", "fedcybgd.deploy.local", "--quick", "--nodes", "2",
                "--output-dir", str(tmp_path / "out"), "--run-config", "num-server-rounds=500"]
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = as_in_a_terminal(command, dict(os.environ))
     try:
-        assert proc.stdout is not None
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if "submitted" in line:
-                break
-        else:
-            pytest.fail("deploy-local ended before submitting: " + "".join(seen[-30:]))
+        read_until(proc, "submitted")
         deadline = time.monotonic() + 120
         while not (metrics := tmp_path / "out" / "metrics.jsonl").is_file() or \
                 len(metrics.read_text().splitlines()) < 2:  # round 1 closed: all are at work
             assert time.monotonic() < deadline and proc.poll() is None, "no round closed"
             time.sleep(1.0)
         started = psutil.Process(proc.pid).children(recursive=True)
-        names = " ".join(" ".join(p.cmdline()) for p in started)
+        names = " ".join(cmdline(p) for p in started)
         # Execute: Ctrl-C to the launcher's process group
         os.killpg(proc.pid, signal.SIGINT)
-        rest = proc.stdout.read()
-        code = proc.wait(timeout=120)
-        left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        rest = proc.communicate(timeout=120)[0]
+        code = proc.returncode
+        left = [p for p in started if cmdline(p)]  # still running (not even a zombie)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_gracefully(proc)
     # Assert: SuperLink, SuperNodes, ServerApp and ClientApps had started; none is left
     for name in ("flower-superlink", "flower-supernode", "flwr-serverapp", "flwr-clientapp"):
         assert name in names, names

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -266,45 +267,21 @@ class FedCyBGD(Strategy):
         ``class_prior``/``classes``, ``device``, ``lineage``, ``return_arrays``;
         ``base_hash`` defaults to the weights' checksum.
         """
+        # Every constructor argument named as a run-config field takes that field, but for two
+        # whose run-config form is not the object: ``class_prior`` (a spec, resolved with the
+        # task's classes by the caller) and ``device`` (``auto`` resolved); the rest are
+        # derived from the run config here.
+        fields = {f.name for f in dataclasses.fields(run)} - {"class_prior", "device"}
         settings: dict[str, Any] = {
-            "cycle": block_map.cycle(run.train_embeddings, run.train_head),
-            "block_schedule": run.block_schedule,
-            "clients_per_round": run.clients_per_round,
-            "clients_per_block": run.clients_per_block,
-            "update_rule": run.update_rule,
-            "upload_codec": run.upload_codec,
-            "download_codec": run.download_codec,
-            "download_fraction": run.download_fraction,
-            "max_staleness": run.max_staleness,
-            "traffic_budget_mb": run.traffic_budget_mb,
-            "install_codec": run.install_spec,
-            "seedlog_fallback": run.seedlog_fallback,
-            "seedlog_max_replay": run.seedlog_max_replay,
-            "version_history": run.version_history,
-            "seed": run.seed,
-            "max_payload_bytes": int(run.max_payload_mb * 2**20),
-            "local_steps": run.local_steps,
-            "batch_size": run.batch_size,
-            "aggregate": run.aggregate,
-            "trim_fraction": run.trim_fraction,
-            "max_update_norm": run.max_update_norm,
-            "outlier_factor": run.outlier_factor,
-            "max_update_ratio": run.max_update_ratio,
-            "server_lr": run.server_lr,
-            "parallel_damping": run.parallel_damping,
-            "server_optimizer": run.server_optimizer,
-            "server_beta1": run.server_beta1,
-            "server_beta2": run.server_beta2,
-            "server_eps": run.server_eps,
-            "client_lr": build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
-                                           run.warmup_rounds),
-            "self_sync": run.self_sync,
-            "dp": run.dp,
-            "dp_clip_norm": run.dp_clip_norm,
-            "dp_noise_multiplier": run.dp_noise_multiplier,
-            "dp_delta": run.dp_delta,
-            "dp_target_epsilon": run.dp_target_epsilon,
-        }
+            name: getattr(run, name) for name in inspect.signature(cls.__init__).parameters
+            if name in fields}
+        settings.update(
+            cycle=block_map.cycle(run.train_embeddings, run.train_head),
+            install_codec=run.install_spec,
+            max_payload_bytes=int(run.max_payload_mb * 2**20),
+            client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
+                                        run.warmup_rounds),
+        )
         settings.update(overrides)
         if "base_hash" not in settings:
             settings["base_hash"] = content_checksum(weights)
