@@ -123,6 +123,12 @@ class FedCyBGD(Strategy):
         Return the global weights from :meth:`aggregate_train` (``Strategy.start`` needs it).
     device : str
         Where step logs are replayed (a torch device name; the global weights stay on the CPU).
+    dp, dp_clip_norm, dp_noise_multiplier, dp_delta, dp_target_epsilon
+        User-level differential privacy (:mod:`~fedcybgd.strategies.privacy`, docs/privacy.md):
+        with ``dp`` ``"central"`` or ``"local"`` a block's uploads merge as
+        :class:`~fedcybgd.strategies.privacy.DpMean` (whatever ``aggregate`` says), under
+        ``"central"`` each upload is clipped to ``dp_clip_norm`` first and self-sync is off;
+        the ledger accounts every round and no round starts beyond ``dp_target_epsilon``.
     """
 
     def __init__(
