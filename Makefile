@@ -63,6 +63,7 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check fedcybgd tests experiments
 	$(BIN)/mypy fedcybgd
+	$(BIN)/fedcybgd config-docs --check
 
 bench: install
 	$(BIN)/python experiments/bench_updates.py

@@ -1,6 +1,6 @@
 """The allowed values of every fixed-choice config key, in one place.
 
-The run config (:mod:`fedcybgd.config`), the rule options (:mod:`fedcybgd.rules.builtin_options`)
+The run config (:mod:`fedcybgd.config`), the rule options (:mod:`fedcybgd.rules.builtin`)
 and the code that acts on a value import these tuples, so a value that passes the check at start
 is one the code knows. No imports: the server, the clients and the tools can all use this module.
 

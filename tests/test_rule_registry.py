@@ -35,7 +35,7 @@ from fedcybgd.memory.estimate import (
 )
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
-from fedcybgd.rules import MemoryNeeds, RuleOptions, TrainOutcome, TrainTask, builtin_options
+from fedcybgd.rules import MemoryNeeds, RuleOptions, TrainOutcome, TrainTask, builtin
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_MODULE = "signsgd_rule"
@@ -113,8 +113,10 @@ def _main(grid: Any, run_config: dict[str, Any]) -> None:
 def test_builtin_rules_are_declared_for_both_sides():
     specs = {s.name: s for s in rules.rule_specs()}
     assert list(specs)[:4] == ["fo", "zerolock", "lezo", "mezo"]
-    for name in ("fo", "zerolock", "lezo", "mezo"):
-        assert specs[name].options is builtin_options.RULES[name]
+    options = {"fo": builtin.FoOptions, "zerolock": builtin.ZeroLockOptions,
+               "lezo": builtin.LezoOptions, "mezo": builtin.MezoOptions}
+    for name, cls in options.items():
+        assert specs[name].options is cls
         assert isinstance(specs[name].implementation, str)  # the server imports no client code
         assert get_rule(name).name == name
     assert [n for n, s in specs.items() if s.step_log] == ["lezo", "mezo"]

@@ -1,9 +1,11 @@
 """``fedcybgd``: the app's command line, in the style of Flower's ``flwr``.
 
     fedcybgd run [APP] [SUPERLINK] [--run-config ...] [--federation-config ...]
+    fedcybgd config-docs [PATH] [--check]
 
 ``run`` wraps ``flwr run APP SUPERLINK --stream`` and, unlike it, exits non-zero when the run
-did not finish ``finished:completed`` (see :mod:`fedcybgd.cli.launch`).
+did not finish ``finished:completed`` (see :mod:`fedcybgd.cli.launch`). ``config-docs`` writes
+the configuration reference's tables from the typed fields (see :mod:`fedcybgd.cli.reference`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-on-interrupt", action="store_true",
                      help="On Ctrl-C, stop the submitted run too (`flwr stop`); without it "
                           "the run goes on, as with `flwr run`.")
+    docs = commands.add_parser(
+        "config-docs",
+        help="Write the configuration reference's key tables from the typed fields.",
+        description=(
+            "Regenerate the tables of the configuration reference (every run-config, "
+            "update-rule option and node-config key with its default, range and meaning) "
+            "from the fields that declare them; the prose around them is kept."
+        ),
+    )
+    docs.add_argument("path", nargs="?", default=None, metavar="PATH",
+                      help="The reference to update (default: docs/configuration.md).")
+    docs.add_argument("--check", action="store_true",
+                      help="Write nothing; exit 1 when the file is not current.")
     return parser
 
 
@@ -58,8 +73,28 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "config-docs":
+        return _config_docs(args.path, args.check)
     if args.command != "run":
         parser.error(f"unknown command {args.command!r}")
     return launch(Launch(app=args.app, superlink=args.superlink, run_config=args.run_config,
                          federation_config=args.federation_config, federation=args.federation,
                          log_dir=args.log_dir, stop_on_interrupt=args.stop_on_interrupt))
+
+
+def _config_docs(path: str | None, check: bool) -> int:
+    from pathlib import Path
+
+    from fedcybgd.cli import reference
+
+    target = Path(path) if path else reference.DEFAULT_PATH
+    try:
+        current = reference.write(target, check=check)
+    except (OSError, reference.ReferenceError) as err:
+        print(f"fedcybgd config-docs: {target}: {err}")
+        return 2
+    if check and not current:
+        print(f"{target} is not current; run `fedcybgd config-docs {target}`")
+        return 1
+    print(f"{target}: {'current' if current else 'updated'}")
+    return 0

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, get_type_hints
 
 _META = "fedcybgd.setting"
+_DOC = "fedcybgd.setting.doc"
 
 
 class ConfigError(ValueError):
@@ -101,6 +102,8 @@ def setting(
     le: float | None = None,
     lt: float | None = None,
     choices: tuple[str, ...] | None = None,
+    doc: str = "",
+    section: str | None = None,
 ) -> Any:
     """A dataclass field that is a config key.
 
@@ -114,20 +117,29 @@ def setting(
         Bounds of a number (``>=``, ``>``, ``<=``, ``<``).
     choices : tuple of str, optional
         The allowed values of a string (keep the tuple in :mod:`fedcybgd.choices`).
+    doc : str
+        What the key means, for its user: the configuration reference is generated from it
+        (``python -m fedcybgd.cli.reference``). Markdown; the range is added from the bounds.
+    section : str, optional
+        Starts a section of the reference here: this field and the ones declared after it,
+        up to the next field that starts one.
     """
     bounds = Bounds(key=key, ge=ge, gt=gt, le=le, lt=lt, choices=choices)
-    return dataclasses.field(default=default, metadata={_META: bounds})
+    return dataclasses.field(default=default, metadata={_META: bounds, _DOC: (doc, section)})
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One config key of a dataclass: its field, type, default and bounds."""
+    """One config key of a dataclass: its field, type, default, bounds and documentation
+    (``section``: the reference section it starts, if any)."""
 
     key: str
     name: str
     kind: type
     default: Any
     bounds: Bounds
+    doc: str = ""
+    section: str | None = None
 
 
 def settings(cls: Any) -> dict[str, Setting]:
@@ -139,7 +151,8 @@ def settings(cls: Any) -> dict[str, Setting]:
         if bounds is None:
             continue
         key = bounds.key or f.name.replace("_", "-")
-        out[key] = Setting(key, f.name, hints[f.name], f.default, bounds)
+        doc, section = f.metadata.get(_DOC, ("", None))
+        out[key] = Setting(key, f.name, hints[f.name], f.default, bounds, doc, section)
     return out
 
 

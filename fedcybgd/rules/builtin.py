@@ -1,8 +1,13 @@
-"""The built-in update rules, declared for both sides: options, memory estimate, step log.
+"""The built-in update rules, each declared for both sides beside its options and its memory
+estimate: ``fo``, ``zerolock``, ``lezo``, ``mezo``.
 
-The implementations live in the client package (:mod:`fedcybgd.client.updates`) and are named
-here as text, so the server knows every built-in rule without importing client code. The
-registry imports this module on its first lookup.
+A rule's options are a frozen dataclass of run-config keys (:func:`fedcybgd.core.fields.setting`:
+key, default, range, meaning), parsed by the one parser of every rule's options
+(:mod:`fedcybgd.rules.options`), which the server runs for every registered rule at start and each
+rule runs again on the options it receives. A key shared by two rules (``zo-eps``) has one
+default and one range. The implementations live in the client package
+(:mod:`fedcybgd.client.updates`) and are named here as text, so the server knows every built-in
+rule without importing client code. The registry imports this module on its first lookup.
 
 Memory, on top of runtime + weights (see :mod:`fedcybgd.memory.estimate` for the shared part and
 its calibration):
@@ -17,9 +22,15 @@ its calibration):
 
 from __future__ import annotations
 
-from fedcybgd.rules.builtin_options import FoOptions, LezoOptions, MezoOptions, ZeroLockOptions
+from dataclasses import dataclass
+
+from fedcybgd.choices import ZEROLOCK_HEADS, ZEROLOCK_OBJECTIVES
+from fedcybgd.core.fields import normalize, setting
 from fedcybgd.rules.contract import MemoryNeeds
+from fedcybgd.rules.options import RuleOptions
 from fedcybgd.rules.registry import declare_rule
+
+UPDATES = "fedcybgd.client.updates"  # where the implementations live (imported on the client)
 
 # Fitted on bench_updates.py (SmolLM2-135M fp32, batch 16 x 32 tokens, 1 thread, 2026-11-30).
 ZO_WORKSPACE_MB = 20.0  # LeZO's fixed perturbation workspace
@@ -30,6 +41,18 @@ ZO_WORKSPACE_MB = 20.0  # LeZO's fixed perturbation workspace
 BACKWARD_LOGIT_COPIES = 4.0
 FORWARD_LOGIT_COPIES = 2.0
 ZO_PATCH_FRACTION = 0.05  # share of a unit's elements saved for an exact restore
+
+
+@dataclass(frozen=True)
+class FoOptions(RuleOptions):
+    """``fo`` (first-order AdamW on the block)."""
+
+    recompute: bool = setting(False, key="fo-recompute", doc=(
+        "`fo`: activation checkpointing of the layers above the block (their activations are "
+        "recomputed in backward), so training a low block costs about what the top block does"))
+
+    def __post_init__(self) -> None:
+        normalize(self)
 
 
 def first_order_memory(needs: MemoryNeeds) -> float:
@@ -57,6 +80,56 @@ def _with_gradients(needs: MemoryNeeds, kept_mb: float) -> float:
     return needs.optimizer_mb - needs.block_mb + max(needs.block_mb, kept_mb)
 
 
+declare_rule("fo", options=FoOptions, memory=first_order_memory,
+             implementation=f"{UPDATES}.fo:FirstOrder")
+
+
+@dataclass(frozen=True)
+class ZeroLockOptions(RuleOptions):
+    """``zerolock``: a local objective at the block's output (see the rule's module)."""
+
+    head: str = setting("frozen-lm", key="zerolock-head", choices=ZEROLOCK_HEADS, doc=(
+        "`zerolock`'s local head: `frozen-lm` (the model's frozen norm + LM head), `tuned` (plus "
+        "a learned residual map, kept by the node) or `calibrated` (plus a frozen affine map "
+        "fitted by the node, forward-only on its own batches, so the head's prediction matches "
+        "the model's final layer; see below)"))
+    head_rank: int = setting(0, key="zerolock-head-rank", ge=0, doc=(
+        "rank of the `tuned` map; 0 = a full d x d map"))
+    head_lr: float = setting(0.0, key="zerolock-head-lr", ge=0, doc=(
+        "learning rate of the `tuned` map; 0 = `lr`"))
+    objective: str = setting("label", key="zerolock-objective", choices=ZEROLOCK_OBJECTIVES, doc=(
+        "`label` (the label token) or `next-token` (language-model loss of prompt + label)"))
+    slice: int = setting(256, key="zerolock-slice", ge=1, doc=(
+        "rows per local-head slice (bounds the logits alive at once)"))
+    chunks: int = setting(1, key="zerolock-chunks", ge=1, doc=(
+        "chunks per layer block, each with its own loss and optimizer"))
+    embed_layers: int = setting(1, key="zerolock-embed-layers", ge=0, doc=(
+        "frozen decoder layers in the `embed` block's local head"))
+    checkpoint_every: int = setting(0, key="zerolock-checkpoint-every", doc=(
+        "in-round checkpoint every N steps; 0 = by time (next key); < 0 = off"))
+    checkpoint_seconds: float = setting(60.0, key="zerolock-checkpoint-seconds", ge=0, doc=(
+        "seconds between in-round checkpoints when `zerolock-checkpoint-every = 0`; 0 = off"))
+    cache_mb: float = setting(256.0, key="zerolock-cache-mb", ge=0, doc=(
+        "bound of the per-round cache of prefix outputs; 0 = no cache"))
+    fused_step: bool = setting(True, key="zerolock-fused-step", doc=(
+        "step each parameter inside the backward pass"))
+    aux_layers: int = setting(0, key="zerolock-aux-layers", ge=0, doc=(
+        "frozen layers above a layer block run inside its local head (gradient through their "
+        "activations; AugLocal-style): costs their activations, buys gradient alignment (see "
+        "Results)"))
+    calib_batches: int = setting(4, key="zerolock-calib-batches", ge=1, doc=(
+        "`calibrated`: the node's own batches the translator is fitted on (one forward pass each)"))
+    calib_ridge: float = setting(1e-2, key="zerolock-calib-ridge", gt=0, doc=(
+        "`calibrated`: pull of the least-squares fit towards the identity, relative to the "
+        "data's mean eigenvalue"))
+    calib_refit: float = setting(0.02, key="zerolock-calib-refit", ge=0, doc=(
+        "`calibrated`: a cached translator is refitted once the layers above it moved by more "
+        "than this relative norm since its fit; 0 = every round"))
+
+    def __post_init__(self) -> None:
+        normalize(self)
+
+
 def zerolock_memory(needs: MemoryNeeds) -> float:
     """``zerolock``: optimizer state, the block's own activations (at least one layer's, for
     the embeddings and the head) and those of its head's ``zerolock-aux-layers`` (a layer
@@ -73,6 +146,35 @@ def zerolock_memory(needs: MemoryNeeds) -> float:
             + BACKWARD_LOGIT_COPIES * sliced * needs.logits_mb + needs.frozen_transient_mb)
 
 
+declare_rule("zerolock", options=ZeroLockOptions, memory=zerolock_memory,
+             implementation=f"{UPDATES}.zerolock:ZeroLock")
+
+
+@dataclass(frozen=True)
+class LezoOptions(RuleOptions):
+    """``lezo``: sparse zeroth-order steps (weight decay is the run's ``weight-decay``)."""
+
+    eps: float = setting(1e-3, key="zo-eps", gt=0, doc=(
+        "`lezo`, `mezo`: perturbation scale"))
+    density: float = setting(0.25, key="lezo-density", gt=0, le=1, doc=(
+        "`lezo`: share of the block's units perturbed per step"))
+
+    def __post_init__(self) -> None:
+        normalize(self)
+
+
+
+@dataclass(frozen=True)
+class MezoOptions(RuleOptions):
+    """``mezo``: LeZO with every unit perturbed (``lezo-density`` does not apply)."""
+
+    eps: float = setting(1e-3, key="zo-eps", gt=0, doc=(
+        "`lezo`, `mezo`: perturbation scale"))
+
+    def __post_init__(self) -> None:
+        normalize(self)
+
+
 def zeroth_order_memory(needs: MemoryNeeds) -> float:
     """``lezo`` / ``mezo``: workspace, saved restore elements, one layer's activations, the
     scored positions' logits of a forward."""
@@ -81,11 +183,6 @@ def zeroth_order_memory(needs: MemoryNeeds) -> float:
             + needs.frozen_transient_mb)
 
 
-UPDATES = "fedcybgd.client.updates"
-declare_rule("fo", options=FoOptions, memory=first_order_memory,
-             implementation=f"{UPDATES}.fo:FirstOrder")
-declare_rule("zerolock", options=ZeroLockOptions, memory=zerolock_memory,
-             implementation=f"{UPDATES}.zerolock:ZeroLock")
 declare_rule("lezo", options=LezoOptions, memory=zeroth_order_memory, step_log=True,
              implementation=f"{UPDATES}.lezo:LeZO")
 declare_rule("mezo", options=MezoOptions, memory=zeroth_order_memory, step_log=True,

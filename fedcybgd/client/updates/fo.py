@@ -19,7 +19,7 @@ from fedcybgd.data.prompts import Batch
 from fedcybgd.model.blocks import EMBED, HEAD
 from fedcybgd.model.layerwise import Hidden, LayerStack
 from fedcybgd.rules import TrainOutcome, TrainTask
-from fedcybgd.rules.builtin_options import FoOptions
+from fedcybgd.rules.builtin import FoOptions
 from fedcybgd.tasks.objective import batch_loss, scored_logits
 
 

@@ -44,7 +44,7 @@ an inference forward for MeZO and LeZO alike.
 rules are declared with ``step_log=True``) and kept in ``rule.last_log``, and
 ``zeroth_order.replay`` rebuilds the trained block from it.
 
-Options (``task.options``, run-config keys, parsed by :mod:`fedcybgd.rules.builtin_options`):
+Options (``task.options``, run-config keys, declared in :mod:`fedcybgd.rules.builtin`):
 ``zo-eps`` (1e-3), ``lezo-density`` (0.25; ``mezo`` ignores it). Weight decay is the run's
 ``weight-decay``.
 """
@@ -64,7 +64,7 @@ from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import Hidden, LayerStack
 from fedcybgd.protocol import seedlog, zeroth_order
 from fedcybgd.rules import TrainOutcome, TrainTask
-from fedcybgd.rules.builtin_options import LezoOptions, MezoOptions
+from fedcybgd.rules.builtin import LezoOptions, MezoOptions
 from fedcybgd.tasks.objective import batch_loss, scored_logits
 
 

@@ -112,7 +112,7 @@ from fedcybgd.data.prompts import Batch
 from fedcybgd.model.blocks import EMBED, HEAD
 from fedcybgd.model.layerwise import Hidden, LayerStack
 from fedcybgd.rules import TrainOutcome, TrainTask
-from fedcybgd.rules.builtin_options import ZeroLockOptions  # the options' one parser (server too)
+from fedcybgd.rules.builtin import ZeroLockOptions  # the options' one parser (server too)
 from fedcybgd.tasks.shares import BatchIterator
 
 log = logging.getLogger(__name__)
