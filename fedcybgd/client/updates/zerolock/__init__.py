@@ -83,6 +83,9 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -120,76 +123,165 @@ log = logging.getLogger(__name__)
 __all__ = ["ZeroLock", "ZeroLockOptions", "checkpoint_path", "heads_path", "split_layers"]
 
 
+@dataclass(frozen=True)
+class Plan:
+    """Where a block's chunks lie and what each chunk's local head reads.
+
+    Attributes
+    ----------
+    kind : str
+        ``layers`` (decoder layers), ``embed`` or ``top`` (the head block).
+    prefix_end : int
+        Layers below the block: its input is their (cached) output.
+    ranges : list of (int, int)
+        Each chunk's layers ``[a, b)``.
+    aux : int
+        Frozen layers above the block run inside the last chunk's head
+        (``zerolock-aux-layers``, capped at the layers there are).
+    embed_layers : int
+        Frozen layers inside the ``embed`` block's head.
+    reads : list of int
+        The layer whose output each chunk's head reads.
+    head_weight : torch.Tensor or None
+        A frozen copy of a tied LM head the block trains (see the module docstring).
+    """
+
+    kind: str
+    prefix_end: int
+    ranges: list[tuple[int, int]]
+    aux: int
+    embed_layers: int
+    reads: list[int]
+    head_weight: torch.Tensor | None
+
+
+def plan_chunks(task: TrainTask, opts: ZeroLockOptions, params: list[nn.Parameter]) -> Plan:
+    """The chunks of ``task.block`` (``zerolock-chunks`` of a layer block; the embeddings and
+    the head are one chunk each) and where each chunk's head reads."""
+    stack = task.stack
+    if task.block == HEAD:
+        kind, prefix_end = "top", stack.num_layers
+        ranges = [(stack.num_layers, stack.num_layers)]
+    elif task.block == EMBED:
+        kind, prefix_end = "embed", 0
+        ranges = [(0, 0)]
+    else:
+        layers = task.blocks.info(task.block).layers
+        assert layers is not None
+        kind, prefix_end = "layers", layers[0]
+        ranges = split_layers(layers[0], layers[1], opts.chunks)
+
+    # Tied embeddings: see the module docstring. Only a block that owns the head's tensor and
+    # is not the top needs a frozen copy of it.
+    head_weight: torch.Tensor | None = None
+    live_head = getattr(stack.head, "weight", None)
+    if kind != "top" and live_head is not None and any(p is live_head for p in params):
+        head_weight = live_head.detach().clone()
+
+    # Where each chunk's head reads: its own output, or (the block's last chunk, with
+    # zerolock-aux-layers) the output of that many frozen layers above the block.
+    aux = min(opts.aux_layers, stack.num_layers - ranges[-1][1]) if kind == "layers" else 0
+    embed_layers = min(opts.embed_layers, stack.num_layers)
+    reads = [
+        (b - 1 + (aux if i == len(ranges) - 1 else 0)) if kind == "layers"
+        else embed_layers - 1  # the embed block's head reads its aux layers' output
+        for i, (_, b) in enumerate(ranges)
+    ]
+    return Plan(kind, prefix_end, ranges, aux, embed_layers, reads, head_weight)
+
+
 class ZeroLock:
     """Block training on a local objective; see the module docstring."""
 
     name = "zerolock"
 
     def train(self, task: TrainTask) -> TrainOutcome:
-        """Run ``task.steps`` local steps on ``task.block``."""
+        """Run ``task.steps`` local steps on ``task.block``: plan the chunks, calibrate their
+        heads, build them, resume an interrupted round, step, keep the tuned heads, report."""
         opts = ZeroLockOptions.from_options(task.options)
+        for p in task.model.parameters():
+            p.requires_grad_(False)
+        params = task.blocks.parameters(task.model, task.block)
+        plan = plan_chunks(task, opts, params)
+        batches, calibration, calib_report = self._calibrate(task, opts, plan)
+        chunks = self._build_chunks(task, opts, plan, params, calibration)
+        identity = {
+            "seed": task.seed,
+            "block": task.block,
+            "head": opts.head,
+            "head_rank": opts.head_rank,
+            "objective": opts.objective,
+            "chunks": len(chunks),
+            "fused": [c.fused for c in chunks],
+            "embed_layers": opts.embed_layers if plan.kind == "embed" else 0,
+            "aux_layers": plan.aux,
+        }
+        ckpt = checkpoint_path(task.state_dir) if task.state_dir is not None else None
+        progress = self._resume(task, ckpt, identity, chunks, batches)
+        resumed_from = progress.step
+        cache = PrefixCache(task.stack, plan.prefix_end, int(opts.cache_mb * 2**20))
+        self._steps(task, opts, chunks, params, cache, batches, progress, ckpt, identity)
+        self._keep_tuned_heads(task, opts, plan, chunks)
+        if ckpt is not None:
+            ckpt.unlink(missing_ok=True)
+
+        losses = progress.losses
+        mean = sum(losses) / len(losses) if losses else float("nan")
+        metrics = {
+            f"zerolock_chunk{c.index}_loss": c.loss_sum / c.loss_count if c.loss_count else math.nan
+            for c in chunks
+        }
+        metrics["zerolock_resumed_step"] = float(resumed_from)
+        metrics["zerolock_cache_hits"] = float(cache.hits)
+        if calib_report is not None:
+            metrics.update(calib_report.metrics())
+        return TrainOutcome(mean, len(losses), progress.examples, progress.skipped, metrics)
+
+    @staticmethod
+    def _calibrate(
+        task: TrainTask, opts: ZeroLockOptions, plan: Plan
+    ) -> tuple[Iterator[Batch], dict[int, Translator | None], CalibrationReport | None]:
+        """With ``zerolock-head = calibrated``: fit each read layer's translator on the round's
+        own first batches (put back, so training still sees every batch). Returns the batches
+        to train on, the translators by read layer and the fit's report."""
+        if opts.head != "calibrated" or plan.kind == "top":
+            return task.batches, {}, None
+        peeked: list[Batch] = []
+
+        def take() -> list[Batch]:
+            if isinstance(task.batches, BatchIterator):
+                at = task.batches.step
+                got = [next(task.batches) for _ in range(opts.calib_batches)]
+                task.batches.step = at
+                return got
+            # a finite iterator may hold fewer: fit on what there is
+            peeked.extend(itertools.islice(task.batches, opts.calib_batches))
+            return list(peeked)
+
+        calibration, report = calibrated_translators(
+            task.stack, plan.reads, take, task.state_dir, opts.calib_ridge, opts.calib_refit,
+            opts.calib_batches)
+        batches = itertools.chain(peeked, task.batches) if peeked else task.batches
+        return batches, calibration, report
+
+    def _build_chunks(
+        self,
+        task: TrainTask,
+        opts: ZeroLockOptions,
+        plan: Plan,
+        params: list[nn.Parameter],
+        calibration: dict[int, Translator | None],
+    ) -> list[Chunk]:
+        """One chunk per range: its parameters, its local head (translator, aux layers) and
+        its optimizers."""
         model, stack, blocks = task.model, task.stack, task.blocks
         info = blocks.info(task.block)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        params = blocks.parameters(model, task.block)
-
-        if task.block == HEAD:
-            kind, prefix_end = "top", stack.num_layers
-            ranges = [(stack.num_layers, stack.num_layers)]
-        elif task.block == EMBED:
-            kind, prefix_end = "embed", 0
-            ranges = [(0, 0)]
-        else:
-            assert info.layers is not None
-            kind, prefix_end = "layers", info.layers[0]
-            ranges = split_layers(info.layers[0], info.layers[1], opts.chunks)
-
-        # Tied embeddings: see the module docstring. Only a block that owns the head's tensor
-        # and is not the top needs a frozen copy of it.
-        head_weight: torch.Tensor | None = None
-        live_head = getattr(stack.head, "weight", None)
-        if kind != "top" and live_head is not None and any(p is live_head for p in params):
-            head_weight = live_head.detach().clone()
-
-        # Where each chunk's head reads: its own output, or (the block's last chunk, with
-        # zerolock-aux-layers) the output of that many frozen layers above the block.
-        aux = (min(opts.aux_layers, stack.num_layers - ranges[-1][1]) if kind == "layers"
-               else 0)
-        embed_layers = min(opts.embed_layers, stack.num_layers)
-        reads = [
-            (b - 1 + (aux if i == len(ranges) - 1 else 0)) if kind == "layers"
-            else embed_layers - 1  # the embed block's head reads its aux layers' output
-            for i, (_, b) in enumerate(ranges)
-        ]
-        batches: Iterator[Batch] = task.batches
-        calibration: dict[int, Translator | None] = {}
-        calib_report: CalibrationReport | None = None
-        if opts.head == "calibrated" and kind != "top":
-            peeked: list[Batch] = []
-
-            def take() -> list[Batch]:
-                # the round's own first batches, put back: training still sees all of them
-                if isinstance(task.batches, BatchIterator):
-                    at = task.batches.step
-                    got = [next(task.batches) for _ in range(opts.calib_batches)]
-                    task.batches.step = at
-                    return got
-                # a finite iterator may hold fewer: fit on what there is
-                peeked.extend(itertools.islice(task.batches, opts.calib_batches))
-                return list(peeked)
-
-            calibration, calib_report = calibrated_translators(
-                stack, reads, take, task.state_dir, opts.calib_ridge, opts.calib_refit,
-                opts.calib_batches)
-            if peeked:
-                batches = itertools.chain(peeked, task.batches)
-
+        kind = plan.kind
         saved_maps = self._load_maps(task, opts) if kind != "top" else {}
         by_name = dict(model.named_parameters())
         hidden_size = int(getattr(model.config, "hidden_size", 0) or live_hidden_size(stack))
         chunks = []
-        for index, (a, b) in enumerate(ranges):
+        for index, (a, b) in enumerate(plan.ranges):
             if kind == "layers":
                 names = [
                     n for n in info.param_names if a <= layer_index(n, blocks.layers_name) < b
@@ -204,17 +296,17 @@ class ZeroLock:
                 translator = Translator(hidden_size, opts.head_rank, seed=task.seed + index)
                 self._apply_map(translator, saved_maps, key)
             elif opts.head == "calibrated" and kind != "top":
-                translator = calibration[reads[index]]  # frozen; None on the last layer
+                translator = calibration[plan.reads[index]]  # frozen; None on the last layer
             if kind == "embed":
-                aux_start, aux_count = 0, embed_layers
+                aux_start, aux_count = 0, plan.embed_layers
             elif kind == "layers":
-                aux_start, aux_count = b, reads[index] - (b - 1)
+                aux_start, aux_count = b, plan.reads[index] - (b - 1)
             else:
                 aux_start, aux_count = 0, 0
             head = LocalHead(
                 stack,
                 translator=translator,
-                head_weight=head_weight,
+                head_weight=plan.head_weight,
                 aux_layers=aux_count,
                 objective=opts.objective,
                 slice_rows=opts.slice,
@@ -222,35 +314,47 @@ class ZeroLock:
             )
             chunks.append(self._make_chunk(index, kind, (a, b), key, chunk_params, head, task,
                                            opts))
+        return chunks
 
-        identity = {
-            "seed": task.seed,
-            "block": task.block,
-            "head": opts.head,
-            "head_rank": opts.head_rank,
-            "objective": opts.objective,
-            "chunks": len(chunks),
-            "fused": [c.fused for c in chunks],
-            "embed_layers": opts.embed_layers if kind == "embed" else 0,
-            "aux_layers": aux,
-        }
-        ckpt = checkpoint_path(task.state_dir) if task.state_dir is not None else None
-        progress = Progress()
-        resumed_from = 0
-        if ckpt is not None:
-            found = read_state(ckpt)
-            if found is not None:
-                tensors, meta = found
-                same = meta.get("identity") == json.dumps(identity, sort_keys=True)
-                if same and fits_chunks(tensors, meta, chunks):
-                    progress = restore_checkpoint(tensors, meta, chunks)
-                    resumed_from = progress.step
-                    skip_batches(batches, progress.step)
-                    log.info("zerolock: resuming %s at step %d", task.block, progress.step)
-                else:
-                    ckpt.unlink(missing_ok=True)  # a previous round's leftover (or unusable)
+    @staticmethod
+    def _resume(
+        task: TrainTask,
+        ckpt: Path | None,
+        identity: dict[str, Any],
+        chunks: list[Chunk],
+        batches: Iterator[Batch],
+    ) -> Progress:
+        """The progress of an interrupted round of the same identity (its batches skipped),
+        else a fresh start (a leftover checkpoint of another round is deleted)."""
+        if ckpt is None:
+            return Progress()
+        found = read_state(ckpt)
+        if found is None:
+            return Progress()
+        tensors, meta = found
+        same = meta.get("identity") == json.dumps(identity, sort_keys=True)
+        if same and fits_chunks(tensors, meta, chunks):
+            progress = restore_checkpoint(tensors, meta, chunks)
+            skip_batches(batches, progress.step)
+            log.info("zerolock: resuming %s at step %d", task.block, progress.step)
+            return progress
+        ckpt.unlink(missing_ok=True)  # a previous round's leftover (or unusable)
+        return Progress()
 
-        cache = PrefixCache(stack, prefix_end, int(opts.cache_mb * 2**20))
+    def _steps(
+        self,
+        task: TrainTask,
+        opts: ZeroLockOptions,
+        chunks: list[Chunk],
+        params: list[nn.Parameter],
+        cache: PrefixCache,
+        batches: Iterator[Batch],
+        progress: Progress,
+        ckpt: Path | None,
+        identity: dict[str, Any],
+    ) -> None:
+        """The local steps from ``progress.step`` to ``task.steps``, checkpointing when due;
+        the block is frozen again afterwards whatever happens."""
         for chunk in chunks:
             for p in chunk.params:
                 p.requires_grad_(True)
@@ -259,7 +363,7 @@ class ZeroLock:
         try:
             while progress.step < task.steps:
                 batch = next(batches)
-                final = self._train_step(stack, cache, chunks, batch)
+                final = self._train_step(task.stack, cache, chunks, batch)
                 progress.step += 1
                 progress.examples += len(batch)
                 if final is None:
@@ -284,28 +388,19 @@ class ZeroLock:
                 p.requires_grad_(False)
                 p.grad = None
 
-        if task.state_dir is not None and opts.head == "tuned" and kind != "top":
-            maps = {
-                f"{chunk.key}.{name}": p
-                for chunk in chunks
-                for name, p in translator_params(chunk)
-            }
-            atomic_save(maps, heads_path(task.state_dir, task.block),
-                         {"rank": str(opts.head_rank)})
-        if ckpt is not None:
-            ckpt.unlink(missing_ok=True)
-
-        losses = progress.losses
-        mean = sum(losses) / len(losses) if losses else float("nan")
-        metrics = {
-            f"zerolock_chunk{c.index}_loss": c.loss_sum / c.loss_count if c.loss_count else math.nan
-            for c in chunks
+    @staticmethod
+    def _keep_tuned_heads(task: TrainTask, opts: ZeroLockOptions, plan: Plan,
+                          chunks: list[Chunk]) -> None:
+        """With ``zerolock-head = tuned``: the learned maps stay with the node for its next
+        round on this block."""
+        if task.state_dir is None or opts.head != "tuned" or plan.kind == "top":
+            return
+        maps = {
+            f"{chunk.key}.{name}": p
+            for chunk in chunks
+            for name, p in translator_params(chunk)
         }
-        metrics["zerolock_resumed_step"] = float(resumed_from)
-        metrics["zerolock_cache_hits"] = float(cache.hits)
-        if calib_report is not None:
-            metrics.update(calib_report.metrics())
-        return TrainOutcome(mean, len(losses), progress.examples, progress.skipped, metrics)
+        atomic_save(maps, heads_path(task.state_dir, task.block), {"rank": str(opts.head_rank)})
 
     @staticmethod
     def _train_step(
