@@ -28,8 +28,8 @@ from typing import Any
 from fedcybgd.client.app import app as client_app
 from fedcybgd.config import RunConfig
 from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.protocol.dp import epsilon
 from fedcybgd.server.app import run_server
-from fedcybgd.strategies.privacy import epsilon
 
 OUT = Path(__file__).parent / "results" / "privacy"
 DELTA = 1e-5

@@ -292,14 +292,18 @@ class RunConfig:
     max_payload_mb: float = setting(2048.0, gt=0, doc=(
         "larger payloads are refused"))
     dp: str = setting("off", choices=DP_MODES, section="Differential privacy", doc=(
-        "`off`; `central`: the server adds Gaussian noise to each merged block; `local`: each "
-        "node adds it to its own delta before upload (for a server it does not trust)"))
+        "`off`; user level (all a node contributes): `central`, the server adds Gaussian noise "
+        "to each merged block, or `local`, each node adds it to its own delta before upload (for "
+        "a server it does not trust); `example`: example level (each training example of a "
+        "node), every node runs DP-SGD on its block and keeps its own account"))
     dp_clip_norm: float = setting(1.0, gt=0, doc=(
-        "the L2 bound of one node's block delta in one round; the node clips before compression, "
-        "the server clips every upload again"))
+        "user level: the L2 bound of one node's block delta in one round (the node clips before "
+        "compression, the server clips every upload again); `example`: the L2 bound of one "
+        "example's gradient of the block in one step"))
     dp_noise_multiplier: float = setting(1.0, ge=0, le=100, doc=(
         "the noise's deviation per coordinate is this times `dp-clip-norm` (central: on the sum "
-        "of a block's deltas, so divided by the number of its uploads on their mean)"))
+        "of a block's deltas, so divided by the number of its uploads on their mean; `example`: "
+        "on the sum of a step's clipped gradients)"))
     dp_delta: float = setting(1e-5, gt=0, lt=1, doc=(
         "the delta the spent epsilon is read at"))
     dp_target_epsilon: float = setting(0.0, ge=0, doc=(
@@ -370,20 +374,44 @@ class RunConfig:
         self._check_dp()
 
     def _check_dp(self) -> None:
-        """User-level DP bounds each node's block delta and adds noise to a plain mean: it
-        needs weight uploads, the ``mean`` aggregate, FedCyBGD and a noise multiplier > 0."""
+        """User-level DP (central, local) bounds each node's block delta and adds noise to a
+        plain mean: it needs weight uploads and the ``mean`` aggregate. Example-level DP needs
+        a rule that runs DP-SGD and batches nothing but a Poisson sample (no class balancing,
+        no logit adjustment), and no class counts sent in the clear. All need FedCyBGD and a
+        noise multiplier > 0."""
         if self.dp == "off":
             return
-        for wrong, why in (
+        problems = [
             (self.strategy != "fedcybgd", f"strategy = {self.strategy!r}: dp covers FedCyBGD "
                                           "runs (Flower's DP wrappers cover FedAvg's)"),
-            (self.aggregate != "mean", f"aggregate = {self.aggregate!r}: dp's noise is "
-                                       "calibrated to a mean of clipped deltas; use 'mean'"),
-            (self.upload_codec == "seedlog", "upload-codec = 'seedlog': a step log is not a "
-                                             "clipped delta; upload weights"),
             (self.dp_noise_multiplier == 0, "dp-noise-multiplier = 0 adds no noise: no "
                                             "privacy to account for"),
-        ):
+        ]
+        if self.dp in ("central", "local"):
+            problems += [
+                (self.aggregate != "mean", f"aggregate = {self.aggregate!r}: dp's noise is "
+                                           "calibrated to a mean of clipped deltas; use 'mean'"),
+                (self.upload_codec == "seedlog", "upload-codec = 'seedlog': a step log is not a "
+                                                 "clipped delta; upload weights"),
+            ]
+        else:
+            spec = rules.rule_spec(self.update_rule)
+            example_rules = [s.name for s in rules.rule_specs() if s.example_dp]
+            problems += [
+                (not spec.example_dp, f"update-rule = {self.update_rule!r}: it does not run "
+                                      f"DP-SGD; rules that do: {example_rules}"),
+                (self.class_balance, "class-balance = true: DP-SGD's batches are Poisson "
+                                     "samples; set class-balance = false"),
+                (self.logit_adjust, "logit-adjust = true: it puts the node's label shares "
+                                    "into every example's loss; set logit-adjust = false"),
+                (self.class_prior.strip().lower() == "global"
+                 and self.task_kind == "classification",
+                 "class-prior = 'global': each node would state its class counts in the "
+                 "clear; use 'uniform' or explicit shares"),
+                (self.upload_codec == "seedlog", "upload-codec = 'seedlog': the step log is "
+                                                 "not what DP-SGD noised; upload weights"),
+            ]
+        for wrong, why in problems:
             if wrong:
                 raise ConfigError(f"dp = {self.dp!r} with {why}")
 
@@ -539,6 +567,11 @@ class NodeConfig:
         "most step logs (the chains' length) in one round's step-log downloads"))
     max_download_mb: float = setting(8192.0, gt=0, doc=(
         "most payload MB of one round's downloads (weights and step logs together)"))
+    max_dp_epsilon: float = setting(0.0, ge=0, doc=(
+        "`dp = \"example\"`: the most epsilon (at the run's `dp-delta`) this node lets runs "
+        "spend on its data, counted across rounds and runs in its cache folder; a round that "
+        "would exceed it, or the run's `dp-target-epsilon`, is declined; 0 = the run's budget "
+        "only"))
     max_decoded_mb: float = setting(8192.0, gt=0, doc=(
         "most MB the tensors of one downloaded block may decode to"))
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from scipy import optimize, stats
 
-from fedcybgd.protocol.dp import add_noise, clip_delta, delta_norm
-from fedcybgd.strategies.privacy import PrivacyLedger, epsilon
+from fedcybgd.protocol.dp import add_noise, clip_delta, delta_norm, epsilon
+from fedcybgd.strategies.privacy import PrivacyLedger
 
 
 def exact_gaussian_epsilon(sigma: float, delta: float) -> float:

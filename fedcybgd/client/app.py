@@ -38,8 +38,9 @@ from fedcybgd.client.baselines import is_fedavg_message, train_fedavg
 from fedcybgd.client.feedback import encode_upload
 from fedcybgd.client.instruction import Instruction, read_instruction
 from fedcybgd.client.limits import Refusal
-from fedcybgd.client.local_data import stated_class_counts, training_batches
+from fedcybgd.client.local_data import private_batches, stated_class_counts, training_batches
 from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
+from fedcybgd.client.privacy import ExampleLedger, LedgerError, round_entry
 from fedcybgd.client.runtime import ClientModel, client_model
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_of
@@ -63,7 +64,7 @@ from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
 from fedcybgd.protocol import Holding, dp, seedlog, seedsync, selfsync, zeroth_order
 from fedcybgd.protocol.zeroth_order import SeedLog
-from fedcybgd.rules import rule_spec
+from fedcybgd.rules import ExampleDp, rule_spec
 from fedcybgd.tasks.base import build_task, warn_cut
 from fedcybgd.tasks.shares import target_shares
 
@@ -248,8 +249,12 @@ class Round:
     cm: ClientModel
     store: BlockStore
     rule_state: Path
+    cache_dir: Path = Path()
     incoming: Downloads = field(default_factory=Downloads)
     batches: Any = None
+    privacy: ExampleDp | None = None  # dp = "example": this round's DP-SGD settings
+    ledger: ExampleLedger | None = None
+    dp_round: tuple[float, float, int] | None = None  # (rate, multiplier, steps) to record
 
     def answer(self, status: str, reason: str, store: bool = True) -> Answered:
         """End the round with ``status`` and ``reason`` (the holdings too with ``store``)."""
@@ -272,6 +277,7 @@ def train(msg: Message, context: Context) -> Message:
         check_downloads(rnd)
         prepare_batches(rnd)
         fit_memory_budget(rnd)
+        check_privacy_budget(rnd)
         install_downloads(rnd)
         outcome, trained, start, base, mem, train_s = train_block(rnd)
         return upload_reply(rnd, outcome, trained, start, base, mem.peak_mb, train_s)
@@ -322,7 +328,8 @@ def open_round(msg: Message, context: Context) -> Round:
         raise Answered(_reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")) from None
     return Round(msg, run, node, ins, lr, rule_name,
                  int(min(run.max_payload_mb, node.max_download_mb) * limits.MB), device,
-                 precision, cm, BlockStore(dirs.store, cm.base_hash), dirs.rule_state)
+                 precision, cm, BlockStore(dirs.store, cm.base_hash), dirs.rule_state,
+                 cache_dir)
 
 
 def check_downloads(rnd: Round) -> None:
@@ -353,7 +360,37 @@ def prepare_batches(rnd: Round) -> None:
         log.warning("round %s: refused an instruction (%s)", rnd.ins.server_round, err)
         raise Answered(_reply(rnd.msg, protocol.REFUSED, None,
                               f"bad instruction: {err}")) from None
+    if rnd.run.dp == "example":
+        # the sample and the noise come from the node's own randomness: amplification by
+        # sampling needs the sample hidden, and a known noise seed would let it be subtracted
+        rnd.batches = private_batches(rnd.run, rnd.node, secrets.randbits(63))
+        rnd.privacy = ExampleDp(rnd.run.dp_clip_norm, rnd.run.dp_noise_multiplier,
+                                float(rnd.run.batch_size), secrets.randbits(63))
+        return
     rnd.batches = training_batches(rnd.run, rnd.node, rnd.ins.seed, target)
+
+
+def check_privacy_budget(rnd: Round) -> None:
+    """``dp = "example"``: the round's rule must run DP-SGD, and its steps must fit the run's
+    budget and the node's own (:mod:`fedcybgd.client.privacy`); else the node takes no part."""
+    run, node = rnd.run, rnd.node
+    if run.dp != "example":
+        return
+    if not rule_spec(rnd.rule_name).example_dp:
+        raise rnd.answer(protocol.REJECTED, f"dp = 'example' needs a rule that runs DP-SGD; "
+                         f"this node would train with {rnd.rule_name!r}, which does not",
+                         store=False)
+    try:
+        ledger = ExampleLedger.open(rnd.cache_dir / "privacy", node.key)
+    except LedgerError as err:
+        raise rnd.answer(protocol.REJECTED, str(err), store=False) from None
+    entry = round_entry(rnd.batches.rate, run.dp_noise_multiplier, run.local_steps)
+    why, _ = ledger.check(rnd.ins.lineage, entry, run.dp_delta, run.dp_target_epsilon,
+                          node.max_dp_epsilon)
+    if why is not None:
+        log.warning("round %s: %s", rnd.ins.server_round, why)
+        raise rnd.answer(protocol.REJECTED, why, store=False)
+    rnd.ledger, rnd.dp_round = ledger, entry
 
 
 def fit_memory_budget(rnd: Round) -> None:
@@ -421,7 +458,7 @@ def train_block(rnd: Round) -> tuple[TrainOutcome, dict[str, torch.Tensor],
     task = TrainTask(model=cm.model, stack=cm.stack, blocks=cm.blocks, block=block,
                      batches=iter(feed), steps=run.local_steps, lr=rnd.lr,
                      weight_decay=run.weight_decay, seed=ins.seed, options=dict(run.options),
-                     state_dir=rnd.rule_state)
+                     state_dir=rnd.rule_state, privacy=rnd.privacy)
     began = time.perf_counter()
     rule = get_rule(rnd.rule_name)
     try:
@@ -433,6 +470,9 @@ def train_block(rnd: Round) -> tuple[TrainOutcome, dict[str, torch.Tensor],
         # version arrives like any other.
         cm.blocks.set(cm.model, block, start)
     train_s = time.perf_counter() - began
+    if rnd.ledger is not None and rnd.dp_round is not None:  # before anything leaves the node
+        rnd.ledger.record(ins.lineage, rnd.dp_round)
+        outcome.metrics["dp_epsilon"] = rnd.ledger.spent(run.dp_delta, ins.lineage)
     warn_cut(f"round {ins.server_round}, block {block}", batches.encoder.cut,
              outcome.examples, run.max_seq_len, "see the task's truncation rule",
              key=("training", rnd.msg.metadata.run_id))
@@ -501,7 +541,7 @@ def private_update(run: RunConfig, trained: dict[str, torch.Tensor],
     ``dp-clip-norm`` before compression and error feedback; with ``dp = "local"``, Gaussian
     noise of ``dp-noise-multiplier x dp-clip-norm`` added from the node's own randomness (a seed
     the server could know would let it subtract the noise)."""
-    if run.dp == "off":
+    if run.dp not in ("central", "local"):  # off, or example-level (DP-SGD in training)
         return trained
     clipped, _ = dp.clip_delta(trained, start, run.dp_clip_norm)
     if run.dp != "local":

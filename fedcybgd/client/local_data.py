@@ -41,3 +41,10 @@ def stated_class_counts(run: RunConfig, node: NodeConfig) -> list[int] | None:
     if run.class_prior.strip().lower() != "global" or task.num_classes() < 2:
         return None
     return shares.class_counts(task, node_frame(run, node))
+
+
+def private_batches(run: RunConfig, node: NodeConfig, seed: int) -> shares.PoissonBatches:
+    """This node's DP-SGD batches (``dp = "example"``): Poisson samples of its rows at rate
+    ``batch-size / rows`` (see :class:`fedcybgd.tasks.shares.PoissonBatches`)."""
+    return shares.PoissonBatches(node_frame(run, node), client_tokenizer(run.model),
+                                 run.batch_size, run.max_seq_len, seed, task=build_task(run))

@@ -89,6 +89,21 @@ class Batch:
         """``N``: positions that carry the loss."""
         return int(self.target_ids.shape[0])
 
+    def row(self, index: int) -> Batch:
+        """The batch of row ``index`` alone (its padding kept): the same example, scored at
+        the same positions, so its loss is what that row contributes to this batch's."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} of a batch of {len(self)}")
+        rows, positions, targets = None, None, self.target_ids[index:index + 1]
+        if self.score_rows is not None and self.score_positions is not None:
+            mine = self.score_rows == index
+            rows = torch.zeros_like(self.score_rows[mine])
+            positions = self.score_positions[mine]
+            targets = self.target_ids[mine]
+        return Batch(self.input_ids[index:index + 1], self.attention_mask[index:index + 1],
+                     self.last_index[index:index + 1], targets, self.labels[index:index + 1],
+                     self.class_token_ids, self.class_log_prior, rows, positions, self.task)
+
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with every tensor on ``device``."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}

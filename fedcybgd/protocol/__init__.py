@@ -61,6 +61,8 @@ SEEDLOG = "seedlog"
 OK = "ok"
 RESYNC = "resync"  # the client's cache differs from what the server assumed; nothing trained
 REJECTED = "rejected"  # the client cannot take part (different base model, no fitting rule)
+# A ``rejected`` reason that starts so: the node's own privacy budget is spent (dp = "example")
+PRIVACY_BUDGET = "privacy budget"
 REFUSED = "refused"  # the instruction was unsafe or malformed (e.g. a name that is no path)
 
 NUM_EXAMPLES = "num-examples"

@@ -10,16 +10,48 @@ block's clipped deltas (that is, ``multiplier x clip / n`` to their mean).
 
 Noise is drawn from a seeded CPU generator in float64 and cast to each tensor's dtype, so a run
 is reproducible; the seeds are the server's (central) or the node's own (local).
+
+:func:`epsilon` is the one accountant both sides read: the server for user-level DP, each node
+for its own example-level DP (``dp = "example"``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
+import dp_accounting
 import torch
+from dp_accounting.rdp import RdpAccountant
 
 Tensors = dict[str, torch.Tensor]
+
+# Integer orders: the RDP of a subsampled Gaussian is exact and fast there (fractional orders
+# need a series that may not converge), and they cover epsilons from ~0.1 to hundreds.
+RDP_ORDERS: tuple[float, ...] = tuple(
+    float(a) for a in (*range(2, 64), 80, 96, 128, 192, 256, 512))
+
+
+def epsilon(rounds: Iterable[tuple[float, int]], noise_multiplier: float, delta: float) -> float:
+    """Epsilon at ``delta`` after ``rounds``: ``(sampling rate, count)`` pairs of Gaussian
+    rounds with ``noise_multiplier`` (``inf`` when the multiplier is 0: no privacy)."""
+    return epsilon_of([(rate, noise_multiplier, count) for rate, count in rounds], delta)
+
+
+def epsilon_of(events: Iterable[tuple[float, float, int]], delta: float) -> float:
+    """Epsilon at ``delta`` after ``events``: ``(sampling rate, noise multiplier, count)``,
+    each ``count`` Poisson-subsampled Gaussian mechanisms (rate 1: not subsampled); ``inf``
+    when one with a count has multiplier 0 (no privacy)."""
+    accountant = RdpAccountant(orders=list(RDP_ORDERS))
+    for rate, multiplier, count in events:
+        if count <= 0 or rate <= 0:
+            continue
+        if multiplier <= 0:
+            return math.inf
+        gaussian = dp_accounting.GaussianDpEvent(multiplier)
+        event = gaussian if rate >= 1 else dp_accounting.PoissonSampledDpEvent(rate, gaussian)
+        accountant.compose(event, int(count))
+    return float(accountant.get_epsilon(delta))
 
 
 @torch.no_grad()

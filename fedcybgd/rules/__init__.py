@@ -25,6 +25,7 @@ Nothing in this package imports torch or the client package.
 
 from fedcybgd.core.fields import setting
 from fedcybgd.rules.contract import (
+    ExampleDp,
     MemoryEstimate,
     MemoryNeeds,
     TrainOutcome,
@@ -50,6 +51,7 @@ from fedcybgd.rules.registry import (
 )
 
 __all__ = [
+    "ExampleDp",
     "MemoryEstimate",
     "MemoryNeeds",
     "NoOptions",

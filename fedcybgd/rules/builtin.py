@@ -80,7 +80,7 @@ def _with_gradients(needs: MemoryNeeds, kept_mb: float) -> float:
     return needs.optimizer_mb - needs.block_mb + max(needs.block_mb, kept_mb)
 
 
-declare_rule("fo", options=FoOptions, memory=first_order_memory,
+declare_rule("fo", options=FoOptions, memory=first_order_memory, example_dp=True,
              implementation=f"{UPDATES}.fo:FirstOrder")
 
 

@@ -50,6 +50,10 @@ class TrainTask:
         checks them with at start, :mod:`fedcybgd.rules.options`).
     state_dir : Path
         A folder the rule may keep state in across rounds (e.g. a local head).
+    privacy : ExampleDp or None
+        Example-level differential privacy (``dp = "example"``): each step's batch is a
+        Poisson sample of the node's examples, and the rule must bound every example's
+        contribution to a step and add the noise (rules declared ``example_dp=True``).
     """
 
     model: nn.Module
@@ -63,6 +67,32 @@ class TrainTask:
     seed: int
     options: dict[str, Any] = field(default_factory=dict)
     state_dir: Path | None = None
+    privacy: ExampleDp | None = None
+
+
+@dataclass(frozen=True)
+class ExampleDp:
+    """DP-SGD's settings for one client-round (``dp = "example"``).
+
+    Attributes
+    ----------
+    clip : float
+        ``dp-clip-norm``: the bound of one example's contribution to a step (the L2 norm of
+        its gradient for ``fo``; the size of its projected-gradient scalar for ``lezo`` /
+        ``mezo``).
+    noise_multiplier : float
+        The noise's standard deviation over ``clip``, added once per step to the sum.
+    expected_batch : float
+        The sampled batch's expected size (``batch-size``): the sum is divided by it, not by
+        the drawn size, which would itself depend on the data.
+    seed : int
+        Seeds the noise (the node's own randomness: see the client).
+    """
+
+    clip: float
+    noise_multiplier: float
+    expected_batch: float
+    seed: int
 
 
 @dataclass

@@ -68,6 +68,10 @@ class RuleSpec:
         :class:`~fedcybgd.rules.contract.MemoryNeeds`.
     step_log : bool
         Whether ``train`` returns a step log (``TrainOutcome.step_log``) the server can replay.
+    example_dp : bool
+        Whether ``train`` honours ``TrainTask.privacy`` (example-level DP: every example's
+        contribution to a step clipped, the step noised); ``dp = "example"`` runs only such
+        rules.
     implementation : callable or str
         A zero-argument class or factory making an :class:`~fedcybgd.rules.contract.UpdateRule`,
         or ``"module:attr"`` naming one (imported by the client only).
@@ -78,6 +82,7 @@ class RuleSpec:
     memory: MemoryEstimate
     step_log: bool
     implementation: Callable[[], UpdateRule] | str
+    example_dp: bool = False
 
     @property
     def source(self) -> str:
@@ -118,6 +123,7 @@ def declare_rule(
     memory: MemoryEstimate,
     implementation: Callable[[], UpdateRule] | str,
     step_log: bool = False,
+    example_dp: bool = False,
 ) -> RuleSpec:
     """Add a rule to the registry; returns its spec.
 
@@ -148,7 +154,7 @@ def declare_rule(
         raise ValueError(f"update rule {name!r}: implementation must be callable")
     for key, setting_ in option_keys(options).items():
         _check_same(name, key, setting_)
-    spec = RuleSpec(name, options, memory, bool(step_log), implementation)
+    spec = RuleSpec(name, options, memory, bool(step_log), implementation, bool(example_dp))
     _changed()
     _SPECS[name] = spec
     return spec
@@ -175,6 +181,7 @@ def register_rule(
     options: type[Any] | None = None,
     memory: MemoryEstimate,
     step_log: bool = False,
+    example_dp: bool = False,
 ) -> Callable[[T], T]:
     """Class decorator: register the decorated class (or factory) as update rule ``name``.
 
@@ -188,6 +195,8 @@ def register_rule(
         Its memory estimate (see :class:`RuleSpec`); required, so budgets hold for every rule.
     step_log : bool
         Whether ``train`` returns a replayable step log.
+    example_dp : bool
+        Whether ``train`` honours ``TrainTask.privacy`` (see :class:`RuleSpec`).
 
     Raises
     ------
@@ -197,7 +206,8 @@ def register_rule(
 
     def add(implementation: T) -> T:
         declare_rule(name, options=options, memory=memory,
-                     implementation=implementation, step_log=step_log)  # type: ignore[arg-type]
+                     implementation=implementation, step_log=step_log,  # type: ignore[arg-type]
+                     example_dp=example_dp)
         return implementation
 
     return add

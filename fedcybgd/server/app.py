@@ -265,9 +265,18 @@ def run_server(
 
 
 def privacy_summary(run: RunConfig, strategy: FedCyBGD) -> dict[str, Any]:
-    """What user-level DP spent (empty with ``dp = "off"``): the summary's ``dp_*`` keys and the
-    final model's ``privacy.json``."""
+    """What DP spent (empty with ``dp = "off"``): the summary's ``dp_*`` keys and the final
+    model's ``privacy.json``. For ``dp = "example"`` the figure is the largest epsilon a node
+    reported for this run (each node keeps and enforces its own account)."""
     ledger = strategy.privacy
+    if run.dp == "example":
+        return {"dp": run.dp, "dp_epsilon": strategy.example_epsilon, "dp_delta": run.dp_delta,
+                "dp_clip_norm": run.dp_clip_norm,
+                "dp_noise_multiplier": run.dp_noise_multiplier,
+                "dp_target_epsilon": run.dp_target_epsilon, "dp_stop": strategy.privacy_stop,
+                "dp_accounting": "per node: RDP, Poisson-subsampled Gaussian per local step "
+                                 "(DP-SGD), as reported by the nodes; each node declines a "
+                                 "round beyond dp-target-epsilon or its own max-dp-epsilon"}
     if ledger is None:
         return {}
     return {"dp": run.dp, "dp_epsilon": ledger.spent(), "dp_delta": ledger.delta,

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ from flwr.serverapp.strategy import Strategy
 from fedcybgd.config import RunConfig
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
-from fedcybgd.protocol import SEEDLOG, zeroth_order
+from fedcybgd.protocol import PRIVACY_BUDGET, SEEDLOG, zeroth_order
 from fedcybgd.protocol.message_size import message_bytes
 from fedcybgd.protocol.prior import ClassPriorSpec, with_class_prior
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
@@ -202,16 +203,19 @@ class FedCyBGD(Strategy):
         self.seed, self.lineage, self.base_hash = seed, lineage, base_hash
         self.node_wait_s, self.return_arrays = node_wait_s, return_arrays
         self.local_steps, self.client_lr = local_steps, client_lr
-        if dp not in ("off", "central", "local"):
-            raise ValueError(f"dp must be 'off', 'central' or 'local', got {dp!r}")
+        if dp not in ("off", "central", "local", "example"):
+            raise ValueError(f"dp must be 'off', 'central', 'local' or 'example', got {dp!r}")
         self.dp = dp
         # User-level DP (strategies.privacy): the server clips every upload again (central)
         # and merges a block's clipped deltas as an unweighted mean, plus noise (central).
-        self.privacy = (None if dp == "off" else
-                        PrivacyLedger(dp, dp_noise_multiplier, dp_delta, dp_target_epsilon))
+        # Example-level DP is each node's own (DP-SGD, its own ledger and budget): the server
+        # only reports the largest epsilon a node says it has spent in this run.
+        self.privacy = (PrivacyLedger(dp, dp_noise_multiplier, dp_delta, dp_target_epsilon)
+                        if dp in ("central", "local") else None)
+        self.example_epsilon = 0.0  # dp = "example": the largest a node has reported
         self.privacy_stop: str | None = None  # why the budget ended the run, once it has
         self._dp_round: tuple[float, list[str]] = (0.0, [])
-        if dp != "off":
+        if self.privacy is not None:
             aggregate = DpMean(dp_noise_multiplier * dp_clip_norm if dp == "central" else 0.0,
                                seed)
             if dp == "central":
@@ -378,9 +382,21 @@ class FedCyBGD(Strategy):
         """One message per sampled node: its block, rule, seed and download."""
         if len(arrays) and (self.round is None or arrays is not self.round.returned):
             self.blocks.load_weights(arrays.to_torch_state_dict())  # e.g. Strategy.start's
-        nodes = self.sampler.sample(grid, server_round, count=self.clients_per_round,
-                                    per_block=self.clients_per_block,
-                                    excluded=self.nodes.excluded, wait_s=self.node_wait_s)
+        try:
+            nodes = self.sampler.sample(grid, server_round, count=self.clients_per_round,
+                                        per_block=self.clients_per_block,
+                                        excluded=self.nodes.excluded, wait_s=self.node_wait_s)
+        except RuntimeError as short:
+            spent = [n for n, why in self.nodes.excluded.items()
+                     if why.startswith(PRIVACY_BUDGET)]
+            if self.dp != "example" or not spent:
+                raise
+            # dp = "example": the nodes that declined on their own budgets are what is missing
+            self.privacy_stop = (f"{short}: {len(spent)} node(s) declined, their example-level "
+                                 f"privacy budget spent")
+            log.warning("privacy budget: %s; no more rounds", self.privacy_stop)
+            self.round = RoundInFlight(RoundRecord.training(server_round, self.update_rule), [])
+            return []
         if self.class_prior is not None:  # after sampling: the new nodes' counts are known
             config = with_class_prior(config, self.class_prior, self.classes,
                                       self.sampler.keys.class_counts)
@@ -475,6 +491,11 @@ class FedCyBGD(Strategy):
         if self.privacy is not None and live.sent:
             rate, dp_nodes = self._dp_round
             record.extra["dp_epsilon"] = self.privacy.record(rate, dp_nodes)
+        elif self.dp == "example":
+            reported = [got.metrics.get("dp_epsilon", math.nan) for _, (_, got, _) in arrived]
+            self.example_epsilon = max([self.example_epsilon,
+                                        *(e for e in reported if math.isfinite(e))])
+            record.extra["dp_epsilon"] = self.example_epsilon
         self.history.append(record)
         if not record.accepted or not self.return_arrays:
             return None, record.to_metric_record()
@@ -530,8 +551,8 @@ class FedCyBGD(Strategy):
                 "server_steps": self.step.state(),
                 "traffic_seen": {} if self.budget is None else {
                     c: list(r) for c, r in self.budget.seen.items()},
-                "privacy": {} if self.privacy is None else {
-                    **self.privacy.state(), "merges": getattr(self.aggregate, "merges", 0)}}
+                "privacy": {"example_epsilon": self.example_epsilon} if self.privacy is None
+                else {**self.privacy.state(), "merges": getattr(self.aggregate, "merges", 0)}}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state`'s output (weights must be restored by the caller)."""
@@ -547,6 +568,7 @@ class FedCyBGD(Strategy):
         if self.budget is not None:
             self.budget.seen = {str(c): [float(x) for x in r]
                                 for c, r in state.get("traffic_seen", {}).items()}
+        self.example_epsilon = float(state.get("privacy", {}).get("example_epsilon", 0.0))
         if self.privacy is not None:
             privacy = state.get("privacy", {})
             self.privacy.load_state(privacy)

@@ -20,36 +20,14 @@ completion would take the epsilon above the target is not started.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import dp_accounting
 import torch
-from dp_accounting.rdp import RdpAccountant
 
-from fedcybgd.protocol.dp import add_noise
-
-# Integer orders: the RDP of a subsampled Gaussian is exact and fast there (fractional orders
-# need a series that may not converge), and they cover epsilons from ~0.1 to hundreds.
-ORDERS: tuple[float, ...] = tuple(float(a) for a in (*range(2, 64), 80, 96, 128, 192, 256, 512))
-
-
-def epsilon(rounds: Iterable[tuple[float, int]], noise_multiplier: float, delta: float) -> float:
-    """Epsilon at ``delta`` after ``rounds``: ``(sampling rate, count)`` pairs of Gaussian
-    rounds with ``noise_multiplier`` (``inf`` when the multiplier is 0: no privacy)."""
-    if noise_multiplier <= 0:
-        return math.inf
-    accountant = RdpAccountant(orders=list(ORDERS))
-    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
-    for rate, count in rounds:
-        if count <= 0 or rate <= 0:
-            continue
-        event = gaussian if rate >= 1 else dp_accounting.PoissonSampledDpEvent(rate, gaussian)
-        accountant.compose(event, int(count))
-    return float(accountant.get_epsilon(delta))
+from fedcybgd.protocol.dp import add_noise, epsilon
 
 
 @dataclass

@@ -263,6 +263,47 @@ class BatchIterator(Iterator[Batch]):
         return collate(self.encoder([self._items[r] for r in rows]), self._log_prior, self.task)
 
 
+class PoissonBatches(Iterator[Batch]):
+    """Training batches for example-level DP (DP-SGD): every step takes each row of the frame
+    independently with probability ``rate = min(1, batch_size / rows)``.
+
+    This is the sampling the accounting assumes (Poisson subsampling), so the batch's size
+    varies from step to step and may be 0 (an empty :class:`Batch`: the step is noise alone);
+    there is no class balancing and no logit adjustment (both would make one example's
+    gradient depend on the others). The draws come from a generator seeded with
+    ``[seed, step]``; the node passes its own secret seed, since amplification by sampling
+    holds only while the sample stays hidden.
+    """
+
+    def __init__(self, frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase,
+                 batch_size: int, max_seq_len: int, seed: int, task: Task | None = None) -> None:
+        if len(frame) == 0:
+            raise ValueError("cannot draw batches from an empty frame")
+        if batch_size < 1:
+            raise ValueError(f"batch-size must be >= 1, got {batch_size}")
+        self.task = _task_of(task)
+        self._items: list[Any] = self.task.examples(frame)
+        self.encoder = self.task.encoder(tokenizer, max_seq_len)
+        self.rate = min(1.0, batch_size / len(self._items))
+        self._seed = seed
+        self.step = 0
+
+    def __next__(self) -> Batch:
+        rng = np.random.default_rng([self._seed, self.step])
+        rows = np.flatnonzero(rng.random(len(self._items)) < self.rate)
+        self.step += 1
+        if len(rows) == 0:
+            return empty_batch(self.task)
+        return collate(self.encoder([self._items[r] for r in rows]), None, self.task)
+
+
+def empty_batch(task: Any = None) -> Batch:
+    """A batch of no rows (a Poisson-sampled step that drew none)."""
+    none = torch.zeros(0, dtype=torch.long)
+    return Batch(torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.long),
+                 none, none, none, none, None, None, None, task)
+
+
 def local_log_prior(labels: list[int], classes: int) -> torch.Tensor:
     """``[C]`` ``log(C * p_c)`` of ``labels``' shares, ``p_c = (n_c + 1) / (n + C)``: zeros
     for balanced labels."""
