@@ -408,8 +408,6 @@ class RunConfig:
                  and self.task_kind == "classification",
                  "class-prior = 'global': each node would state its class counts in the "
                  "clear; use 'uniform' or explicit shares"),
-                (self.upload_codec == "seedlog", "upload-codec = 'seedlog': the step log is "
-                                                 "not what DP-SGD noised; upload weights"),
             ]
         for wrong, why in problems:
             if wrong:

@@ -184,6 +184,6 @@ def zeroth_order_memory(needs: MemoryNeeds) -> float:
 
 
 declare_rule("lezo", options=LezoOptions, memory=zeroth_order_memory, step_log=True,
-             implementation=f"{UPDATES}.lezo:LeZO")
+             example_dp=True, implementation=f"{UPDATES}.lezo:LeZO")
 declare_rule("mezo", options=MezoOptions, memory=zeroth_order_memory, step_log=True,
-             implementation=f"{UPDATES}.lezo:MeZO")
+             example_dp=True, implementation=f"{UPDATES}.lezo:MeZO")

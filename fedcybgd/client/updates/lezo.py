@@ -47,6 +47,14 @@ rules are declared with ``step_log=True``) and kept in ``rule.last_log``, and
 Options (``task.options``, run-config keys, declared in :mod:`fedcybgd.rules.builtin`):
 ``zo-eps`` (1e-3), ``lezo-density`` (0.25; ``mezo`` ignores it). Weight decay is the run's
 ``weight-decay``.
+
+Example-level DP (``task.privacy``, ``dp = "example"``): the zeroth-order analogue of DP-SGD.
+Each row of the Poisson-sampled batch is scored alone at ``+eps z`` and ``-eps z``; its
+projected gradient ``(L+ - L-) / (2 eps)`` is clipped to ``[-dp-clip-norm, dp-clip-norm]``, the
+clipped values are summed, Gaussian noise of ``dp-noise-multiplier x dp-clip-norm`` (from the
+node's own generator) is added, and the sum is divided by the expected batch. The update is
+that scalar times ``z``, so the step log, which holds the scalar, is the private release: the
+server replays it exactly, and what it learns is what DP-SGD released.
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ from fedcybgd.core.checksum import content_checksum
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import Hidden, LayerStack
 from fedcybgd.protocol import seedlog, zeroth_order
-from fedcybgd.rules import TrainOutcome, TrainTask
+from fedcybgd.rules import ExampleDp, TrainOutcome, TrainTask
 from fedcybgd.rules.builtin import LezoOptions, MezoOptions
 from fedcybgd.tasks.objective import batch_loss, scored_logits
 
@@ -294,6 +302,7 @@ class ZerothOrder:
 
     def __init__(self) -> None:
         self.last_log: zeroth_order.SeedLog | None = None
+        self._generator: torch.Generator | None = None
 
     def train(self, task: TrainTask) -> TrainOutcome:
         """Run ``task.steps`` zeroth-order steps on ``task.block``; returns the step log in the
@@ -366,21 +375,29 @@ class ZerothOrder:
     ) -> tuple[zeroth_order.SeedStep, float] | None:
         """One step; ``None`` when skipped. The weights are restored whatever happens."""
         stack = task.stack
+        private = task.privacy
         clock = time.perf_counter()
-        prefix = None
-        # Everything below the lowest perturbed layer is the same in both forwards.
+        # Everything below the lowest perturbed layer is the same in both forwards. Under
+        # example-level DP each row is scored alone (its own prefix), so each row's
+        # projected gradient can be clipped.
         start = max(lowest, 0) if block.unit_layers is None else block.unit_layers[chosen[0]]
-        if lowest >= 0:
-            prefix = stack.run(stack.embed(batch.input_ids, batch.attention_mask), 0, start)
+        parts = [batch] if private is None else [batch.row(i) for i in range(len(batch))]
+        prefixes = [stack.run(stack.embed(b.input_ids, b.attention_mask), 0, start)
+                    if lowest >= 0 else None for b in parts]
         times["prefix_s"] += time.perf_counter() - clock
+
+        def measure() -> list[float]:
+            clock = time.perf_counter()
+            out = [perturbed_loss(stack, b, p, start) for b, p in zip(parts, prefixes,
+                                                                      strict=True)]
+            times["zo_forward_s"] += time.perf_counter() - clock
+            return out
 
         clock = time.perf_counter()
         block.plus(seed, chosen, opts.eps)
         times["perturb_s"] += time.perf_counter() - clock
         try:
-            clock = time.perf_counter()
-            loss_plus = perturbed_loss(stack, batch, prefix, start)
-            times["zo_forward_s"] += time.perf_counter() - clock
+            plus = measure()
         except BaseException:
             block.unplus(seed, chosen, opts.eps)
             raise
@@ -389,19 +406,47 @@ class ZerothOrder:
         times["perturb_s"] += time.perf_counter() - clock
         update = None
         try:
-            clock = time.perf_counter()
-            loss_minus = perturbed_loss(stack, batch, prefix, start)
-            times["zo_forward_s"] += time.perf_counter() - clock
-            g = zeroth_order.to_f32((loss_plus - loss_minus) / (2 * opts.eps))
-            if math.isfinite(loss_plus) and math.isfinite(loss_minus) and math.isfinite(g):
-                update = (g, opts.lr, opts.weight_decay)
+            minus = measure()
+            if private is None:
+                loss = (plus[0] + minus[0]) / 2
+                g = zeroth_order.to_f32((plus[0] - minus[0]) / (2 * opts.eps))
+                if math.isfinite(plus[0]) and math.isfinite(minus[0]) and math.isfinite(g):
+                    update = (g, opts.lr, opts.weight_decay)
+            else:
+                g, loss = private_projection(plus, minus, opts.eps, private, self._noise(private))
+                update = (zeroth_order.to_f32(g), opts.lr, opts.weight_decay)
         finally:
             clock = time.perf_counter()
             block.finish(seed, chosen, opts.eps, update)
             times["perturb_s"] += time.perf_counter() - clock
         if update is None:
             return None
-        return zeroth_order.SeedStep(seed, chosen, update[0], opts.lr), (loss_plus + loss_minus) / 2
+        return zeroth_order.SeedStep(seed, chosen, update[0], opts.lr), loss
+
+    def _noise(self, privacy: ExampleDp) -> torch.Generator:
+        """The node's own generator of the steps' noise (seeded once per round)."""
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(privacy.seed)
+        return self._generator
+
+
+def private_projection(plus: list[float], minus: list[float], eps: float, privacy: ExampleDp,
+                       generator: torch.Generator) -> tuple[float, float]:
+    """The zeroth-order analogue of DP-SGD: each row's projected gradient
+    ``(L+ - L-) / (2 eps)`` clipped to ``[-clip, clip]`` (a row whose losses are not finite
+    gives 0), summed, plus Gaussian noise of ``noise_multiplier x clip``, divided by the
+    expected batch. Returns that scalar (what the step log releases) and the mean loss of the
+    finite rows (NaN when none)."""
+    total, losses = 0.0, []
+    for lp, lm in zip(plus, minus, strict=True):
+        g = (lp - lm) / (2 * eps)
+        if math.isfinite(lp) and math.isfinite(lm) and math.isfinite(g):
+            total += max(-privacy.clip, min(privacy.clip, g))
+            losses.append((lp + lm) / 2)
+    noise = float(torch.randn((), generator=generator, dtype=torch.float64))
+    total += noise * privacy.noise_multiplier * privacy.clip
+    loss = sum(losses) / len(losses) if losses else math.nan
+    return total / privacy.expected_batch, loss
 
 
 class LeZO(ZerothOrder):
