@@ -154,7 +154,13 @@ def _dp_run(tiny_run_config, tmp_path, **overrides):
                                       "num-server-rounds": 4, "eval-every": 0, **overrides})
     grid = LoopbackGrid(client_app, 8, config,
                         node_config=lambda i: {"cache-dir": str(tmp_path / f"cache-{i}")})
-    summary = run_server(grid, RunConfig.from_run_config(config), node_wait_s=5)
+    run = RunConfig.from_run_config(config)
+    if run.strategy == "fedavg":
+        from fedcybgd.server.baselines import run_fedavg
+
+        summary = run_fedavg(grid, run)
+    else:
+        summary = run_server(grid, run, node_wait_s=5)
     out = Path(config["output-dir"])
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return summary, rows, out
@@ -228,7 +234,7 @@ def test_local_dp_noise_comes_from_the_node_not_the_server():
     ({"aggregate": "median"}, "use 'mean'"),
     ({"upload-codec": "seedlog", "download-codec": "fp32"}, "not a clipped delta"),
     ({"dp-noise-multiplier": 0.0}, "adds no noise"),
-    ({"strategy": "fedavg"}, "Flower's DP wrappers"),
+    ({"strategy": "fedavg", "dp": "local"}, "only dp = 'central'"),
 ])
 def test_dp_settings_that_would_not_be_private_are_refused_at_start(overrides, fragment):
     from fedcybgd.config import ConfigError, RunConfig
@@ -276,3 +282,31 @@ def test_dp_through_flwr_run_as_the_docs_show(tmp_path):
         [epsilon([(0.5, k)], 1.0, 1e-5) for k in (1, 2)])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dp"] == "central" and summary["run_config"]["dp-target-epsilon"] == 8.0
+
+
+def test_fedavg_runs_under_flowers_dp_wrapper_and_stops_at_its_budget(tiny_run_config,
+                                                                      tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fedcybgd.model.loading import load_model
+
+    # Prepare: FedAvg over the whole model, 4 of 8 nodes a round, a clip far below the
+    # nodes' updates, a budget two rounds fit in and three do not
+    two, three = (epsilon([(0.5, k)], 1.0, 1e-5) for k in (2, 3))
+    summary, rows, out = _dp_run(tiny_run_config, tmp_path, **{
+        "strategy": "fedavg", "dp": "central", "dp-clip-norm": 1e-3,
+        "dp-noise-multiplier": 1.0, "dp-target-epsilon": (two + three) / 2})
+    # Assert: two rounds ran and were accounted
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert summary["rounds"] == 2 and summary["dp_epsilon"] == pytest.approx(two)
+    assert "DifferentialPrivacyServerSideFixedClipping" in summary["dp_accounting"]
+    # ... and Flower's wrapper bounded the model's move: two averages of clipped updates plus
+    # noise of 1 x 1e-3 / 4 a coordinate and round
+    start = {k: v.detach() for k, v in load_model("tiny-llama").named_parameters()}
+    final = {k: v.detach() for k, v in
+             AutoModelForCausalLM.from_pretrained(out / "final").named_parameters()}
+    moved = math.sqrt(sum(float((final[k].double() - start[k].double()).pow(2).sum())
+                          for k in start))
+    size = sum(v.numel() for v in start.values())
+    noise = math.sqrt(2 * size) * 1e-3 / 4
+    assert moved == pytest.approx(noise, rel=0.1)  # the clipped updates are tiny beside it

@@ -16,13 +16,18 @@ import math
 import random
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyServerSideFixedClipping,
+    FedAvg,
+    Strategy,
+)
 
 from fedcybgd.baselines import (
     ARRAYS,
@@ -33,8 +38,9 @@ from fedcybgd.baselines import (
     from_record,
     to_record,
 )
-from fedcybgd.config import RunConfig
+from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.loading import load_tokenizer
+from fedcybgd.protocol.dp import epsilon
 from fedcybgd.protocol.message_size import message_bytes
 from fedcybgd.protocol.prior import ClassPriorSpec, with_class_prior
 from fedcybgd.server.common import (
@@ -194,6 +200,54 @@ class CheckedFedAvg(FedAvg):
         return super().aggregate_train(server_round, kept)
 
 
+@dataclass(frozen=True)
+class FedAvgPrivacy:
+    """Central user-level DP for a FedAvg baseline, accounted as FedCyBGD's ``central`` mode:
+    each round a Poisson-subsampled Gaussian at ``q = clients-per-round / nodes``, composed
+    under RDP (:func:`fedcybgd.protocol.dp.epsilon`). A ``dp-target-epsilon`` caps the rounds
+    up front: the run trains only as many as fit."""
+
+    rate: float
+    noise_multiplier: float
+    delta: float
+    target: float
+
+    @classmethod
+    def of(cls, run: RunConfig, population: int) -> FedAvgPrivacy | None:
+        """The run's DP (``None`` with ``dp = "off"``).
+
+        Raises
+        ------
+        ConfigError
+            ``dp`` is a mode Flower's server-side wrapper does not give (local, example).
+        """
+        if run.dp == "off":
+            return None
+        if run.dp != "central":
+            raise ConfigError(f"dp = {run.dp!r}: the FedAvg baselines run under Flower's "
+                              "server-side DP wrapper, so only dp = 'central'")
+        return cls(min(1.0, run.clients_per_round / max(population, 1)),
+                   run.dp_noise_multiplier, run.dp_delta, run.dp_target_epsilon)
+
+    def spent(self, rounds: int) -> float:
+        """Epsilon after ``rounds`` rounds."""
+        return epsilon([(self.rate, rounds)], self.noise_multiplier, self.delta) if rounds else 0.0
+
+    def rounds_within(self, wanted: int) -> int:
+        """The most rounds, up to ``wanted``, whose epsilon fits the target (all without one)."""
+        rounds = wanted
+        while self.target and rounds and self.spent(rounds) > self.target:
+            rounds -= 1
+        return rounds
+
+    def summary(self, rounds: int) -> dict[str, Any]:
+        """The summary's ``dp_*`` keys."""
+        return {"dp": "central", "dp_epsilon": self.spent(rounds), "dp_delta": self.delta,
+                "dp_noise_multiplier": self.noise_multiplier, "dp_target_epsilon": self.target,
+                "dp_accounting": "Flower's DifferentialPrivacyServerSideFixedClipping; RDP, "
+                                 f"Poisson-subsampled Gaussian per round at q = {self.rate:.3g}"}
+
+
 def payload_bytes(record: ArrayRecord) -> int:
     """Bytes of the arrays in ``record`` as Flower carries them."""
     return sum(len(array.data) for array in record.values())
@@ -260,7 +314,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     out = resolve_output_dir(run.output_dir)
     # FedAvg keeps no checkpoint: resume = true is refused over earlier outputs.
     prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)
-    require_nodes(grid, run.clients_per_round, 120.0)
+    population = require_nodes(grid, run.clients_per_round, 120.0)
     server = build_baseline(run)
     for p in server.model.parameters():
         p.requires_grad_(False)
@@ -280,6 +334,10 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         class_prior=prior,
         classes=classes,
     )
+    # With DP the budget may allow fewer rounds than asked (FedAvgPrivacy.rounds_within)
+    privacy = FedAvgPrivacy.of(run, population)
+    rounds = run.num_server_rounds if privacy is None else privacy.rounds_within(
+        run.num_server_rounds)
     marks: dict[str, float] = {"round_start": 0.0}
     # A run in which no round averaged a single update fails (fedcybgd.server.verdict); the
     # watch keeps each round's replies so the failure can name the clients' error.
@@ -293,7 +351,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
                   else RoundRecord(0))
         if server_round > 0:
             verdict.after_round(server_round, watch.take_round(), bool(record.clients))
-        is_last = server_round == run.num_server_rounds
+        is_last = server_round == rounds  # the rounds that run (a DP budget may cut them)
         if server_round == 0 or is_last or (
             run.eval_every and server_round % run.eval_every == 0
         ):
@@ -310,19 +368,24 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         row = record.to_json()
         writer.write(row)
         if server_round > 0:
-            print_progress(row, run.num_server_rounds)
+            print_progress(row, rounds)
         marks["round_start"] = now
         if record.eval_loss is None:
             return None
         return MetricRecord({"eval_loss": record.eval_loss,
                              "eval_accuracy": record.eval_accuracy})  # type: ignore[dict-item]
 
-    strategy.start(watch, to_record(initial),
-                   num_rounds=run.num_server_rounds, timeout=run.round_timeout,
-                   train_config=ConfigRecord(), evaluate_fn=evaluate_fn)
+    driver: Strategy = strategy
+    if privacy is not None:
+        # Flower's own central-DP wrapper: each update clipped to dp-clip-norm around the
+        # global model, Gaussian noise of multiplier x clip / n on the average
+        driver = DifferentialPrivacyServerSideFixedClipping(
+            strategy, run.dp_noise_multiplier, run.dp_clip_norm, run.clients_per_round)
+    driver.start(watch, to_record(initial), num_rounds=rounds, timeout=run.round_timeout,
+                 train_config=ConfigRecord(), evaluate_fn=evaluate_fn)
 
     totals = run_totals(writer.records)
-    failure = verdict.at_end(run.num_server_rounds, totals["dropped"])
+    failure = verdict.at_end(rounds, totals["dropped"])
     if failure is not None:
         failure = failure.replace("no block was installed", "no update was averaged", 1)
         remove_final(out / "final")  # the untouched base model is not a run's result
@@ -333,8 +396,9 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         "model": run.model,
         "strategy": "fedavg",
         "update_rule": f"fedavg-{run.fedavg_params}",
-        "rounds": run.num_server_rounds,
+        "rounds": rounds,
         **totals,
+        **(privacy.summary(rounds) if privacy is not None else {}),
         "wall_s": time.perf_counter() - started,
         "exchanged_params": sum(v.numel() for v in initial.values()),
         "final_samples": last_samples,  # a generative task's answers, else []
