@@ -206,8 +206,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("config",),  # the typed run and node config: the edge every setting enters by
     ("tasks", "strategies", "baselines"),  # tasks; the server's strategy; FedAvg baselines
     ("client", "server"),  # the two apps
-    ("cli",),  # the operator's command line
     ("harness", "deploy"),  # test and experiment rigs, deployments
+    ("cli",),  # the operator's command line, over all of it
 )
 
 

@@ -1,17 +1,21 @@
 """``fedcybgd``: the app's command line, in the style of Flower's ``flwr``.
 
     fedcybgd run [APP] [SUPERLINK] [--run-config ...] [--federation-config ...]
+    fedcybgd node --superlink HOST:PORT --root-certificates CA --auth-key KEY [...]
     fedcybgd config-docs [PATH] [--check]
 
 ``run`` wraps ``flwr run APP SUPERLINK --stream`` and, unlike it, exits non-zero when the run
 did not finish ``finished:completed`` (see :mod:`fedcybgd.cli.launch`). ``config-docs`` writes
 the configuration reference's tables from the typed fields (see :mod:`fedcybgd.cli.reference`).
+``node`` checks a node's files and settings and runs it as a SuperNode (see
+:mod:`fedcybgd.cli.node`).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from fedcybgd.cli import node
 from fedcybgd.cli.launch import EXIT_CODES, Launch, launch
 
 
@@ -53,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-on-interrupt", action="store_true",
                      help="On Ctrl-C, stop the submitted run too (`flwr stop`); without it "
                           "the run goes on, as with `flwr run`.")
+    node.add_parser(commands)
     docs = commands.add_parser(
         "config-docs",
         help="Write the configuration reference's key tables from the typed fields.",
@@ -75,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "config-docs":
         return _config_docs(args.path, args.check)
+    if args.command == "node":
+        return node.run(args)
     if args.command != "run":
         parser.error(f"unknown command {args.command!r}")
     return launch(Launch(app=args.app, superlink=args.superlink, run_config=args.run_config,

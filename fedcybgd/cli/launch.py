@@ -4,7 +4,7 @@
 or its ServerApp raised. This launcher runs it, prints its output as it comes (and saves it),
 then asks the SuperLink for the run's final status (``flwr ls SUPERLINK --run-id ID --format
 json``) and exits with :data:`EXIT_CODES`'s status. A failed run prints the line that says why
-(:func:`fedcybgd.cli.diagnose.failure_line`); a run the SuperLink refused to start prints the
+(:func:`fedcybgd.deploy.diagnose.failure_line`); a run the SuperLink refused to start prints the
 SuperLink's reason and, for a misspelt run-config key, the closest key the app has.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import click
 from flwr.common.config import parse_config_args
 
-from fedcybgd.cli.diagnose import (
+from fedcybgd.deploy.diagnose import (
     app_config_keys,
     failure_line,
     flower_home,

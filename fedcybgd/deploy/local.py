@@ -40,7 +40,6 @@ from typing import IO, Any, TextIO
 
 import psutil
 
-from fedcybgd.cli.diagnose import failure_line
 from fedcybgd.deploy import certs
 from fedcybgd.deploy.commands import (
     ServerTls,
@@ -53,6 +52,7 @@ from fedcybgd.deploy.commands import (
     supernode_command,
 )
 from fedcybgd.deploy.control import Control, DeployError, healthy
+from fedcybgd.deploy.diagnose import failure_line
 
 PROJECT = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT_DIR = PROJECT / "outputs" / "deploy-local"

@@ -1,0 +1,240 @@
+"""``fedcybgd node``: join a federation with one command.
+
+It checks what a node needs before starting anything, names what is wrong, prints what it will
+do, and then becomes Flower's ``flower-supernode`` (the same process: signals and the exit
+status are the SuperNode's). Checked, in order:
+
+* the SuperLink address is ``HOST:PORT``;
+* TLS: the CA certificate file exists and holds a PEM certificate; or ``--insecure`` (then no
+  node key, which Flower refuses without TLS);
+* the node's private key (``--auth-key``) exists, is readable only by its owner (like ssh, a
+  key others can read is refused: ``chmod 600``) and is an EC private key (OpenSSH or PEM);
+* the node's own data (``--data``) exists and can be read, if given;
+* the node config these flags make is valid (:class:`fedcybgd.config.NodeConfig`: ranges,
+  names, a device the node has);
+* ``flower-supernode`` is installed.
+
+Every flag can also come from a TOML file (``--config node.toml``: the same names, dashes, no
+leading ``--``); a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import stat
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from fedcybgd.deploy.commands import supernode_command
+
+DEFAULT_PORT = 9094  # the node's own Runtime API port (its SuperExec dials it; local only)
+# flag -> node-config key (the rest are connection settings)
+NODE_KEYS = {"data": "data-path", "memory_budget_mb": "memory-budget-mb", "node_key": "node-key",
+             "cache_dir": "cache-dir", "update_rule": "update-rule", "device": "device",
+             "partition_id": "partition-id", "num_partitions": "num-partitions"}
+
+
+class NodeSetupError(ValueError):
+    """What the node was given cannot work; the message names the flag and the fix."""
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    """The ``node`` subcommand's parser (``commands``: the CLI's subparsers)."""
+    parser = commands.add_parser(
+        "node",
+        help="Join a federation: check this node's files and settings, then run a SuperNode.",
+        description=(
+            "Join a federation as one SuperNode. Checks the SuperLink address, the CA "
+            "certificate, this node's private key (readable by you alone), its data and its "
+            "node config, prints what it will run, then runs Flower's flower-supernode in "
+            "its place. Ask the operator for the address and ca.crt; send them the public "
+            "half of your key (node_key.pub) to register."
+        ),
+        epilog=("example: fedcybgd node --superlink link.example.org:9092 --root-certificates "
+                "~/.fedcybgd/ca.crt --auth-key ~/.fedcybgd/node_key --data my_data.jsonl "
+                "--memory-budget-mb 1500 --node-key site-a"),
+    )
+    parser.add_argument("--config", metavar="FILE", help="A TOML file holding any of these "
+                        "settings (e.g. superlink = \"host:9092\"); flags override it.")
+    parser.add_argument("--superlink", metavar="HOST:PORT",
+                        help="The address the operator gave you (their Fleet gateway).")
+    parser.add_argument("--root-certificates", metavar="CA_CRT",
+                        help="The operator's CA certificate (PEM): the connection uses TLS.")
+    parser.add_argument("--insecure", action="store_true", default=None,
+                        help="No TLS (a test federation on your own machine only).")
+    parser.add_argument("--auth-key", metavar="KEY", help="This node's private key (ECDSA, "
+                        "e.g. ssh-keygen -t ecdsa -b 384 -N '' -f node_key), whose public half "
+                        "the operator registered.")
+    parser.add_argument("--data", metavar="PATH", help="This node's own training data (a file "
+                        "or folder, read here and never sent); default: a partition of the "
+                        "run's dataset.")
+    parser.add_argument("--memory-budget-mb", type=float, metavar="MB",
+                        help="Memory this node may use; it trains with a rule that fits or "
+                             "declines the round.")
+    parser.add_argument("--node-key", metavar="NAME", help="This node's stable name (sampling "
+                        "order and seeds); default: its partition id.")
+    parser.add_argument("--cache-dir", metavar="DIR",
+                        help="Where the node keeps blocks (default: ~/.cache/fedcybgd).")
+    parser.add_argument("--update-rule", metavar="RULE",
+                        help="This node's own rule (default: the run's).")
+    parser.add_argument("--device", metavar="DEVICE",
+                        help="cpu, cuda, cuda:N or mps (default: the run's).")
+    parser.add_argument("--partition-id", type=int, metavar="I",
+                        help="This node's partition of the run's dataset (default 0).")
+    parser.add_argument("--num-partitions", type=int, metavar="N",
+                        help="How many partitions the dataset is cut into (default 1).")
+    parser.add_argument("--port", type=int, metavar="PORT",
+                        help=f"This node's local Runtime API port (default {DEFAULT_PORT}).")
+    parser.add_argument("--dry-run", action="store_true", default=None,
+                        help="Check and print the command, then stop.")
+    return parser
+
+
+def plan(args: argparse.Namespace) -> list[str]:
+    """The ``flower-supernode`` command for ``args`` (a ``--config`` file merged in), after
+    every check above.
+
+    Raises
+    ------
+    NodeSetupError
+        Something given cannot work; the message names it.
+    """
+    settings = _merged(args)
+    superlink = settings.get("superlink")
+    if not superlink:
+        raise NodeSetupError("--superlink is required: the HOST:PORT the operator gave you")
+    if not re.fullmatch(r"[A-Za-z0-9.\-]+:\d{1,5}|\[[0-9A-Fa-f:.]+\]:\d{1,5}", str(superlink)) \
+            or not 0 < int(str(superlink).rsplit(":", 1)[1]) < 65536:
+        raise NodeSetupError(f"--superlink {superlink!r} is not HOST:PORT (e.g. "
+                             "link.example.org:9092)")
+    ca, insecure = settings.get("root_certificates"), bool(settings.get("insecure"))
+    if bool(ca) == insecure:
+        raise NodeSetupError("give either --root-certificates CA_CRT (TLS) or --insecure "
+                             "(no TLS, local tests only)")
+    key = settings.get("auth_key")
+    if key and insecure:
+        raise NodeSetupError("--auth-key needs TLS: Flower refuses node authentication "
+                             "without it; give --root-certificates instead of --insecure")
+    if ca:
+        ca = str(_check_certificate(Path(str(ca)).expanduser()))
+    if key:
+        key = str(_check_private_key(Path(str(key)).expanduser()))
+    values = {NODE_KEYS[flag]: settings[flag] for flag in NODE_KEYS if settings.get(flag)
+              is not None}
+    values.setdefault("partition-id", 0)
+    values.setdefault("num-partitions", 1)
+    if "data-path" in values:
+        data = Path(str(values["data-path"])).expanduser()
+        if not data.exists():
+            raise NodeSetupError(f"--data {data}: no such file or folder")
+        if not os.access(data, os.R_OK):
+            raise NodeSetupError(f"--data {data}: not readable by this user")
+        values["data-path"] = str(data.resolve())
+    if "cache-dir" in values:
+        values["cache-dir"] = str(Path(str(values["cache-dir"])).expanduser().resolve())
+    from fedcybgd.config import ConfigError, NodeConfig  # torch and the rules: only here
+
+    try:
+        NodeConfig.from_node_config(values)
+    except ConfigError as err:
+        raise NodeSetupError(f"node config: {err}") from None
+    port = int(settings.get("port") or DEFAULT_PORT)
+    if not 0 < port < 65536:
+        raise NodeSetupError(f"--port {port} is not a port number")
+    command = supernode_command(superlink=str(superlink), port=port, node_config=values,
+                                root_certificates=ca, auth_private_key=key)
+    executable = _supernode_executable()
+    return [executable, *command[1:]]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check, print the plan, then become ``flower-supernode`` (unless ``--dry-run``)."""
+    try:
+        command = plan(args)
+    except NodeSetupError as err:
+        print(f"fedcybgd node: {err}", file=sys.stderr)
+        return 2
+    print("fedcybgd node: the checks passed; this node will run")
+    print("  " + shlex.join(command))
+    if _merged(args).get("dry_run"):
+        return 0
+    sys.stdout.flush()
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")  # the model and data come from installed packages
+    os.execve(command[0], command, env)
+    return 0  # not reached
+
+
+def _merged(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags over the ``--config`` file's settings."""
+    settings: dict[str, Any] = {}
+    if args.config:
+        path = Path(args.config).expanduser()
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise NodeSetupError(f"--config {path}: {err}") from None
+        known = {a.replace("_", "-") for a in vars(args) if a != "config"}
+        for name, value in raw.items():
+            if name not in known:
+                raise NodeSetupError(f"--config {path}: unknown setting {name!r}; known: "
+                                     f"{sorted(known)}")
+            settings[name.replace("-", "_")] = value
+    settings.update({k: v for k, v in vars(args).items() if v is not None})
+    return settings
+
+
+def _check_certificate(path: Path) -> Path:
+    from cryptography import x509
+
+    if not path.is_file():
+        raise NodeSetupError(f"--root-certificates {path}: no such file (ask the operator "
+                             "for ca.crt)")
+    try:
+        x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError) as err:
+        raise NodeSetupError(f"--root-certificates {path}: not a PEM certificate ({err})") \
+            from None
+    return path.resolve()
+
+
+def _check_private_key(path: Path) -> Path:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    if not path.is_file():
+        raise NodeSetupError(f"--auth-key {path}: no such file (make one with ssh-keygen -t "
+                             "ecdsa -b 384 -N '' -f node_key)")
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise NodeSetupError(f"--auth-key {path}: readable by others (mode {mode:o}); a "
+                             f"private key must be the owner's alone: chmod 600 {path}")
+    data = path.read_bytes()
+    key: Any = None
+    for load in (serialization.load_ssh_private_key, serialization.load_pem_private_key):
+        try:
+            key = load(data, password=None)
+            break
+        except (ValueError, TypeError):
+            continue
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise NodeSetupError(f"--auth-key {path}: not an unencrypted EC private key "
+                             "(OpenSSH or PEM)")
+    return path.resolve()
+
+
+def _supernode_executable() -> str:
+    beside = Path(sys.executable).parent / "flower-supernode"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("flower-supernode")
+    if found is None:
+        raise NodeSetupError("flower-supernode is not installed in this environment "
+                             "(pip install the project: it depends on flwr)")
+    return found
