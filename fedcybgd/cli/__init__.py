@@ -2,13 +2,15 @@
 
     fedcybgd run [APP] [SUPERLINK] [--run-config ...] [--federation-config ...]
     fedcybgd node --superlink HOST:PORT --root-certificates CA --auth-key KEY [...]
+    fedcybgd export FOLDER --gguf OUT.gguf [--type f16]
     fedcybgd config-docs [PATH] [--check]
 
 ``run`` wraps ``flwr run APP SUPERLINK --stream`` and, unlike it, exits non-zero when the run
 did not finish ``finished:completed`` (see :mod:`fedcybgd.cli.launch`). ``config-docs`` writes
 the configuration reference's tables from the typed fields (see :mod:`fedcybgd.cli.reference`).
 ``node`` checks a node's files and settings and runs it as a SuperNode (see
-:mod:`fedcybgd.cli.node`).
+:mod:`fedcybgd.cli.node`); ``export`` writes a run's model as GGUF
+(:mod:`fedcybgd.model.export`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="On Ctrl-C, stop the submitted run too (`flwr stop`); without it "
                           "the run goes on, as with `flwr run`.")
     node.add_parser(commands)
+    export = commands.add_parser(
+        "export",
+        help="Write a trained model (a run's final/ folder) as one GGUF file.",
+        description=(
+            "Write a Hugging Face model folder (a run's final/) as GGUF, the file llama.cpp-"
+            "class runtimes load on a device: hyperparameters, the tokenizer with its chat "
+            "template, and the weights at the chosen type. Families: llama (SmolLM2), "
+            "mistral, qwen2."
+        ),
+    )
+    export.add_argument("folder", metavar="FOLDER", help="The model folder, e.g. "
+                        "outputs/demo/final.")
+    export.add_argument("--gguf", required=True, metavar="OUT", help="The GGUF file to write.")
+    export.add_argument("--type", default="f16", choices=("f32", "f16", "q8_0", "q4_1"),
+                        help="Weight type: f32, f16 (default), q8_0 or q4_1 (1-D tensors "
+                             "stay f32).")
     docs = commands.add_parser(
         "config-docs",
         help="Write the configuration reference's key tables from the typed fields.",
@@ -82,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         return _config_docs(args.path, args.check)
     if args.command == "node":
         return node.run(args)
+    if args.command == "export":
+        return _export(args.folder, args.gguf, args.type)
     if args.command != "run":
         parser.error(f"unknown command {args.command!r}")
     return launch(Launch(app=args.app, superlink=args.superlink, run_config=args.run_config,
@@ -104,4 +124,23 @@ def _config_docs(path: str | None, check: bool) -> int:
         print(f"{target} is not current; run `fedcybgd config-docs {target}`")
         return 1
     print(f"{target}: {'current' if current else 'updated'}")
+    return 0
+
+
+def _export(folder: str, out: str, kind: str) -> int:
+    from pathlib import Path
+
+    from fedcybgd.model.export import ExportError, export_gguf
+
+    source = Path(folder)
+    if not (source / "config.json").is_file():
+        print(f"fedcybgd export: {source} holds no model (no config.json); give a run's "
+              "final/ folder")
+        return 2
+    try:
+        written = export_gguf(source, Path(out), kind)
+    except ExportError as err:
+        print(f"fedcybgd export: {err}")
+        return 2
+    print(f"{written}: {written.stat().st_size / 2**20:.1f} MiB, {kind}")
     return 0
