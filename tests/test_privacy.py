@@ -177,6 +177,10 @@ def test_a_central_dp_run_accounts_every_round(tiny_run_config, tmp_path):
     assert summary["status"] == "completed" and all(r["accepted"] for r in rows[1:])
     card = json.loads((out / "final" / "privacy.json").read_text())
     assert card["dp"] == "central" and card["dp_epsilon"] == pytest.approx(spent[-1])
+    # the model card beside the weights says what the model is and what privacy it has
+    readme = (out / "final" / "README.md").read_text()
+    assert "`tiny-llama`" in readme and "update rule `fo`" in readme
+    assert f"`central`: epsilon {spent[-1]:.4g} at delta 1e-05" in readme
 
 
 def test_a_run_stops_before_the_round_that_would_exceed_its_budget(tiny_run_config, tmp_path):
@@ -300,6 +304,8 @@ def test_fedavg_runs_under_flowers_dp_wrapper_and_stops_at_its_budget(tiny_run_c
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert summary["rounds"] == 2 and summary["dp_epsilon"] == pytest.approx(two)
     assert "DifferentialPrivacyServerSideFixedClipping" in summary["dp_accounting"]
+    readme = (out / "final" / "README.md").read_text()
+    assert "FedAvg over full parameters" in readme and f"epsilon {two:.4g}" in readme
     # ... and Flower's wrapper bounded the model's move: two averages of clipped updates plus
     # noise of 1 x 1e-3 / 4 a coordinate and round
     start = {k: v.detach() for k, v in load_model("tiny-llama").named_parameters()}

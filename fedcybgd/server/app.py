@@ -45,7 +45,7 @@ from fedcybgd.server.common import (
     write_samples,
 )
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
-from fedcybgd.server.outputs import prepare_output_dir, remove_final
+from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.preflight import check_data
 from fedcybgd.server.report import print_progress, print_summary_table
@@ -256,6 +256,8 @@ def run_server(
         **run_status(failure, writer.records),
     }
     write_summary(out, summary)
+    if failure is None:
+        write_model_card(final_dir, summary)
     plot_run(out, writer.records, f"FedCyBGD-{run.update_rule}, {run.model}, seed {run.seed}")
     if failure is not None:
         log.error("run failed: %s", failure)

@@ -52,7 +52,7 @@ from fedcybgd.server.common import (
     write_samples,
 )
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
-from fedcybgd.server.outputs import prepare_output_dir, remove_final
+from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict
@@ -407,6 +407,8 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         **run_status(failure, writer.records),
     }
     write_summary(out, summary)
+    if failure is None:
+        write_model_card(out / "final", summary)
     plot_run(out, writer.records, f"FedAvg-{run.fedavg_params}, {run.model}, seed {run.seed}")
     if failure is not None:
         log.error("run failed: %s", failure)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 from fedcybgd.config import ConfigError
-from fedcybgd.core.atomic import fsync_dir, make_dirs
+from fedcybgd.core.atomic import fsync_dir, make_dirs, write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +95,57 @@ def remove_final(final_dir: Path) -> None:
     elif final_dir.exists() or final_dir.is_symlink():
         log.warning("the run failed: removing %s (not a result of this run)", final_dir)
         final_dir.unlink()
+
+
+def write_model_card(final_dir: Path, summary: dict[str, Any]) -> Path:
+    """``final/README.md``: what the model is and how it was made, from the run's summary
+    (base model, method and rule, rounds, data, what crossed the wire, the clients' peak
+    memory, the evaluation before and after, and the privacy spent when DP was on)."""
+    run = summary.get("run_config", {})
+    strategy = summary.get("strategy", "fedcybgd")
+    rule = summary.get("update_rule")
+    method = (f"FedAvg over {run.get('fedavg-params', 'full')} parameters (Flower)"
+              if strategy == "fedavg" else
+              f"FedCyBGD (cycle block gradient descent), update rule `{rule}`")
+    rows = [
+        ("base model", f"`{summary.get('model')}`"),
+        ("method", method),
+        ("rounds", summary.get("rounds")),
+        ("nodes per round", run.get("clients-per-round")),
+        ("local steps x batch", f"{run.get('local-steps')} x {run.get('batch-size')}"),
+        ("task / data", f"`{run.get('task')}` / `{run.get('dataset')}` "
+                        f"(partitioner `{run.get('partitioner')}`)"),
+        ("seed", run.get("seed")),
+        ("bytes down / up (payloads)", f"{_mb(summary.get('bytes_down'))} / "
+                                       f"{_mb(summary.get('bytes_up'))}"),
+        ("client peak memory", f"{summary.get('client_peak_mem_mb', 0):.0f} MB"),
+        ("eval loss before -> after", f"{_num(summary.get('initial_eval_loss'))} -> "
+                                      f"{_num(summary.get('final_eval_loss'))}"),
+        ("eval metric before -> after", f"{_num(summary.get('initial_eval_accuracy'))} -> "
+                                        f"{_num(summary.get('final_eval_accuracy'))}"),
+    ]
+    if summary.get("dp"):
+        rows.append(("differential privacy",
+                     f"`{summary['dp']}`: epsilon {_num(summary.get('dp_epsilon'))} at delta "
+                     f"{summary.get('dp_delta')} ({summary.get('dp_accounting')})"))
+    else:
+        rows.append(("differential privacy", "off"))
+    lines = ["# Model card", "",
+             "Trained by fedcybgd (federated full-parameter fine-tuning on Flower).", "",
+             "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "",
+             "The run's own records sit beside this folder: `summary.json` (every figure above "
+             "and the whole run config), `metrics.jsonl` (one row a round).", "",
+             "Load it with `AutoModelForCausalLM.from_pretrained(\"<this folder>\")`; for a "
+             "GGUF runtime on a device: `fedcybgd export <this folder> --gguf model.gguf "
+             "--type q8_0`.", ""]
+    path = final_dir / "README.md"
+    write_bytes(path, "\n".join(lines).encode())
+    return path
+
+
+def _mb(value: Any) -> str:
+    return f"{float(value or 0) / 2**20:.1f} MiB"
+
+
+def _num(value: Any) -> str:
+    return "-" if value is None else f"{float(value):.4g}"
