@@ -18,14 +18,18 @@
 # base, so pip's inputs (wheels, CA file) and build leftovers never reach the image.
 ARG BASE_IMAGE=python:3.11-slim
 
-# The dependency list alone, from pyproject.toml less the `simulation` extra (ray: only the
-# Simulation Engine uses it). The build stage copies just this file, so edits to pyproject.toml
-# that leave the dependencies alone (the run config, tool settings) keep the install cached.
+# The dependency list alone, from pyproject.toml: the node's dependencies and the `server`
+# extra less flwr[simulation] (ray: only the Simulation Engine uses it), since one image serves
+# the SuperLink and the runner too. The build stage copies just this file, so edits to
+# pyproject.toml that leave the dependencies alone (the run config, tool settings) keep the
+# install cached.
 FROM ${BASE_IMAGE} AS requirements
 COPY pyproject.toml /tmp/pyproject.toml
-RUN python3 -c "import re, tomllib; \
-deps = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']; \
-print('\n'.join(re.sub(r'\[\s*simulation\s*\]', '', d) for d in deps))" > /tmp/requirements.txt \
+RUN python3 -c "import tomllib; \
+project = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+server = project['optional-dependencies']['server']; \
+print('\n'.join(project['dependencies'] + [d for d in server if not d.startswith('flwr[')]))" \
+    > /tmp/requirements.txt \
     && cat /tmp/requirements.txt
 
 FROM ${BASE_IMAGE} AS build

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -306,3 +307,43 @@ def test_the_experiments_harness_picks_the_runner_from_the_same_table(monkeypatc
     # Assert
     assert result["summary"] == {"strategy": "fedavg"}
     assert result["round_s"] == pytest.approx(2.0) and result["wire_bytes_up"] == 5
+
+
+def test_the_node_side_imports_without_the_server_extras():
+    # A node on its own data installs `pip install .` alone: no Ray (flwr[simulation]),
+    # matplotlib, dp-accounting, flwr-datasets or datasets. Block them and import what a node
+    # runs; the two that a node may need say which extra to install.
+    # (Probes such as transformers' find_spec still see them; importing one fails.)
+    code = """
+import importlib.machinery, sys
+BLOCKED = ("ray", "matplotlib", "dp_accounting", "flwr_datasets", "datasets")
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            return importlib.machinery.ModuleSpec(name, self)
+    def create_module(self, spec):
+        raise ImportError(f"{spec.name} is blocked (a node install has no server extras)")
+    def exec_module(self, module):
+        pass
+sys.meta_path.insert(0, Block())
+import fedcybgd.client.app, fedcybgd.cli, fedcybgd.cli.node, fedcybgd.model.export
+from fedcybgd.protocol.dp import epsilon_of
+import pandas as pd
+from fedcybgd.data.partition import partition_positions
+try:
+    epsilon_of([(0.1, 1.0, 3)], 1e-5)
+except ImportError as err:
+    print("accounting:", err)
+try:
+    partition_positions(pd.DataFrame({"label": [0, 1] * 20}), "iid", 2, 0.5, 0, "label")
+except ImportError as err:
+    print("partitions:", err)
+print([m for m in sys.modules if m.split(".")[0] in BLOCKED])
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False, cwd=ROOT.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert "pip install 'fedcybgd[privacy]'" in lines[0]
+    assert "pip install 'fedcybgd[data]'" in lines[1]
+    assert lines[-1] == "[]"

@@ -385,8 +385,11 @@ def check_privacy_budget(rnd: Round) -> None:
     except LedgerError as err:
         raise rnd.answer(protocol.REJECTED, str(err), store=False) from None
     entry = round_entry(rnd.batches.rate, run.dp_noise_multiplier, run.local_steps)
-    why, _ = ledger.check(rnd.ins.lineage, entry, run.dp_delta, run.dp_target_epsilon,
-                          node.max_dp_epsilon)
+    try:
+        why, _ = ledger.check(rnd.ins.lineage, entry, run.dp_delta, run.dp_target_epsilon,
+                              node.max_dp_epsilon)
+    except ImportError as err:  # the privacy extra is not installed on this node
+        raise rnd.answer(protocol.REJECTED, str(err), store=False) from None
     if why is not None:
         log.warning("round %s: %s", rnd.ins.server_round, why)
         raise rnd.answer(protocol.REJECTED, why, store=False)

@@ -106,7 +106,13 @@ def partition_positions(
     if method == "iid":
         # IidPartitioner shards contiguously; permute first so the run seed picks the shares.
         columns = columns.iloc[np.random.default_rng(seed).permutation(len(frame))]
-    import datasets
+    try:  # an extra: a node training on its own data-path never partitions
+        import datasets
+        import flwr_datasets  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"cutting a shared dataset into partitions needs flwr-datasets "
+                          f"({err}); install it with pip install 'fedcybgd[data]', or give "
+                          "this node its own data-path") from None
 
     partitioner = _make_partitioner(method, num_partitions, alpha, seed, by)
     partitioner.dataset = datasets.Dataset.from_pandas(columns, preserve_index=False)

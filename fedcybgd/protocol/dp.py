@@ -20,9 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-import dp_accounting
 import torch
-from dp_accounting.rdp import RdpAccountant
 
 Tensors = dict[str, torch.Tensor]
 
@@ -42,6 +40,12 @@ def epsilon_of(events: Iterable[tuple[float, float, int]], delta: float) -> floa
     """Epsilon at ``delta`` after ``events``: ``(sampling rate, noise multiplier, count)``,
     each ``count`` Poisson-subsampled Gaussian mechanisms (rate 1: not subsampled); ``inf``
     when one with a count has multiplier 0 (no privacy)."""
+    try:  # an extra: a node that never accounts privacy need not install it
+        import dp_accounting
+        from dp_accounting.rdp import RdpAccountant
+    except ImportError as err:
+        raise ImportError(f"privacy accounting needs dp-accounting ({err}); install it with "
+                          "pip install 'fedcybgd[privacy]'") from None
     accountant = RdpAccountant(orders=list(RDP_ORDERS))
     for rate, multiplier, count in events:
         if count <= 0 or rate <= 0:
