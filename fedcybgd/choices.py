@@ -25,4 +25,5 @@ EVAL_SPLITS: tuple[str, ...] = ("test", "validation")  # eval-split
 FROZEN_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # frozen-dtype
 FROZEN_QUANTS: tuple[str, ...] = ("none", "int8")  # frozen-quant
 EVAL_PRECISIONS: tuple[str, ...] = ("float32", "frozen")  # eval-precision
+EARLY_STOP_METRICS: tuple[str, ...] = ("loss", "metric")  # early-stop-metric
 DP_MODES: tuple[str, ...] = ("off", "central", "local", "example")  # dp

@@ -26,6 +26,7 @@ from fedcybgd.choices import (
     AUTO_TASK,
     DAMPINGS,
     DP_MODES,
+    EARLY_STOP_METRICS,
     EVAL_PRECISIONS,
     EVAL_SPLITS,
     FEDAVG_PARAMS,
@@ -242,6 +243,18 @@ class RunConfig:
         "evaluation reads: runs from the same weights share it; `false` evaluates every time"))
     eval_split: str = setting("test", choices=EVAL_SPLITS, doc=(
         "`validation` evaluates on the validation split (tune there, report on test)"))
+    early_stop_patience: int = setting(0, ge=0, doc=(
+        "end the run after this many evaluations in a row without improvement of "
+        "`early-stop-metric` (round 0, the untrained model, is the first); the model at that "
+        "round is the final one and the summary's `early_stop` says why; 0 = off. FedCyBGD runs"))
+    early_stop_metric: str = setting("loss", choices=EARLY_STOP_METRICS, doc=(
+        "`loss` (the held-out loss, lower is better) or `metric` (the task's accuracy or "
+        "exact match, higher is better)"))
+    early_stop_min_delta: float = setting(0.0, ge=0, doc=(
+        "the least change of `early-stop-metric` that counts as an improvement"))
+    early_stop_target: float = setting(0.0, ge=0, doc=(
+        "end the run once `early-stop-metric` reaches this value (at most it for `loss`, at "
+        "least it for `metric`); 0 = none"))
     upload_codec: str = setting("delta+int2+zstd", section="Communication", doc=(
         "codec spec for uploads (see compression; two bits a value, the node's error feedback "
         "keeps what they drop; on SmolLM2 at these defaults it ends no worse than fp32, see "
@@ -372,6 +385,13 @@ class RunConfig:
             # below 1 it would refuse about half of the honest updates
             raise ConfigError(f"outlier-factor must be 0 (off) or >= 1, got {self.outlier_factor}")
         self._check_dp()
+        if self.early_stop_patience or self.early_stop_target:
+            if not self.eval_every:
+                raise ConfigError("early-stop-patience / early-stop-target need evaluations "
+                                  "during the run: set eval-every > 0")
+            if self.strategy != "fedcybgd":
+                raise ConfigError(f"early stopping covers FedCyBGD runs, not strategy = "
+                                  f"{self.strategy!r}")
 
     def _check_dp(self) -> None:
         """User-level DP (central, local) bounds each node's block delta and adds noise to a

@@ -44,6 +44,7 @@ from fedcybgd.server.common import (
     resolve_output_dir,
     write_samples,
 )
+from fedcybgd.server.early_stop import EarlyStop
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
 from fedcybgd.server.plots import plot_run
@@ -183,7 +184,10 @@ def run_server(
     # A run that trains nothing fails (fedcybgd.server.verdict has the rule): the watch keeps
     # each round's replies for it.
     watch, verdict = ReplyWatch(grid), Verdict(installed=installed_any(writer.records))
+    # The early-stop state is a function of the evaluations so far (a resumed run's rows too)
+    early = EarlyStop.of(run, writer.records)
     failure: str | None = None
+    stopped_early: str | None = None
     for server_round in range(first_round, run.num_server_rounds + 1):
         round_start = time.perf_counter()
         messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), watch)
@@ -220,6 +224,13 @@ def run_server(
         failure = verdict.after_round(server_round, watch.take_round(), bool(record.accepted))
         if failure is not None:
             break
+        if early is not None and record.eval_loss is not None and server_round < \
+                run.num_server_rounds:
+            stopped_early = early.observe(record.eval_loss, record.eval_accuracy)
+            if stopped_early is not None:
+                log.info("round %d: stopping early: %s", server_round, stopped_early)
+                failure = verdict.at_end(server_round, run_totals(writer.records)["dropped"])
+                break
     else:
         failure = verdict.at_end(run.num_server_rounds, run_totals(writer.records)["dropped"])
 
@@ -238,6 +249,7 @@ def run_server(
         "model": run.model,
         "update_rule": run.update_rule,
         "rounds": run.num_server_rounds,
+        "rounds_run": max((int(r["round"]) for r in writer.records), default=0),
         **run_totals(writer.records),
         # round 0's and the last round's evaluations (either may come from the checkpoint)
         "initial_eval_loss": initial.loss,
@@ -252,6 +264,7 @@ def run_server(
         "block_versions": strategy.versions,
         "output_dir": str(out),
         "run_config": run.to_run_config(),
+        "early_stop": stopped_early,
         **privacy,
         **run_status(failure, writer.records),
     }

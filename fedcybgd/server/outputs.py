@@ -110,7 +110,7 @@ def write_model_card(final_dir: Path, summary: dict[str, Any]) -> Path:
     rows = [
         ("base model", f"`{summary.get('model')}`"),
         ("method", method),
-        ("rounds", summary.get("rounds")),
+        ("rounds", summary.get("rounds_run", summary.get("rounds"))),
         ("nodes per round", run.get("clients-per-round")),
         ("local steps x batch", f"{run.get('local-steps')} x {run.get('batch-size')}"),
         ("task / data", f"`{run.get('task')}` / `{run.get('dataset')}` "
