@@ -255,6 +255,13 @@ class RunConfig:
     early_stop_target: float = setting(0.0, ge=0, doc=(
         "end the run once `early-stop-metric` reaches this value (at most it for `loss`, at "
         "least it for `metric`); 0 = none"))
+    trackers: str = setting("", doc=(
+        "comma-separated experiment trackers fed every `metrics.jsonl` row, the run config and "
+        "the summary: `tensorboard` (event files in `<output-dir>/tensorboard`), `mlflow` (an "
+        "MLflow run; needs the `trackers` extra); empty = none"))
+    mlflow_tracking_uri: str = setting("", doc=(
+        "where `mlflow` records; empty: an SQLite store `<output-dir>/mlflow.db` with "
+        "artifacts in `<output-dir>/mlartifacts`"))
     upload_codec: str = setting("delta+int2+zstd", section="Communication", doc=(
         "codec spec for uploads (see compression; two bits a value, the node's error feedback "
         "keeps what they drop; on SmolLM2 at these defaults it ends no worse than fp32, see "

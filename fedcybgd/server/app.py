@@ -51,6 +51,7 @@ from fedcybgd.server.plots import plot_run
 from fedcybgd.server.preflight import check_data
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.server.resume import Resumed, checkpoint_state, read_checkpoint
+from fedcybgd.server.trackers import Trackers
 from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict, installed_any
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.plugins import check_names
@@ -153,7 +154,8 @@ def run_server(
     keep_through: int | None = None
     if run.resume:
         keep_through = resumed.round if resumed is not None else -1
-    writer = MetricsWriter(out, keep_through)
+    trackers = Trackers(run, out)  # a missing tracker package stops the run here, by name
+    writer = MetricsWriter(out, keep_through, on_row=trackers.log_row)
     if resumed is not None and not writer.has_round(resumed.round) and resumed.record:
         # Stopped between the checkpoint and its metrics row: the row is in the checkpoint.
         log.warning("metrics.jsonl lacks round %d; restoring its row from the checkpoint",
@@ -272,6 +274,7 @@ def run_server(
     if failure is None:
         write_model_card(final_dir, summary)
     plot_run(out, writer.records, f"FedCyBGD-{run.update_rule}, {run.model}, seed {run.seed}")
+    trackers.finish(summary, [out / "summary.json", out / "metrics.jsonl", out / "plots.png"])
     if failure is not None:
         log.error("run failed: %s", failure)
         raise RunFailed(failure)

@@ -55,6 +55,7 @@ from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write
 from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.server.trackers import Trackers
 from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict
 from fedcybgd.strategies.node_keys import NodeKeys
 from fedcybgd.strategies.record import RoundRecord
@@ -321,7 +322,8 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     initial = server.get()
     evaluator = Evaluator(run, server.stack)
     prior, classes = class_prior_of(run, evaluator.task.num_classes())
-    writer = MetricsWriter(out)
+    trackers = Trackers(run, out)  # a missing tracker package stops the run here, by name
+    writer = MetricsWriter(out, on_row=trackers.log_row)
     strategy = CheckedFedAvg(
         server.signature(),
         # A fraction of ~0 makes FedAvg sample exactly min_train_nodes, however many connect.
@@ -410,6 +412,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     if failure is None:
         write_model_card(out / "final", summary)
     plot_run(out, writer.records, f"FedAvg-{run.fedavg_params}, {run.model}, seed {run.seed}")
+    trackers.finish(summary, [out / "summary.json", out / "metrics.jsonl", out / "plots.png"])
     if failure is not None:
         log.error("run failed: %s", failure)
         raise RunFailed(failure)

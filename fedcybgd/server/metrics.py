@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,10 @@ class MetricsWriter:
         unreadable lines are skipped with a warning naming the line.
     """
 
-    def __init__(self, output_dir: Path, keep_through: int | None = None) -> None:
+    def __init__(self, output_dir: Path, keep_through: int | None = None,
+                 on_row: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.path = output_dir / "metrics.jsonl"
+        self.on_row = on_row  # e.g. the run's experiment trackers, fed every new row
         make_dirs(output_dir)
         self.records: list[dict[str, Any]] = []
         if keep_through is None:
@@ -93,6 +96,8 @@ class MetricsWriter:
             raise ValueError(f"{self.path} already has a row for round {record.get('round')}")
         self.records.append(record)
         append_line(self.path, json.dumps(record))
+        if self.on_row is not None:
+            self.on_row(record)
 
 
 def run_status(failure: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:

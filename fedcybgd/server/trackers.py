@@ -1,0 +1,154 @@
+"""Experiment trackers: the run's per-round record sent where people watch runs.
+
+Every row the run writes to ``metrics.jsonl`` goes to each tracker named in ``trackers``
+(comma-separated; off by default) as scalars at step ``round``: the same numbers, the same
+names (a row's nested fields, e.g. ``dropped``, are left to ``metrics.jsonl``). At the start a
+tracker gets the run config; at the end the summary's scalars (as ``summary/<key>``) and the
+run's files (``summary.json``, ``metrics.jsonl``, ``plots.png``).
+
+* ``tensorboard``: event files in ``<output-dir>/tensorboard`` (``tensorboard --logdir`` there);
+* ``mlflow``: one MLflow run in experiment ``fedcybgd``, at ``mlflow-tracking-uri`` (default: an
+  SQLite store ``<output-dir>/mlflow.db`` with artifacts in ``<output-dir>/mlartifacts``;
+  ``mlflow ui --backend-store-uri sqlite:///<output-dir>/mlflow.db``).
+
+A tracker whose package is missing stops the run at start, naming the extra to install
+(``pip install "fedcybgd[trackers]"``); a tracker that fails during the run is logged and
+dropped, and the run goes on (``metrics.jsonl`` stays the record).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from fedcybgd.config import ConfigError, RunConfig
+
+log = logging.getLogger(__name__)
+
+EXTRA = 'pip install "fedcybgd[trackers]"'
+
+
+class Tracker(Protocol):
+    """One sink of a run's records."""
+
+    def log_row(self, row: Mapping[str, Any]) -> None:
+        """One ``metrics.jsonl`` row."""
+
+    def finish(self, summary: Mapping[str, Any], files: list[Path]) -> None:
+        """The summary and the run's files; the tracker closes."""
+
+
+def scalars(row: Mapping[str, Any]) -> dict[str, float]:
+    """The row's finite numbers (booleans and nested fields left out)."""
+    return {key: float(value) for key, value in row.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and key != "round"}
+
+
+class TensorBoardTracker:
+    """Event files under ``<output-dir>/tensorboard``."""
+
+    def __init__(self, run: RunConfig, out: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ConfigError(f"trackers = 'tensorboard' needs the tensorboard package "
+                              f"({err}); {EXTRA}") from None
+        self.writer = SummaryWriter(str(out / "tensorboard"))
+        self.writer.add_text("run_config", "```\n" + json.dumps(run.to_run_config(), indent=1)
+                             + "\n```", 0)
+
+    def log_row(self, row: Mapping[str, Any]) -> None:
+        for key, value in scalars(row).items():
+            self.writer.add_scalar(key, value, int(row["round"]))
+        self.writer.flush()
+
+    def finish(self, summary: Mapping[str, Any], files: list[Path]) -> None:
+        for key, value in scalars(summary).items():
+            self.writer.add_scalar(f"summary/{key}", value, 0)
+        self.writer.add_text("summary", "```\n" + json.dumps(dict(summary), indent=1,
+                                                             default=str) + "\n```", 0)
+        self.writer.close()
+
+
+class MlflowTracker:
+    """One MLflow run (experiment ``fedcybgd``)."""
+
+    def __init__(self, run: RunConfig, out: Path) -> None:
+        try:
+            import mlflow
+        except ImportError as err:
+            raise ConfigError(f"trackers = 'mlflow' needs mlflow ({err}); {EXTRA}") from None
+        uri = run.mlflow_tracking_uri or f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name("fedcybgd")
+        experiment_id = (experiment.experiment_id if experiment is not None else
+                         self.client.create_experiment(
+                             "fedcybgd", artifact_location=(out / "mlartifacts").resolve()
+                             .as_uri()))
+        name = f"{run.strategy}-{run.update_rule}-seed{run.seed}"
+        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        for key, value in run.to_run_config().items():
+            self.client.log_param(self.run_id, key, str(value)[:6000])
+
+    def log_row(self, row: Mapping[str, Any]) -> None:
+        for key, value in scalars(row).items():
+            self.client.log_metric(self.run_id, key, value, step=int(row["round"]))
+
+    def finish(self, summary: Mapping[str, Any], files: list[Path]) -> None:
+        for key, value in scalars(summary).items():
+            self.client.log_metric(self.run_id, f"summary/{key}", value)
+        for path in files:
+            if path.is_file():
+                self.client.log_artifact(self.run_id, str(path))
+        status = "FINISHED" if summary.get("status") == "completed" else "FAILED"
+        self.client.set_terminated(self.run_id, status=status)
+
+
+# The registry: a tracker's name -> its class (made with the run config and output folder)
+TRACKERS: dict[str, Callable[[RunConfig, Path], Tracker]] = {
+    "tensorboard": TensorBoardTracker,
+    "mlflow": MlflowTracker,
+}
+
+
+def tracker_names(text: str) -> list[str]:
+    """``trackers`` as a list, each a registered tracker.
+
+    Raises
+    ------
+    ConfigError
+        A name is not one of :data:`TRACKERS`.
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"trackers: {unknown} not known; choose from {sorted(TRACKERS)}")
+    return names
+
+
+class Trackers:
+    """The run's trackers together; one that fails is logged and dropped."""
+
+    def __init__(self, run: RunConfig, out: Path) -> None:
+        self.sinks: dict[str, Tracker] = {
+            name: TRACKERS[name](run, out) for name in tracker_names(run.trackers)}
+
+    def log_row(self, row: Mapping[str, Any]) -> None:
+        self._each(lambda sink: sink.log_row(row))
+
+    def finish(self, summary: Mapping[str, Any], files: list[Path]) -> None:
+        self._each(lambda sink: sink.finish(summary, files))
+
+    def _each(self, action: Callable[[Tracker], None]) -> None:
+        for name, sink in list(self.sinks.items()):
+            try:
+                action(sink)
+            except Exception as err:  # a tracker is a convenience: the run goes on
+                log.warning("tracker %s failed (%s: %s); it records nothing more, "
+                            "metrics.jsonl stays complete", name, type(err).__name__, err)
+                del self.sinks[name]
