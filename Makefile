@@ -52,7 +52,7 @@ venv-defaults:
 	@$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' | { read -r site && printf 'import os; os.environ.setdefault("%s", "1")\n' $(FLWR_NO_DEPS) > "$$site/fedcybgd-flwr-env.pth"; }
 
 demo: install
-	$(BIN)/python -m fedcybgd.cli.demo
+	$(BIN)/fedcybgd demo
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -79,7 +79,7 @@ RUN_CONFIG ?=
 # The same topology as docker-compose.yml, as processes on 127.0.0.1 (TLS=1: TLS + node auth;
 # QUICK=1: a tiny random model for 2 rounds).
 deploy-local: install
-	$(BIN)/python -m fedcybgd.deploy.local --nodes $(NODES) $(if $(filter 1 yes true,$(TLS)),--tls) $(if $(filter 1 yes true,$(QUICK)),--quick) --run-config "$(RUN_CONFIG)"
+	$(BIN)/fedcybgd deploy-local --nodes $(NODES) $(if $(filter 1 yes true,$(TLS)),--tls) $(if $(filter 1 yes true,$(QUICK)),--quick) --run-config "$(RUN_CONFIG)"
 
 compose-check:
 	docker-compose -f docker-compose.yml config -q && docker-compose -f docker-compose.yml -f docker-compose.tls.yml config -q

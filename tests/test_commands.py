@@ -1,7 +1,7 @@
 """The commands a user types work twice, tell the truth, and stop what they started.
 
-``make demo`` (``python -m fedcybgd.cli.demo``) and ``make deploy-local``
-(``python -m fedcybgd.deploy.local``) as a user runs them: back to back, with data that cannot
+``make demo`` (``fedcybgd demo``, the module ``fedcybgd.cli.demo``) and ``make deploy-local``
+(``fedcybgd deploy-local``, ``fedcybgd.deploy.local``) as a user runs them: back to back, with data that cannot
 be read, and interrupted with Ctrl-C.
 """
 

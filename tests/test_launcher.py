@@ -452,3 +452,36 @@ def test_python_m_fedcybgd_cli_is_the_command():
     # Assert
     assert done.returncode == 0 and "exit status: 0 the run finished:completed" in \
         done.stdout.replace("\n", " ")
+
+
+@pytest.mark.parametrize("name", ["demo", "certs", "deploy-local", "gateway"])
+def test_the_operator_tools_are_subcommands_with_their_own_help(name, capsys):
+    from fedcybgd.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([name, "--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: fedcybgd {name}")
+
+
+def test_report_and_plots_read_run_folders(tmp_path, capsys):
+    import json
+
+    from fedcybgd.cli import main
+
+    for name, accuracy in (("a", 0.61), ("b", 0.72)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "summary.json").write_text(json.dumps({
+            "status": "completed", "update_rule": "fo", "model": "tiny-llama",
+            "rounds_run": 2, "final_eval_accuracy": accuracy, "bytes_up": 2**20}))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+            {"round": 0, "eval_loss": 3.0, "eval_accuracy": 0.5},
+            {"round": 1, "train_loss": 2.9, "bytes_down": 10, "bytes_up": 10})))
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "0.610" in out and "0.720" in out and "1.0" in out
+    assert main(["plots", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "plots.png").stat().st_size > 0
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no readable summary.json" in capsys.readouterr().out

@@ -3,6 +3,9 @@
     fedcybgd run [APP] [SUPERLINK] [--run-config ...] [--federation-config ...]
     fedcybgd node --superlink HOST:PORT --root-certificates CA --auth-key KEY [...]
     fedcybgd export FOLDER --gguf OUT.gguf [--type f16]
+    fedcybgd report OUTPUT_DIR [OUTPUT_DIR ...]
+    fedcybgd plots OUTPUT_DIR
+    fedcybgd demo | certs | deploy-local | gateway [their own flags; --help]
     fedcybgd config-docs [PATH] [--check]
 
 ``run`` wraps ``flwr run APP SUPERLINK --stream`` and, unlike it, exits non-zero when the run
@@ -16,6 +19,7 @@ the configuration reference's tables from the typed fields (see :mod:`fedcybgd.c
 from __future__ import annotations
 
 import argparse
+import sys
 
 from fedcybgd.cli import node
 from fedcybgd.cli.launch import EXIT_CODES, Launch, launch
@@ -89,11 +93,35 @@ def build_parser() -> argparse.ArgumentParser:
                       help="The reference to update (default: docs/configuration.md).")
     docs.add_argument("--check", action="store_true",
                       help="Write nothing; exit 1 when the file is not current.")
+    for name, text in (("report", "Print the summaries of one or several runs side by side."),
+                       ("plots", "Draw a run's plots.png again from its metrics.jsonl.")):
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("folders", nargs="+" if name == "report" else 1, metavar="OUTPUT_DIR",
+                         help="A run's output-dir (holding summary.json / metrics.jsonl).")
+    for name, (_, text) in DELEGATED.items():
+        sub = commands.add_parser(name, help=text, add_help=False,
+                                  description=f"{text} (`fedcybgd {name} --help` for its flags)")
+        sub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
+
+
+# Commands that are their own module's command line: name -> (module, what it does)
+DELEGATED: dict[str, tuple[str, str]] = {
+    "demo": ("fedcybgd.cli.demo", "Run the demo: a simulated federation that fine-tunes "
+                                  "SmolLM2 and reports what it gained."),
+    "certs": ("fedcybgd.deploy.certs", "Make a CA, a server certificate and SuperNode keys."),
+    "deploy-local": ("fedcybgd.deploy.local", "A SuperLink and SuperNodes on 127.0.0.1, a "
+                                              "run through them (TLS and node auth with --tls)."),
+    "gateway": ("fedcybgd.deploy.gateway", "The Fleet gateway: the Fleet API alone on the "
+                                           "nodes' address, over TLS."),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:  # its own flags, --help included, go to its module
+        return _delegate(argv[0], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "config-docs":
@@ -102,11 +130,31 @@ def main(argv: list[str] | None = None) -> int:
         return node.run(args)
     if args.command == "export":
         return _export(args.folder, args.gguf, args.type)
+    if args.command in ("report", "plots"):
+        from pathlib import Path
+
+        from fedcybgd.cli import outputs
+
+        folders = [Path(f) for f in args.folders]
+        return outputs.report(folders) if args.command == "report" else outputs.plots(folders[0])
+    if args.command in DELEGATED:
+        return _delegate(args.command, args.rest)
     if args.command != "run":
         parser.error(f"unknown command {args.command!r}")
     return launch(Launch(app=args.app, superlink=args.superlink, run_config=args.run_config,
                          federation_config=args.federation_config, federation=args.federation,
                          log_dir=args.log_dir, stop_on_interrupt=args.stop_on_interrupt))
+
+
+def _delegate(name: str, argv: list[str]) -> int:
+    import importlib
+
+    module = importlib.import_module(DELEGATED[name][0])
+    program, sys.argv[0] = sys.argv[0], f"fedcybgd {name}"  # the module's parser's name
+    try:
+        return int(module.main(argv) or 0)
+    finally:
+        sys.argv[0] = program
 
 
 def _config_docs(path: str | None, check: bool) -> int:
