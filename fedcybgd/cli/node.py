@@ -96,16 +96,15 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def plan(args: argparse.Namespace) -> list[str]:
-    """The ``flower-supernode`` command for ``args`` (a ``--config`` file merged in), after
-    every check above.
+def plan(settings: dict[str, Any]) -> list[str]:
+    """The ``flower-supernode`` command for ``settings`` (the flags over a ``--config`` file,
+    see :func:`merged`), after every check above.
 
     Raises
     ------
     NodeSetupError
         Something given cannot work; the message names it.
     """
-    settings = _merged(args)
     superlink = settings.get("superlink")
     if not superlink:
         raise NodeSetupError("--superlink is required: the HOST:PORT the operator gave you")
@@ -156,13 +155,14 @@ def plan(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Check, print the plan, then become ``flower-supernode`` (unless ``--dry-run``)."""
     try:
-        command = plan(args)
+        settings = merged(args)
+        command = plan(settings)
     except NodeSetupError as err:
         print(f"fedcybgd node: {err}", file=sys.stderr)
         return 2
     print("fedcybgd node: the checks passed; this node will run")
     print("  " + shlex.join(command))
-    if _merged(args).get("dry_run"):
+    if settings.get("dry_run"):
         return 0
     sys.stdout.flush()
     env = dict(os.environ)
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def _merged(args: argparse.Namespace) -> dict[str, Any]:
+def merged(args: argparse.Namespace) -> dict[str, Any]:
     """The flags over the ``--config`` file's settings."""
     settings: dict[str, Any] = {}
     if args.config:
