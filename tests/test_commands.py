@@ -1,8 +1,8 @@
 """The commands a user types work twice, tell the truth, and stop what they started.
 
 ``make demo`` (``fedcybgd demo``, the module ``fedcybgd.cli.demo``) and ``make deploy-local``
-(``fedcybgd deploy-local``, ``fedcybgd.deploy.local``) as a user runs them: back to back, with data that cannot
-be read, and interrupted with Ctrl-C.
+(``fedcybgd deploy-local``, ``fedcybgd.deploy.local``) as a user runs them: back to back, with
+data that cannot be read, and interrupted with Ctrl-C.
 """
 
 from __future__ import annotations

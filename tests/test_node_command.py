@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +125,8 @@ def test_a_private_key_others_can_read_is_refused(capsys, files, tmp_path):
 
 @pytest.mark.slow
 def test_a_node_joins_a_tls_federation_with_node_auth_through_the_command(tmp_path):
+    from test_commands import stop_gracefully
+
     from fedcybgd.deploy.local import LocalDeployment, free_port
 
     with LocalDeployment(tmp_path / "state", tmp_path / "logs", tls=True) as deployment:
@@ -145,12 +146,7 @@ def test_a_node_joins_a_tls_federation_with_node_auth_through_the_command(tmp_pa
             deployment.control.wait_nodes(1, timeout=120)
             assert node.poll() is None  # the SuperNode runs in the command's own process
         finally:
-            os.killpg(node.pid, signal.SIGTERM)
-            try:
-                node.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait(timeout=30)
+            stop_gracefully(node)
             log.close()
         text = (tmp_path / "node.log").read_text()
         assert "fedcybgd node: the checks passed" in text
