@@ -197,11 +197,14 @@ class ReplyWatch(Grid):
         self._sent(messages)
         return ids
 
-    def pull_messages(self, reply_to_message_ids: Iterable[str] | None = None, *,
-                      message_ids: Iterable[str] | None = None) -> Iterable[Message]:
-        """Pull through the wrapped grid, keeping the replies. Takes Flower 1.43's name for the
-        filter and 1.42's (``message_ids``), and passes it on positionally, which both accept."""
-        ids = reply_to_message_ids if reply_to_message_ids is not None else message_ids
+    def pull_messages(self, message_ids: Iterable[str] | None = None, *,
+                      reply_to_message_ids: Iterable[str] | None = None) -> Iterable[Message]:
+        """Pull through the wrapped grid, keeping the replies. Takes Flower 1.42's name for the
+        filter and 1.43's (``reply_to_message_ids``), and passes it on positionally, which
+        both accept."""
+        ids = message_ids if message_ids is not None else reply_to_message_ids
+        if ids is None:
+            raise TypeError("pull_messages needs the ids of the messages whose replies to pull")
         return self._received(self.grid.pull_messages(ids))
 
     def send_and_receive(self, messages: Iterable[Message], *,
