@@ -63,8 +63,9 @@ def builtin_options() -> list[tuple[Setting, list[str]]]:
 def tables() -> dict[str, str]:
     """Every table the reference holds, by its marker's text."""
     out = {f'run-config "{title}"': _table(rows) for title, rows in run_sections().items()}
-    out["rule-options"] = _table([s for s, _ in builtin_options()],
-                                 rules={s.key: names for s, names in builtin_options()})
+    options = builtin_options()
+    out["rule-options"] = _table([s for s, _ in options],
+                                 rules={s.key: names for s, names in options})
     out["node-config"] = _table(settings(NodeConfig).values())
     return out
 
