@@ -2,7 +2,15 @@
 # Prepare a machine without registry access (or without the PyTorch index) to build and run the
 # docker-compose stack. Idempotent: each step checks first and says what it did.
 #
-#   scripts/prepare-docker-offline.sh [--install] [--no-build] [--base-image IMAGE] [--quiet]
+#   scripts/prepare-docker-offline.sh [--install] [--no-build] [--base-image IMAGE]
+#                                     [--platform linux/arm64] [--quiet]
+#
+#   --platform linux/arm64 prepares the same image for an arm64 board (Raspberry Pi 4/5, Jetson)
+#   and, on an x86 machine, builds it under emulation: qemu-user-static's binfmt handler must be
+#   registered (--install installs qemu-user-static and binfmt-support). The base image is then
+#   fedcybgd-base:bookworm-arm64, torch the aarch64 wheel from PyPI (a CPU build), the build
+#   arguments docker-extra/build-arm64.env and the image fedcybgd:0.1.0-arm64. On an arm64 machine
+#   the same command builds natively.
 #
 #   1. Docker engine: `docker info` answers, else start the installed `dockerd` (as root; log in
 #      $DOCKERD_LOG). --install first apt-get installs docker.io, docker-compose and debootstrap
@@ -26,23 +34,22 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRA="$ROOT/docker-extra"
-ENV_FILE="$EXTRA/build.env"
 DEFAULT_BASE="python:3.11-slim"
-LOCAL_BASE="${FEDCYBGD_LOCAL_BASE:-fedcybgd-base:bookworm}"
 DEBIAN_MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 DOCKERD_LOG="${DOCKERD_LOG:-/var/log/fedcybgd-dockerd.log}"
 PULL_TIMEOUT="${PULL_TIMEOUT:-60}"
 
-install=0 build=1 base_image="" quiet=0
+install=0 build=1 base_image="" quiet=0 platform=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --install) install=1 ;;
         --no-build) build=0 ;;
         --base-image) base_image="$2"; shift ;;
+        --platform) platform="$2"; shift ;;
         --quiet) quiet=1 ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
         *) echo "unknown option: $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -52,12 +59,36 @@ say() { echo "[prepare-docker] $*"; }
 fail() { echo "[prepare-docker] ERROR: $*" >&2; exit 1; }
 is_root() { [ "$(id -u)" = 0 ]; }
 
+# The platform decides every name: Debian's architecture, the base image, the build arguments'
+# file, the image tag and the pip platform of the torch wheel.
+native="$(uname -m)"
+case "${platform:-native}" in
+    native|linux/amd64) arch=amd64 ;;
+    linux/arm64|linux/arm64/v8|linux/aarch64) arch=arm64 ;;
+    *) fail "--platform $platform: linux/amd64 or linux/arm64" ;;
+esac
+[ -n "$platform" ] || case "$native" in aarch64|arm64) arch=arm64 ;; esac
+case "$native" in x86_64|amd64) native_arch=amd64 ;; aarch64|arm64) native_arch=arm64 ;; *) native_arch="$native" ;; esac
+if [ "$arch" = amd64 ]; then
+    ENV_FILE="$EXTRA/build.env" LOCAL_BASE="${FEDCYBGD_LOCAL_BASE:-fedcybgd-base:bookworm}"
+    IMAGE="fedcybgd:0.1.0" WHEEL_PLATFORM=manylinux_2_28_x86_64
+else
+    ENV_FILE="$EXTRA/build-arm64.env" LOCAL_BASE="${FEDCYBGD_LOCAL_BASE:-fedcybgd-base:bookworm-arm64}"
+    IMAGE="fedcybgd:0.1.0-arm64" WHEEL_PLATFORM=manylinux_2_28_aarch64
+fi
+foreign=0
+[ "$arch" = "$native_arch" ] || foreign=1
+
 # -- 1. engine ---------------------------------------------------------------------------------
 if [ "$install" = 1 ]; then
     missing=()
     command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
     command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
     command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
+    if [ "$foreign" = 1 ]; then
+        command -v qemu-aarch64-static >/dev/null 2>&1 || missing+=(qemu-user-static)
+        command -v update-binfmts >/dev/null 2>&1 || missing+=(binfmt-support)
+    fi
     if [ ${#missing[@]} -eq 0 ]; then
         say "engine packages: dockerd, docker-compose and debootstrap are installed"
     else
@@ -93,8 +124,32 @@ else
     say "engine: dockerd is up ($(docker info --format '{{.ServerVersion}}, storage {{.Driver}}'))"
 fi
 
+# -- 1b. emulation (another architecture's image on this machine) -------------------------------
+if [ "$foreign" = 1 ]; then
+    [ "$arch" = arm64 ] || fail "emulation is set up for arm64 images only"
+    is_root || fail "running arm64 binaries here needs qemu's binfmt handler registered (root)"
+    [ -e /proc/sys/fs/binfmt_misc/register ] \
+        || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc \
+        || fail "cannot mount binfmt_misc"
+    if ! grep -qx enabled /proc/sys/fs/binfmt_misc/qemu-aarch64 2>/dev/null; then
+        command -v update-binfmts >/dev/null 2>&1 \
+            || fail "no arm64 emulation: apt-get install qemu-user-static binfmt-support (or --install)"
+        update-binfmts --enable qemu-aarch64 >/dev/null 2>&1 || true
+    fi
+    grep -qx enabled /proc/sys/fs/binfmt_misc/qemu-aarch64 2>/dev/null \
+        || fail "qemu-aarch64's binfmt handler is not enabled (apt-get install qemu-user-static)"
+    # F (fix binary): the kernel opens qemu once, so it runs inside containers and chroots too
+    grep -q '^flags: .*F' /proc/sys/fs/binfmt_misc/qemu-aarch64 \
+        || fail "qemu-aarch64's binfmt handler lacks the F flag; containers cannot use it"
+    say "emulation: arm64 binaries run through $(sed -n 's/^interpreter //p' /proc/sys/fs/binfmt_misc/qemu-aarch64)"
+fi
+
 # -- 2. base image -----------------------------------------------------------------------------
 image_present() { docker image inspect "$1" >/dev/null 2>&1; }
+# present and of the wanted architecture (a tag of another architecture does not count)
+image_fits() {
+    [ "$(docker image inspect --format '{{.Architecture}}' "$1" 2>/dev/null)" = "$arch" ]
+}
 
 make_local_base() {
     command -v debootstrap >/dev/null 2>&1 \
@@ -104,35 +159,35 @@ make_local_base() {
     rootfs="$(mktemp -d /var/tmp/fedcybgd-rootfs.XXXXXX)"
     # shellcheck disable=SC2064
     trap "rm -rf '$rootfs'" EXIT
-    say "base image: debootstrap --variant=minbase bookworm from $DEBIAN_MIRROR (a few minutes)"
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+    say "base image: debootstrap --arch $arch --variant=minbase bookworm from $DEBIAN_MIRROR (a few minutes; longer emulated)"
+    debootstrap --arch "$arch" --variant=minbase --include=python3,python3-venv,ca-certificates \
         bookworm "$rootfs" "$DEBIAN_MIRROR" >"$rootfs.log" 2>&1 \
         || { tail -20 "$rootfs.log" >&2; fail "debootstrap failed (full log: $rootfs.log)"; }
     rm -f "$rootfs.log"
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
         "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/locale/*
-    tar -C "$rootfs" -c . | docker import \
-        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-        --change 'ENV LANG=C.UTF-8' \
-        --change 'CMD ["python3"]' \
-        --message "debootstrap minbase bookworm + python3 (scripts/prepare-docker-offline.sh)" \
-        - "$LOCAL_BASE" >/dev/null
-    rm -rf "$rootfs"
+    # `docker import` labels every image with the engine's own architecture; an image archive
+    # written here carries the root's (docker load)
+    python3 "$ROOT/scripts/rootfs_image.py" "$rootfs" "$arch" "$LOCAL_BASE" "$rootfs.tar" \
+        && docker load -q -i "$rootfs.tar" >/dev/null \
+        || { rm -f "$rootfs.tar"; fail "could not load the base image $LOCAL_BASE"; }
+    rm -rf "$rootfs" "$rootfs.tar"
     trap - EXIT
     say "base image: made $LOCAL_BASE ($(docker image inspect --format '{{.Size}}' "$LOCAL_BASE" | awk '{printf "%.0f MB", $1/1e6}'))"
 }
 
 if [ -n "$base_image" ]; then
-    image_present "$base_image" || docker pull "$base_image" \
+    image_present "$base_image" || docker pull --platform "linux/$arch" "$base_image" \
         || fail "--base-image $base_image is neither present nor pullable"
+    image_fits "$base_image" || fail "--base-image $base_image is not a linux/$arch image"
     say "base image: $base_image (given)"
-elif image_present "$DEFAULT_BASE"; then
+elif image_fits "$DEFAULT_BASE"; then
     base_image="$DEFAULT_BASE"
     say "base image: $DEFAULT_BASE is present"
-elif image_present "$LOCAL_BASE"; then
+elif image_fits "$LOCAL_BASE"; then
     base_image="$LOCAL_BASE"
     say "base image: $LOCAL_BASE (made earlier; $DEFAULT_BASE is not present)"
-elif timeout "$PULL_TIMEOUT" docker pull -q "$DEFAULT_BASE" >/dev/null 2>&1; then
+elif [ "$foreign" = 0 ] && timeout "$PULL_TIMEOUT" docker pull -q "$DEFAULT_BASE" >/dev/null 2>&1; then
     base_image="$DEFAULT_BASE"
     say "base image: pulled $DEFAULT_BASE"
 else
@@ -148,7 +203,19 @@ host_pip() {
 }
 mkdir -p "$EXTRA/wheels"
 torch_spec="torch==$TORCH_VERSION" torch_index="$TORCH_INDEX" find_links=""
-if curl -fsS --max-time 10 -o /dev/null "$TORCH_INDEX/torch/" 2>/dev/null; then
+if [ "$arch" = arm64 ]; then
+    # PyPI's aarch64 torch is a CPU build; the host's pip fetches it for the image's Python
+    wheel="$(ls "$EXTRA"/wheels/torch-"$TORCH_VERSION"-cp311-*aarch64.whl 2>/dev/null | head -1 || true)"
+    if [ -z "$wheel" ]; then
+        say "torch: asking the host's pip for the aarch64 wheel of torch==$TORCH_VERSION"
+        host_pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+            --platform "$WHEEL_PLATFORM" -d "$EXTRA/wheels" "torch==$TORCH_VERSION" \
+            || fail "the host's pip cannot get torch==$TORCH_VERSION for $WHEEL_PLATFORM"
+        wheel="$(ls "$EXTRA"/wheels/torch-"$TORCH_VERSION"-cp311-*aarch64.whl | head -1)"
+    fi
+    say "torch: docker-extra/wheels/$(basename "$wheel")"
+    torch_index="" find_links="docker-extra/wheels"
+elif curl -fsS --max-time 10 -o /dev/null "$TORCH_INDEX/torch/" 2>/dev/null; then
     say "torch: the CPU index answers; the image installs $torch_spec from it"
 else
     wheel="$(ls "$EXTRA"/wheels/torch-"$TORCH_VERSION"+cpu-cp311-*.whl 2>/dev/null | head -1 || true)"
@@ -200,6 +267,8 @@ FEDCYBGD_TORCH_SPEC=$torch_spec
 FEDCYBGD_TORCH_INDEX_URL=$torch_index
 FEDCYBGD_FIND_LINKS=$find_links
 FEDCYBGD_PIP_EXTRA_CA=$ca_bundle
+FEDCYBGD_PLATFORM=linux/$arch
+FEDCYBGD_IMAGE=$IMAGE
 EOF
 )"
 if [ -f "$ENV_FILE" ] && [ "$(cat "$ENV_FILE")" = "$new_env" ]; then
@@ -212,8 +281,24 @@ fi
 
 if [ "$build" = 1 ]; then
     command -v docker-compose >/dev/null 2>&1 || fail "no docker-compose (apt-get install docker-compose)"
-    say "building: docker-compose --env-file docker-extra/build.env build"
     start=$(date +%s)
-    (cd "$ROOT" && docker-compose --env-file "$ENV_FILE" build)
-    say "built fedcybgd:0.1.0 in $(( $(date +%s) - start )) s"
+    if [ "$foreign" = 0 ]; then
+        say "building: docker-compose --env-file ${ENV_FILE#"$ROOT/"} build"
+        (cd "$ROOT" && docker-compose --env-file "$ENV_FILE" build)
+    else
+        # the same Dockerfile and arguments, for the other platform (every RUN step emulated)
+        say "building: docker build --platform linux/$arch -t $IMAGE (emulated: tens of minutes)"
+        args=()
+        while IFS='=' read -r key value; do
+            case "$key" in
+                FEDCYBGD_BASE_IMAGE) args+=(--build-arg "BASE_IMAGE=$value") ;;
+                FEDCYBGD_TORCH_SPEC) args+=(--build-arg "TORCH_SPEC=$value") ;;
+                FEDCYBGD_TORCH_INDEX_URL) args+=(--build-arg "TORCH_INDEX_URL=$value") ;;
+                FEDCYBGD_FIND_LINKS) args+=(--build-arg "FIND_LINKS=$value") ;;
+                FEDCYBGD_PIP_EXTRA_CA) args+=(--build-arg "PIP_EXTRA_CA=$value") ;;
+            esac
+        done < "$ENV_FILE"
+        (cd "$ROOT" && docker build --platform "linux/$arch" "${args[@]}" -t "$IMAGE" .)
+    fi
+    say "built $IMAGE in $(( $(date +%s) - start )) s"
 fi

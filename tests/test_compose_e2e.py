@@ -36,7 +36,7 @@ import pytest
 from fedcybgd.deploy import certs
 from fedcybgd.deploy.commands import format_config
 from fedcybgd.deploy.control import healthy
-from fedcybgd.deploy.local import QUICK_RUN_CONFIG
+from fedcybgd.deploy.local import QUICK_RUN_CONFIG, NodeContainer, run_deployment
 
 PROJECT = Path(__file__).resolve().parents[1]
 PREPARE = PROJECT / "scripts" / "prepare-docker-offline.sh"
@@ -277,3 +277,29 @@ def test_compose_tls_stack_trains_and_refuses_an_unregistered_node(stack: Stack)
     assert runner.returncode == 0, runner.stdout[-5000:] + stack.service_logs()
     assert "status: finished:completed" in runner.stdout
     _check_outputs(stack.outputs / "compose")
+
+
+def test_a_node_under_a_hard_memory_limit_budgets_within_it(image: str, tmp_path: Path) -> None:
+    """A SuperNode in a container the kernel limits to 1.5 GB, SmolLM2 at the app's defaults
+    (`fo` asked): the node reads the limit, takes a rule that fits where `fo` does not, and every
+    round finishes under the limit (an OOM kill would lose the round's reply)."""
+    # Prepare: one node, its container limited (swap included) to 1.5 GB
+    limit_mb = 1536
+    node = NodeContainer(image, memory=f"{limit_mb}m")
+    # Execute: two rounds on the loopback deployment, the node in its container
+    start = time.monotonic()
+    result = run_deployment(1, "num-server-rounds=2 eval-examples=16", tmp_path / "out",
+                            node_container=node, timeout=RUN_TIMEOUT_S)
+    _timed("memory limit: 2 rounds of SmolLM2 in 1.5 GB", start)
+    # Assert: completed; each round answered by the node, under the limit; the budget the limit
+    # set moved the node off `fo` where `fo` does not fit
+    assert result.completed, f"{result.status}: {result.reason}"
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    trained = [r for r in rows if r["round"] >= 1]
+    assert len(trained) == 2 and all(r.get("update_rule") for r in trained), trained
+    peaks = [r["client_peak_mem_mb"] for r in trained]
+    assert max(peaks) < limit_mb, peaks
+    rules = {rule for r in trained for rule in r["update_rule"]}
+    assert rules - {"fo"}, rules
+    print(f"[compose-e2e] memory limit {limit_mb} MB: rules {sorted(rules)}, peaks {peaks} MB",
+          flush=True)

@@ -56,7 +56,7 @@ from fedcybgd.compression import (
 )
 from fedcybgd.config import ConfigError, NodeConfig, RunConfig
 from fedcybgd.core.checksum import content_checksum
-from fedcybgd.core.measure import PeakMemory, rss_bytes
+from fedcybgd.core.measure import PeakMemory, cgroup_memory, rss_bytes
 from fedcybgd.data.prompts import Batch
 from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule, measured_runtime_mb
 from fedcybgd.model.devices import node_device, to_cpu
@@ -289,7 +289,8 @@ def open_round(msg: Message, context: Context) -> Round:
     """Read the instruction and check it against the node's limits, its rule, the model the
     node holds and the names it would turn into paths; open the node's block store."""
     run = RunConfig.from_run_config(context.run_config)
-    node = NodeConfig.from_node_config(context.node_config)
+    node = limits.enforced_budget(NodeConfig.from_node_config(context.node_config),
+                                  cgroup_memory())
     try:
         ins = read_instruction(msg.content.config_records.get(protocol.CONFIG))
         lr = limits.check_training(run, node, ins.lr, ins.local_steps)

@@ -23,12 +23,14 @@ field, the value asked and the node's limit. The checks read only sizes, counts 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from flwr.app import ArrayRecord
 
 from fedcybgd.compression.header import PayloadHeader
 from fedcybgd.config import NodeConfig, RunConfig
+from fedcybgd.core.measure import CgroupMemory
 
 MB = 2**20
 
@@ -114,3 +116,19 @@ def check_replay_steps(counted: int, node: NodeConfig) -> None:
     if counted > node.max_replay_steps:
         raise beyond("instruction record 'download-logs' (steps to replay)",
                      f"at least {counted}", "max-replay-steps", node.max_replay_steps)
+
+
+def enforced_budget(node: NodeConfig, cgroup: CgroupMemory | None) -> NodeConfig:
+    """``node`` with its memory budget lowered to what the operating system lets it use.
+
+    A node in a container (or a systemd unit) with a hard memory limit would be killed mid-round
+    by the kernel if it trained a rule the limit cannot hold. The room under the limit (less what
+    the rest of the group holds: the SuperNode process) caps ``memory-budget-mb``, or becomes
+    it where none was given, so the budget check picks a rule that fits or declines the round.
+    """
+    if cgroup is None:
+        return node
+    room = max(cgroup.room_mb(), 1.0)
+    if node.memory_budget_mb and node.memory_budget_mb <= room:
+        return node
+    return dataclasses.replace(node, memory_budget_mb=round(room, 1))

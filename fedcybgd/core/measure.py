@@ -6,6 +6,8 @@ import contextlib
 import ctypes
 import os
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -92,3 +94,71 @@ class PeakMemory:
     def delta_mb(self) -> float:
         """Peak RSS above the RSS at entry, in MiB."""
         return (self.peak_bytes - self.start_bytes) / 2**20
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The memory limit the operating system enforces on this process's control group.
+
+    ``limit_bytes`` is the hard limit (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``);
+    ``others_bytes`` what the rest of the group holds in anonymous memory (the group's anonymous
+    memory less this process's RSS: in a node's container, the SuperNode beside the ClientApp).
+    Page cache is left out: the kernel reclaims it before it kills anything.
+    """
+
+    limit_bytes: int
+    others_bytes: int
+
+    def room_mb(self, margin_mb: float = 64.0) -> float:
+        """What this process may grow to (its RSS included) before the group hits its limit."""
+        return (self.limit_bytes - self.others_bytes) / 2**20 - margin_mb
+
+
+def _cgroup_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(version, folder)`` of this process's memory cgroup, from ``/proc/self/cgroup``."""
+    found = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            hierarchy, controllers, path = line.split(":", 2)
+            if hierarchy == "0" and controllers == "":
+                found.append((2, root / path.lstrip("/")))
+            elif "memory" in controllers.split(","):
+                found.append((1, root / "memory" / path.lstrip("/")))
+    # inside a container the group's own folder is mounted as the root
+    found += [(2, root), (1, root / "memory")]
+    return found
+
+
+def _read_int(path: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        text = path.read_text().strip()
+        return None if text == "max" else int(text)
+    return None
+
+
+def _anon_bytes(stat: Path, keys: tuple[str, ...]) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        fields = dict(line.split() for line in stat.read_text().splitlines() if line.strip())
+        return sum(int(fields[k]) for k in keys if k in fields)
+    return None
+
+
+def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
+    """This process's enforced memory limit, or None when there is none (or it is not Linux).
+
+    A limit at or above the machine's memory is no limit (v1 writes a huge number for none).
+    """
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(
+        os, "sysconf") else 0
+    for version, folder in _cgroup_dirs(root):
+        if version == 2:
+            limit = _read_int(folder / "memory.max")
+            anon = _anon_bytes(folder / "memory.stat", ("anon",))
+        else:
+            limit = _read_int(folder / "memory.limit_in_bytes")
+            anon = _anon_bytes(folder / "memory.stat", ("total_rss",))
+        if limit is None or (machine and limit >= machine):
+            continue
+        others = max(0, (anon or 0) - rss_bytes())
+        return CgroupMemory(limit, others)
+    return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import re
 import shlex
@@ -130,6 +131,59 @@ class Proc:
         self.handle.close()
 
 
+# What a containerised SuperNode gets of the launcher's environment (its PATH and caches are the
+# image's own).
+CONTAINER_ENV = ("FLWR_HOME", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM",
+                 "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "TQDM_DISABLE",
+                 "HF_HUB_DISABLE_PROGRESS_BARS", "NO_COLOR", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class NodeContainer:
+    """Run each SuperNode in a container of ``image`` instead of as a local process.
+
+    The container shares the host's network (it dials the SuperLink on 127.0.0.1, as a local
+    node does) and sees the deployment's state folder at the same path, so its command is the
+    local one. ``platform`` runs an image of another architecture (``linux/arm64`` under qemu's
+    binfmt emulation on an x86 machine); ``memory`` is a hard limit the kernel enforces (docker
+    ``--memory``, swap included: ``--memory-swap`` the same), e.g. ``"1.5g"``.
+    """
+
+    image: str
+    platform: str = ""
+    memory: str = ""
+    docker: str = "docker"
+
+    def describe(self) -> str:
+        """The image, its platform and the memory limit, as a log line says them."""
+        parts = [self.image] + ([self.platform] if self.platform else [])
+        return " ".join(parts) + (f", memory limit {self.memory}" if self.memory else "")
+
+    def name_for(self, state: Path, node: str) -> str:
+        """The container's name: one per deployment (its state folder) and node."""
+        return f"fedcybgd-{hashlib.sha256(str(state).encode()).hexdigest()[:10]}-{node}"
+
+    def command(self, state: Path, node: str, cmd: list[str],
+                env: Mapping[str, str]) -> list[str]:
+        """``docker run ... image cmd``: the SuperNode's command inside its container."""
+        run = [self.docker, "run", "--rm", "--init", "--name", self.name_for(state, node),
+               "--network", "host", "--user", f"{os.getuid()}:{os.getgid()}",
+               "-v", f"{state}:{state}", "-e", f"HOME={state / node}"]
+        if self.platform:
+            run += ["--platform", self.platform]
+        if self.memory:
+            run += ["--memory", self.memory, "--memory-swap", self.memory]
+        for key in CONTAINER_ENV:
+            if key in env:
+                run += ["-e", f"{key}={env[key]}"]
+        return [*run, self.image, *cmd]
+
+    def remove(self, state: Path, node: str) -> None:
+        """Remove the node's container if it outlived its ``docker run`` (a SIGKILL)."""
+        subprocess.run([self.docker, "rm", "-f", self.name_for(state, node)],
+                       capture_output=True, check=False, timeout=60)
+
+
 @dataclass
 class LocalDeployment:
     """A SuperLink, SuperNodes and the ``flwr`` CLI on 127.0.0.1, each with its own FLWR_HOME.
@@ -146,6 +200,7 @@ class LocalDeployment:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     port: int = 0
     fleet_port: int = 0
+    node_container: NodeContainer | None = None
     procs: dict[str, Proc] = field(default_factory=dict)
     cert_files: certs.CertFiles | None = None
 
@@ -207,18 +262,21 @@ class LocalDeployment:
         env.update(self.extra_env)
         return env
 
-    def _spawn(self, name: str, cmd: list[str]) -> Proc:
+    def _spawn(self, name: str, cmd: list[str], container: NodeContainer | None = None) -> Proc:
         if name in self.procs and self.procs[name].exit_code() is None:
             raise DeployError(f"{name} is already running")
         home = self.state / name
         home.mkdir(parents=True, exist_ok=True)
+        env = self.env(home)
+        argv = ([str(BIN_DIR / cmd[0]), *cmd[1:]] if container is None
+                else container.command(self.state, name, cmd, env))
         log = self.logs / f"{name}.log"
         handle = log.open("a")
-        handle.write(f"$ {shlex.join(cmd)}\n")
+        handle.write(f"$ {shlex.join(argv)}\n")
         handle.flush()
         popen = subprocess.Popen(
-            [str(BIN_DIR / cmd[0]), *cmd[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=self.env(home), cwd=home, start_new_session=True,
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env, cwd=home, start_new_session=True,
         )
         assert popen.stdout is not None
         pump = threading.Thread(target=_pump, args=(popen.stdout, handle), daemon=True,
@@ -291,7 +349,8 @@ class LocalDeployment:
             key = self.node_key(name)
         cache = self.state / name / "cache"
         config = node_config(partition_id, num_partitions, str(cache), **(extra or {}))
-        return self._spawn(name, self.supernode_args(name, config, free_port(), key))
+        return self._spawn(name, self.supernode_args(name, config, free_port(), key),
+                           self.node_container)
 
     def start_supernodes(self, count: int,
                          per_node: Mapping[int, Mapping[str, object]] | None = None
@@ -362,6 +421,8 @@ class LocalDeployment:
         proc = self.procs[name]
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.popen.pid, signal.SIGKILL)
+        if self.node_container is not None and name.startswith("supernode"):
+            self.node_container.remove(self.state, name)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=10.0)
         proc.close_log()
@@ -372,9 +433,14 @@ class LocalDeployment:
         SIGKILL to whatever is left after ``grace_s``.
 
         Each group (``start_new_session``) holds the process, the SuperExec it spawned and the
-        ServerApp/ClientApp processes, so nothing outlives the deployment.
+        ServerApp/ClientApp processes, so nothing outlives the deployment; a node's container
+        is removed besides.
         """
         self._stop([p for p in self.procs.values() if not p.handle.closed], grace_s)
+        if self.node_container is not None:
+            for name in self.procs:
+                if name.startswith("supernode"):
+                    self.node_container.remove(self.state, name)
 
     @staticmethod
     def _stop(procs: list[Proc], grace_s: float) -> None:
@@ -450,12 +516,15 @@ def run_deployment(
     timeout: float = 3600.0,
     per_node: Mapping[int, Mapping[str, object]] | None = None,
     replace_outputs: bool = False,
+    node_container: NodeContainer | None = None,
 ) -> DeployResult:
     """Bring the topology up, run the app once, bring it down; returns how the run ended.
 
     ``output_dir`` applies unless ``run_config`` sets ``output-dir``; logs go to its ``logs/``.
     ``replace_outputs``: unless ``run_config`` sets ``output-dir``, ``overwrite`` or
     ``resume``, the run replaces the previous run's outputs there (``overwrite = true``).
+    ``node_container``: the SuperNodes run in containers of that image (another architecture,
+    a hard memory limit).
     """
     given = parse_config(run_config)
     output_dir = output_dir_of(run_config, output_dir)
@@ -471,7 +540,8 @@ def run_deployment(
     overrides = merge_config(defaults, run_config)
     print(f"logs: {logs}", flush=True)
     try:
-        with LocalDeployment(state, logs, tls=tls, threads_per_process=threads) as dep:
+        with LocalDeployment(state, logs, tls=tls, threads_per_process=threads,
+                             node_container=node_container) as dep:
             dep.start_superlink()
             print(f"SuperLink on {'https' if tls else 'http'}://{dep.address} "
                   f"({'TLS, SuperNode authentication' if tls else 'insecure'}; state {state})",
@@ -480,7 +550,9 @@ def run_deployment(
                 print(f"SuperNodes dial the Fleet gateway on https://{dep.fleet_address}",
                       flush=True)
             dep.start_supernodes(nodes, per_node)
-            dep.wait_nodes(nodes)
+            if node_container is not None:
+                print(f"SuperNodes in containers: {node_container.describe()}", flush=True)
+            dep.wait_nodes(nodes, timeout=600.0 if node_container else 120.0)
             print(f"{nodes} SuperNodes online; flwr run --run-config \"{overrides}\"",
                   flush=True)
             started = time.time()
@@ -522,16 +594,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep FLWR_HOMEs, database, certificates and node caches here "
                              "(default: a temporary folder, removed at the end)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the run")
+    parser.add_argument("--node-image", default=None,
+                        help="run each SuperNode in a container of this image (docker, host "
+                             "network), e.g. fedcybgd:0.1.0-arm64 from "
+                             "scripts/prepare-docker-offline.sh --platform linux/arm64")
+    parser.add_argument("--node-platform", default="",
+                        help="the node image's platform, e.g. linux/arm64 (emulated on x86)")
+    parser.add_argument("--node-memory", default="",
+                        help="a hard memory limit per node container, e.g. 1.5g (the node "
+                             "budgets within it)")
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error("--nodes must be >= 1")
+    if (args.node_platform or args.node_memory) and not args.node_image:
+        parser.error("--node-platform and --node-memory need --node-image")
+    container = (NodeContainer(args.node_image, args.node_platform, args.node_memory)
+                 if args.node_image else None)
     run_config = args.run_config
     if args.quick:
         run_config = merge_config(QUICK_RUN_CONFIG, run_config)
     try:
         result = run_deployment(args.nodes, run_config, args.output_dir or DEFAULT_OUTPUT_DIR,
                                 tls=args.tls, state=args.state_dir, timeout=args.timeout,
-                                replace_outputs=args.output_dir is None)
+                                replace_outputs=args.output_dir is None,
+                                node_container=container)
     except DeployError as err:
         print(f"deploy-local failed: {err}", file=sys.stderr)
         return 1
