@@ -163,13 +163,28 @@ def _default_run_config() -> dict[str, Any]:
     return config
 
 
+# What a SuperNode's own processes (flower-supernode, its SuperExec) hold in anonymous memory
+# beside the ClientApp: about 100 MB measured in the node's container; 200 MB leaves room.
+SUPERNODE_ANON_BYTES = 200 * 2**20
+
+
+def _bytes(limit: str | int) -> int:
+    """A compose ``mem_limit`` (``3g``, ``1536m``, bytes) in bytes."""
+    text = str(limit).strip().lower().rstrip("b")
+    scale = {"k": 2**10, "m": 2**20, "g": 2**30}.get(text[-1:], 1)
+    return int(float(text.rstrip("kmg")) * scale)
+
+
 def test_example_nodes_fit_the_default_model() -> None:
     """Every SuperNode of the example, as configured, has an update rule that fits its memory
-    budget on every block of a default run: none is left out of the run it was written for.
+    budget (its container's hard limit, less the SuperNode's own processes) on every block of a
+    default run: none is left out of the run it was written for.
     The estimate is the client's own (fedcybgd.memory.estimate), on SmolLM2's real shapes (a
     randomly initialised model from its config: the weights do not matter)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from fedcybgd.client.limits import enforced_budget
+    from fedcybgd.core.measure import CgroupMemory
     from fedcybgd.memory.estimate import ModelShape, estimate_peak_mb, fitting_rule
     from fedcybgd.model.blocks import BlockMap
     from fedcybgd.model.loading import smollm2_folder
@@ -189,6 +204,9 @@ def test_example_nodes_fit_the_default_model() -> None:
             command = services[name]["command"]
             nodes[name] = NodeConfig.from_node_config(
                 parse_config(command[command.index("--node-config") + 1]))
+            # the node's budget under its container's hard limit, the SuperNode process beside it
+            limit = CgroupMemory(_bytes(services[name]["mem_limit"]), SUPERNODE_ANON_BYTES)
+            nodes[name] = enforced_budget(nodes[name], limit)
         budgeted = {n: c for n, c in nodes.items() if c.memory_budget_mb}
         assert budgeted, "the example should show a node with a memory budget"
         for name, node in budgeted.items():

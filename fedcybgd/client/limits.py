@@ -24,6 +24,7 @@ field, the value asked and the node's limit. The checks read only sizes, counts 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 
 from flwr.app import ArrayRecord
@@ -33,6 +34,7 @@ from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.core.measure import CgroupMemory
 
 MB = 2**20
+log = logging.getLogger(__name__)
 
 
 class Refusal(ValueError):
@@ -131,4 +133,6 @@ def enforced_budget(node: NodeConfig, cgroup: CgroupMemory | None) -> NodeConfig
     room = max(cgroup.room_mb(), 1.0)
     if node.memory_budget_mb and node.memory_budget_mb <= room:
         return node
+    log.info("memory limit %.0f MB (%.0f MB held beside this process): budget %.0f MB",
+             cgroup.limit_bytes / MB, cgroup.others_bytes / MB, room)
     return dataclasses.replace(node, memory_budget_mb=round(room, 1))
