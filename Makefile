@@ -54,11 +54,15 @@ venv-defaults:
 demo: install
 	$(BIN)/fedcybgd demo
 
+# Two workers (pytest-xdist), each test file on one of them (its module fixtures built once);
+# TEST_WORKERS=0 runs in this process alone.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_WORKERS)
 
 # The Flower-facing tests against the newest Flower nightly, in a venv of its own (.venv-next):
 # the Simulation Engine, real SuperLink/SuperNodes, the FedAvg baselines under Strategy.start,

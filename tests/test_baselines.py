@@ -217,6 +217,7 @@ def test_bad_baseline_config_names_the_key(fedavg_config, key, value, fragment):
         RunConfig.from_run_config(dict(fedavg_config, **{key: value}))
 
 
+@pytest.mark.slow
 def test_process_grid_gives_the_same_run_as_loopback(tiny_run_config, tmp_path):
     # Prepare: the same FedCyBGD run, clients in this process vs in a child process
     def config(name: str) -> dict[str, Any]:

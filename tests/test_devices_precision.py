@@ -293,6 +293,7 @@ def _two_nodes(config, tmp_path):
 
 @pytest.mark.parametrize("frozen", [{"frozen-dtype": "bfloat16"},
                                     {"frozen-dtype": "bfloat16", "frozen-quant": "int8"}])
+@pytest.mark.slow
 def test_federated_rounds_with_frozen_blocks_sync_by_delta_without_resyncs(
         tiny_run_config, tmp_path, frozen):
     # Prepare: two nodes, delta downloads, several rounds so each node gets blocks that
@@ -311,6 +312,7 @@ def test_federated_rounds_with_frozen_blocks_sync_by_delta_without_resyncs(
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_lezo_seedlogs_replay_exactly_with_frozen_int8_blocks(tiny_run_config, tmp_path):
     config = dict(tiny_run_config, **{"update-rule": "lezo", "upload-codec": "seedlog",
                                       "frozen-dtype": "bfloat16", "frozen-quant": "int8",
@@ -376,6 +378,7 @@ def test_fo_rule_with_recompute_trains_the_same_block(tiny_run_config):
 
 
 # --------------------------------------------------------------------------- evaluator
+@pytest.mark.slow
 def test_the_evaluator_can_run_as_the_clients_hold_frozen_blocks(tiny_run_config):
     from fedcybgd.server.common import Evaluator
 

@@ -176,6 +176,7 @@ def test_metrics_resume_drops_later_rows_and_skips_torn_lines(tmp_path, caplog):
     assert "line 4: dropping the row of round 3" in caplog.text
 
 
+@pytest.mark.slow
 def test_redone_round_appears_once_in_metrics(tiny_run_config, tmp_path, monkeypatch):
     # Prepare: a 3-round run whose server dies while checkpointing round 2
     config = dict(tiny_run_config, **{"num-server-rounds": 3})
@@ -197,6 +198,7 @@ def test_redone_round_appears_once_in_metrics(tiny_run_config, tmp_path, monkeyp
     assert [r["round"] for r in rows(out)] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_kill_between_checkpoint_and_its_row_restores_the_row(tiny_run_config, tmp_path,
                                                               monkeypatch):
     # Prepare: the server dies after checkpointing round 2, before writing its metrics row
@@ -221,6 +223,7 @@ def test_kill_between_checkpoint_and_its_row_restores_the_row(tiny_run_config, t
     assert records[2]["blocks"] and records[2]["train_loss"] is not None
 
 
+@pytest.mark.slow
 def test_torn_last_metrics_line_does_not_stop_resume(tiny_run_config, tmp_path, caplog):
     # Prepare: 2 rounds done, then a torn write of a third row
     config = dict(tiny_run_config, **{"num-server-rounds": 2})
@@ -236,6 +239,7 @@ def test_torn_last_metrics_line_does_not_stop_resume(tiny_run_config, tmp_path, 
     assert "metrics.jsonl line 4 is torn or unreadable" in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", ["first block file", "state.json"])
 def test_killed_checkpoint_resumes_to_the_uninterrupted_model(tiny_run_config, tmp_path,
                                                               kill_at):
@@ -267,6 +271,7 @@ def test_killed_checkpoint_resumes_to_the_uninterrupted_model(tiny_run_config, t
     assert files == {"state.json"} | {e["file"] for e in state["blocks"].values()}
 
 
+@pytest.mark.slow
 def test_resumed_quantized_install_run_ends_where_the_uninterrupted_one_does(tiny_run_config,
                                                                              tmp_path):
     # Prepare: four nodes on one block a round, installs rounded to int8 deltas (the server
@@ -299,6 +304,7 @@ def test_second_fresh_run_refuses_the_used_output_dir(tiny_run_config, tmp_path)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_the_outputs_and_says_so(tiny_run_config, tmp_path, caplog):
     # Prepare: an earlier run's outputs and a file of the user's
     out = Path(tiny_run_config["output-dir"])
@@ -315,6 +321,7 @@ def test_overwrite_replaces_the_outputs_and_says_so(tiny_run_config, tmp_path, c
     assert [r["round"] for r in rows(out)] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_the_launchers_logs_folder_does_not_count_as_outputs(tiny_run_config, tmp_path):
     # Prepare: fedcybgd.deploy.local writes <output-dir>/logs before the ServerApp starts
     out = Path(tiny_run_config["output-dir"])
@@ -339,6 +346,7 @@ def fedavg_config(tiny_run_config: dict[str, Any]) -> dict[str, Any]:
                                     "num-server-rounds": 1})
 
 
+@pytest.mark.slow
 def test_fedavg_follows_the_same_output_rule(fedavg_config, tmp_path):
     # Prepare: a folder holding an earlier run's metrics
     out = Path(fedavg_config["output-dir"])

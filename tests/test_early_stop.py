@@ -63,6 +63,7 @@ def test_settings_early_stopping_cannot_use_are_refused(keys, fragment):
         RunConfig.from_run_config(keys)
 
 
+@pytest.mark.slow
 def test_a_run_that_stops_improving_ends_early_and_says_why(tiny_run_config, tmp_path):
     from fedcybgd.client.app import app as client_app
     from fedcybgd.harness.loopback import LoopbackGrid

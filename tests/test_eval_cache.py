@@ -90,6 +90,7 @@ def test_a_damaged_entry_is_ignored_and_rewritten(tiny_run_config, model, cache,
     assert json.loads(entry.read_text())["loss"] == good.loss
 
 
+@pytest.mark.slow
 def test_fedcybgd_and_fedavg_runs_share_round_0_and_say_so(tiny_run_config, model, cache,
                                                            tmp_path):
     # Prepare: a FedCyBGD run and a FedAvg-full run from the same pretrained weights

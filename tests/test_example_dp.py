@@ -183,6 +183,7 @@ def test_example_dp_settings_that_would_not_be_private_are_refused(overrides, fr
 # -------------------------------------------------------------------------------- a run
 
 
+@pytest.mark.slow
 def test_a_run_ends_cleanly_when_the_nodes_budgets_are_spent(tiny_run_config, tmp_path):
     from fedcybgd.client.app import app as client_app
     from fedcybgd.harness.loopback import LoopbackGrid

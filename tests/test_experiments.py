@@ -17,6 +17,7 @@ def run_harness(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_smoke_profile_writes_results_table_and_plots(tmp_path):
     # Prepare: two methods of the smoke profile, the seed check included
     common = ["--profile", "smoke", "--results", str(tmp_path / "results"),
@@ -89,6 +90,7 @@ def test_targets_read_pass_and_miss_at_their_boundaries():
     assert "within 1.1x of inference memory: MISS (1.200x" in text
 
 
+@pytest.mark.slow
 def test_sweep_runs_every_setting_and_marks_each_methods_best(tmp_path):
     # Prepare: the smoke sweep (tiny random model): fo over 2 lrs x 2 layouts on 2 partitions,
     # LoRA at one lr on one partition

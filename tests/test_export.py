@@ -53,6 +53,7 @@ def test_rotary_interleave_is_what_transformers_gguf_reader_undoes():
         assert np.array_equal(undo(mixed, 8, heads), weight)
 
 
+@pytest.mark.slow
 def test_a_tiny_llama_round_trips_exactly_at_f32_and_within_q8_0s_tolerance(tmp_path):
     folder = _folder("tiny-llama", tmp_path)
     exact, f32 = _round_trip(folder, "f32", tmp_path)

@@ -168,6 +168,7 @@ def test_loopback_fedavg_same_seed_same_metrics(tiny_run_config, tmp_path, monke
 
 
 # ------------------------------------------------------------------------ process Grid
+@pytest.mark.slow
 def test_process_grid_same_seed_same_metrics(repro_config, tmp_path, monkeypatch):
     assert id_order_differs(SALTS, 5)
     records = []
