@@ -10,6 +10,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Round-0 evaluations the tests cache stay in a folder of this session (subprocesses inherit
 # it), not in the user's ~/.cache/fedcybgd/evals.
 os.environ.setdefault("FEDCYBGD_EVAL_CACHE", tempfile.mkdtemp(prefix="fedcybgd-evals-"))
+# Under pytest-xdist (make test: one worker per core) torch's intra-op threads, one per core
+# by default in each worker and in every process a test starts, would make the workers fight
+# over the same cores: one thread each.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from collections.abc import Iterator
 from pathlib import Path
