@@ -120,5 +120,15 @@ compose-build:
 compose-test: install
 	$(BIN)/python -m pytest -q -s -rs tests/test_compose.py tests/test_compose_e2e.py
 
+# An arm64 SuperNode (the node image built for linux/arm64; on an x86 machine every arm64
+# instruction is emulated by qemu, so this takes long) joins a SuperLink on 127.0.0.1 over TLS
+# with node authentication: tiny model with fo, zerolock and lezo, SmolLM2 with lezo, each beside
+# the same run on an x86 node; figures in experiments/results/arm64/ (docs/deploy.md 4.1).
+.PHONY: arm64-node
+arm64-node: install
+	bash scripts/prepare-docker-offline.sh --install --platform linux/arm64
+	bash scripts/prepare-docker-offline.sh
+	$(BIN)/python experiments/arm64_node.py --resume
+
 clean:
 	rm -rf $(VENV) outputs

@@ -36,6 +36,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRA="$ROOT/docker-extra"
 DEFAULT_BASE="python:3.11-slim"
 DEBIAN_MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+QEMU_DIR="${FEDCYBGD_QEMU_DIR:-/usr/local/lib/fedcybgd-qemu}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 DOCKERD_LOG="${DOCKERD_LOG:-/var/log/fedcybgd-dockerd.log}"
@@ -141,6 +142,29 @@ if [ "$foreign" = 1 ]; then
     # F (fix binary): the kernel opens qemu once, so it runs inside containers and chroots too
     grep -q '^flags: .*F' /proc/sys/fs/binfmt_misc/qemu-aarch64 \
         || fail "qemu-aarch64's binfmt handler lacks the F flag; containers cannot use it"
+    # qemu before 8 (Debian 12 has 7.2) crashes in torch's aarch64 kernels (SIGSEGV at the first
+    # matmul, after "Can't open MIDR_EL1"); Debian 13's static qemu-aarch64 (10.x) runs them.
+    # It is unpacked from Debian's own package into $QEMU_DIR and registered in place of the old.
+    handler="$(sed -n 's/^interpreter //p' /proc/sys/fs/binfmt_misc/qemu-aarch64)"
+    major="$("$handler" --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1)"
+    if [ "${major:-0}" -lt 8 ]; then
+        if [ ! -x "$QEMU_DIR/usr/bin/qemu-aarch64" ]; then
+            say "emulation: qemu ${major:-?} crashes torch on arm64; fetching Debian 13's qemu-user"
+            command -v xz >/dev/null 2>&1 || fail "xz is needed to read Debian's package index"
+            pool="$(curl -fsS "$DEBIAN_MIRROR/dists/trixie/main/binary-amd64/Packages.xz" | xz -dc \
+                | awk '/^Package: qemu-user$/{p=1} p&&/^Filename:/{print $2; exit} /^$/{p=0}')"
+            [ -n "$pool" ] || fail "no qemu-user in Debian 13's index at $DEBIAN_MIRROR"
+            tmp="$(mktemp -d)"
+            curl -fsS -o "$tmp/qemu-user.deb" "$DEBIAN_MIRROR/$pool" \
+                || fail "could not download $DEBIAN_MIRROR/$pool"
+            mkdir -p "$QEMU_DIR" && dpkg-deb -x "$tmp/qemu-user.deb" "$QEMU_DIR"
+            rm -rf "$tmp"
+        fi
+        echo -1 > /proc/sys/fs/binfmt_misc/qemu-aarch64
+        printf '%s' ':qemu-aarch64:M::\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00:\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff:'"$QEMU_DIR"'/usr/bin/qemu-aarch64:FPC' \
+            > /proc/sys/fs/binfmt_misc/register \
+            || fail "could not register $QEMU_DIR/usr/bin/qemu-aarch64 for arm64 binaries"
+    fi
     say "emulation: arm64 binaries run through $(sed -n 's/^interpreter //p' /proc/sys/fs/binfmt_misc/qemu-aarch64)"
 fi
 
