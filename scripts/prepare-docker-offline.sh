@@ -145,14 +145,14 @@ if [ "$foreign" = 1 ]; then
     # qemu before 8 (Debian 12 has 7.2) crashes in torch's aarch64 kernels (SIGSEGV at the first
     # matmul, after "Can't open MIDR_EL1"); Debian 13's static qemu-aarch64 (10.x) runs them.
     # It is unpacked from Debian's own package into $QEMU_DIR and registered in place of the old.
-    handler="$(sed -n 's/^interpreter //p' /proc/sys/fs/binfmt_misc/qemu-aarch64)"
+    handler="$(readlink -f "$(sed -n 's/^interpreter //p' /proc/sys/fs/binfmt_misc/qemu-aarch64)")"
     major="$("$handler" --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1)"
     if [ "${major:-0}" -lt 8 ]; then
         if [ ! -x "$QEMU_DIR/usr/bin/qemu-aarch64" ]; then
             say "emulation: qemu ${major:-?} crashes torch on arm64; fetching Debian 13's qemu-user"
             command -v xz >/dev/null 2>&1 || fail "xz is needed to read Debian's package index"
             pool="$(curl -fsS "$DEBIAN_MIRROR/dists/trixie/main/binary-amd64/Packages.xz" | xz -dc \
-                | awk '/^Package: qemu-user$/{p=1} p&&/^Filename:/{print $2; exit} /^$/{p=0}')"
+                | awk '/^Package: qemu-user$/{p=1} p&&/^Filename:/&&!f{print $2; f=1} /^$/{p=0}')"
             [ -n "$pool" ] || fail "no qemu-user in Debian 13's index at $DEBIAN_MIRROR"
             tmp="$(mktemp -d)"
             curl -fsS -o "$tmp/qemu-user.deb" "$DEBIAN_MIRROR/$pool" \
