@@ -8,9 +8,11 @@
 #   --platform linux/arm64 prepares the same image for an arm64 board (Raspberry Pi 4/5, Jetson)
 #   and, on an x86 machine, builds it under emulation: qemu-user-static's binfmt handler must be
 #   registered (--install installs qemu-user-static and binfmt-support). The base image is then
-#   fedcybgd-base:bookworm-arm64, torch the aarch64 wheel from PyPI (a CPU build), the build
-#   arguments docker-extra/build-arm64.env and the image fedcybgd:0.1.0-arm64. On an arm64 machine
-#   the same command builds natively.
+#   fedcybgd-base:bookworm-arm64, torch the CPU index's aarch64 build (without the index: PyPI's
+#   aarch64 wheel, a CUDA build that runs on the CPU too but adds ~3.5 GB), the build arguments
+#   docker-extra/build-arm64.env and the image fedcybgd:0.1.0-arm64. qemu older than 8 crashes in
+#   torch's aarch64 kernels: Debian 13's static qemu-aarch64 is unpacked and registered instead.
+#   On an arm64 machine the same command builds natively.
 #
 #   1. Docker engine: `docker info` answers, else start the installed `dockerd` (as root; log in
 #      $DOCKERD_LOG). --install first apt-get installs docker.io, docker-compose and debootstrap
@@ -227,20 +229,21 @@ host_pip() {
 }
 mkdir -p "$EXTRA/wheels"
 torch_spec="torch==$TORCH_VERSION" torch_index="$TORCH_INDEX" find_links=""
-if [ "$arch" = arm64 ]; then
-    # PyPI's aarch64 torch is a CPU build; the host's pip fetches it for the image's Python
+if curl -fsS --max-time 10 -o /dev/null "$TORCH_INDEX/torch/" 2>/dev/null; then
+    say "torch: the CPU index answers; the image installs $torch_spec from it"
+elif [ "$arch" = arm64 ]; then
+    # Without the CPU index, PyPI's aarch64 torch: a CUDA build (its nvidia-* and triton
+    # dependencies add ~3.5 GB to the image) that runs on the CPU as well
     wheel="$(ls "$EXTRA"/wheels/torch-"$TORCH_VERSION"-cp311-*aarch64.whl 2>/dev/null | head -1 || true)"
     if [ -z "$wheel" ]; then
-        say "torch: asking the host's pip for the aarch64 wheel of torch==$TORCH_VERSION"
+        say "torch: the CPU index does not answer; asking the host's pip for PyPI's aarch64 wheel"
         host_pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
             --platform "$WHEEL_PLATFORM" -d "$EXTRA/wheels" "torch==$TORCH_VERSION" \
             || fail "the host's pip cannot get torch==$TORCH_VERSION for $WHEEL_PLATFORM"
         wheel="$(ls "$EXTRA"/wheels/torch-"$TORCH_VERSION"-cp311-*aarch64.whl | head -1)"
     fi
-    say "torch: docker-extra/wheels/$(basename "$wheel")"
+    say "torch: docker-extra/wheels/$(basename "$wheel") (PyPI's: a CUDA build, ~3.5 GB more)"
     torch_index="" find_links="docker-extra/wheels"
-elif curl -fsS --max-time 10 -o /dev/null "$TORCH_INDEX/torch/" 2>/dev/null; then
-    say "torch: the CPU index answers; the image installs $torch_spec from it"
 else
     wheel="$(ls "$EXTRA"/wheels/torch-"$TORCH_VERSION"+cpu-cp311-*.whl 2>/dev/null | head -1 || true)"
     if [ -z "$wheel" ]; then
