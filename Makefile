@@ -122,7 +122,8 @@ compose-test: install
 
 # An arm64 SuperNode (the node image built for linux/arm64; on an x86 machine every arm64
 # instruction is emulated by qemu, so this takes long) joins a SuperLink on 127.0.0.1 over TLS
-# with node authentication: tiny model with fo, zerolock and lezo, SmolLM2 with lezo, each beside
+# with node authentication: SmolLM2 one round with fo, zerolock and lezo (and the tiny random
+# model, which the server refuses: its initialisation differs across architectures), each beside
 # the same run on an x86 node; figures in experiments/results/arm64/ (docs/deploy.md 4.1).
 .PHONY: arm64-node
 arm64-node: install
