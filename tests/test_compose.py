@@ -163,8 +163,9 @@ def _default_run_config() -> dict[str, Any]:
     return config
 
 
-# What a SuperNode's own processes (flower-supernode, its SuperExec) hold in anonymous memory
-# beside the ClientApp: about 100 MB measured in the node's container; 200 MB leaves room.
+# An allowance for what a SuperNode's own processes (flower-supernode, its SuperExec) hold in
+# anonymous memory beside the ClientApp: `ps` showed 128-141 MB RSS each, shared library pages
+# included (anonymous memory is less); 200 MB for the two is on the safe side of what they hold.
 SUPERNODE_ANON_BYTES = 200 * 2**20
 
 

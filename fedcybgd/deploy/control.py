@@ -23,6 +23,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -211,8 +212,8 @@ class Control:
                 return status
             if time.monotonic() > deadline:
                 raise DeployError(f"run {run_id} still '{status}' after {timeout:.0f} s")
-            if stream.returncode is not None and stream.returncode != -9:
-                time.sleep(poll_s)  # the stream ended before the run: not a busy loop
+            if stream.returncode != -signal.SIGKILL:  # it ended before the run, not killed here
+                time.sleep(poll_s)  # not a busy loop
 
     def run_log(self, run_id: int) -> str:
         """The ServerApp's log so far (``flwr log --show``)."""

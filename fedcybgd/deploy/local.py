@@ -112,13 +112,15 @@ def _pump(source: IO[bytes], sink: TextIO) -> None:
 
 @dataclass
 class Proc:
-    """A started process, its log file, the log's handle and the thread that writes it."""
+    """A started process, its log file, the log's handle and the thread that writes it; for a
+    node in a container, the container it runs in."""
 
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
     handle: TextIO
     pump: threading.Thread | None = None
+    container: NodeContainer | None = None
 
     def exit_code(self) -> int | None:
         """None while the process runs."""
@@ -282,7 +284,7 @@ class LocalDeployment:
         pump = threading.Thread(target=_pump, args=(popen.stdout, handle), daemon=True,
                                 name=f"log-{name}")
         pump.start()
-        proc = Proc(name, popen, log, handle, pump)
+        proc = Proc(name, popen, log, handle, pump, container)
         self.procs[name] = proc
         return proc
 
@@ -421,8 +423,8 @@ class LocalDeployment:
         proc = self.procs[name]
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.popen.pid, signal.SIGKILL)
-        if self.node_container is not None and name.startswith("supernode"):
-            self.node_container.remove(self.state, name)
+        if proc.container is not None:
+            proc.container.remove(self.state, name)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=10.0)
         proc.close_log()
@@ -436,11 +438,11 @@ class LocalDeployment:
         ServerApp/ClientApp processes, so nothing outlives the deployment; a node's container
         is removed besides.
         """
-        self._stop([p for p in self.procs.values() if not p.handle.closed], grace_s)
-        if self.node_container is not None:
-            for name in self.procs:
-                if name.startswith("supernode"):
-                    self.node_container.remove(self.state, name)
+        running = [p for p in self.procs.values() if not p.handle.closed]
+        self._stop(running, grace_s)
+        for proc in running:
+            if proc.container is not None:
+                proc.container.remove(self.state, proc.name)
 
     @staticmethod
     def _stop(procs: list[Proc], grace_s: float) -> None:
