@@ -68,7 +68,7 @@ test-fast: install
 # the Simulation Engine, real SuperLink/SuperNodes, the FedAvg baselines under Strategy.start,
 # DP wrappers, the node command. Not part of make test (it needs the network and a second venv).
 NEXT_VENV ?= .venv-next
-FLOWER_NEXT_TESTS ?= tests/test_baselines.py tests/test_loopback_run.py tests/test_simulation.py \
+FLOWER_NEXT_TESTS ?= tests/test_baselines.py tests/test_loopback_run.py tests/test_reproducible.py \
 	tests/test_early_stop.py tests/test_deploy.py tests/test_privacy.py tests/test_node_command.py
 test-flower-next:
 	$(PYTHON) -m venv $(NEXT_VENV)

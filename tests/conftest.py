@@ -28,6 +28,17 @@ import pytest
 from flwr.supercore.task_identity import TaskIdentity
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with the most whole-run (``slow``) tests first, each file's tests kept together
+    and in order: under ``--dist loadfile`` the longest files start early, so no worker is left
+    with a long file at the end while the other has nothing to do."""
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + \
+            int(item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # stable: order within
+
+
 @pytest.fixture(autouse=True)
 def _flower_task_identity() -> Iterator[None]:
     """Building an instruction Message outside a Flower runtime needs a task identity."""

@@ -159,10 +159,12 @@ def test_deploy_local_twice_then_a_failing_run_says_why(tmp_path, monkeypatch, c
     out = tmp_path / "deploy-local"
     monkeypatch.setattr(local, "DEFAULT_OUTPUT_DIR", out)
     data = bad_csv(tmp_path / "bad.csv")
-    # Execute: `make deploy-local QUICK=1 NODES=2` twice, then with data nobody can read
-    first = local.main(["--quick", "--nodes", "2"])
+    # Execute: `make deploy-local QUICK=1 NODES=2` twice (one round is enough to show the
+    # second replaces the first), then with data nobody can read
+    one_round = ["--run-config", "num-server-rounds=1"]
+    first = local.main(["--quick", "--nodes", "2", *one_round])
     first_out = capsys.readouterr().out
-    second = local.main(["--quick", "--nodes", "2"])
+    second = local.main(["--quick", "--nodes", "2", *one_round])
     second_out = capsys.readouterr().out
     rows = (out / "metrics.jsonl").read_text().splitlines()
     failed = local.main(["--quick", "--nodes", "2", "--run-config", f"dataset='{data}'"])
@@ -172,7 +174,7 @@ def test_deploy_local_twice_then_a_failing_run_says_why(tmp_path, monkeypatch, c
     assert first == 0 and "status: finished:completed" in first_out
     assert second == 0 and "status: finished:completed" in second_out, second_out
     assert "final/" in second_out.splitlines()[-2]
-    assert len(rows) == 3  # rounds 0-2 of the second run only: the first's were replaced
+    assert len(rows) == 2  # rounds 0-1 of the second run only: the first's were replaced
     assert failed == 1
     assert "status: finished:failed" in failed_std.out
     why = [x for x in failed_std.err.splitlines() if x.startswith("why: ")]
