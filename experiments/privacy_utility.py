@@ -1,12 +1,18 @@
 """Privacy against utility: user-level DP at several epsilons on a simulated federation.
 
 The real ServerApp and ClientApp on an in-process loopback federation of ``--nodes`` nodes
-(``clients-per-round`` of them a round, all on the round's block), ``dp = "central"``: each
-privacy level's noise multiplier is the smallest whose accounted epsilon after ``--rounds``
-rounds at that sampling rate is at most the level (``dp-delta`` 1e-5), with ``dp-target-epsilon``
-set to the level. Beside them the same runs without DP. Per seed the final eval loss and
-accuracy; the table gives mean [min-max] over seeds and each level's share of the no-DP run's
-loss drop; the plot the loss against epsilon.
+(``clients-per-round`` of them a round), ``dp = "central"``: each privacy level's noise
+multiplier is the smallest whose accounted epsilon after ``--rounds`` rounds at that sampling
+rate is at most the level (``dp-delta`` 1e-5), with ``dp-target-epsilon`` set to the level.
+Beside them the same runs without DP. Methods (``--methods``, the registry ``METHODS``):
+FedCyBGD ``fo`` (every node of the round on the round's block, the server noises the merged
+block) and the FedAvg baselines over the whole model and over LoRA adapters under Flower's own
+``DifferentialPrivacyServerSideFixedClipping`` (noise on the whole averaged update), accounted
+with the same RDP accountant at the same sampling rate, so each level is the same guarantee for
+every method. Each method has its own learning rate and clip norm (about its median honest
+update norm, measured without DP). Per seed the final eval loss and accuracy; the table gives
+mean [min-max] over seeds and each level's share of the same method's no-DP loss drop; the
+plot the loss against epsilon per method.
 
     python experiments/privacy_utility.py                 # tiny-llama, 100 nodes, 3 seeds
     python experiments/privacy_utility.py --resume        # skips runs already in results.json
@@ -29,7 +35,7 @@ from fedcybgd.client.app import app as client_app
 from fedcybgd.config import RunConfig
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.protocol.dp import epsilon
-from fedcybgd.server.app import run_server
+from fedcybgd.server.app import RUNNERS
 
 OUT = Path(__file__).parent / "results" / "privacy"
 DELTA = 1e-5
@@ -40,6 +46,15 @@ BASE: dict[str, Any] = {
     "block-schedule": "ascending", "layers-per-block": 1, "update-rule": "fo",
     "local-steps": 2, "batch-size": 4, "max-seq-len": 48, "lr": 1e-3, "eval-every": 0,
     "eval-examples": 128, "eval-batch-size": 32,
+}
+# Each method's own settings on top of BASE. ``dp-clip-norm`` is about the method's median
+# honest update norm at its rate (2 local steps, measured without DP on this federation):
+# FedCyBGD's one-layer block delta ~0.24-0.32, FedAvg-full's whole-model delta ~3.0-3.4 at lr
+# 1e-3, LoRA's adapter delta (rank 8, q/v) ~0.10-0.15 at lr 1e-3.
+METHODS: dict[str, dict[str, Any]] = {
+    "fedcybgd-fo": {"dp-clip-norm": 0.3},
+    "fedavg-full": {"strategy": "fedavg", "fedavg-params": "full", "dp-clip-norm": 3.0},
+    "fedavg-lora": {"strategy": "fedavg", "fedavg-params": "lora", "dp-clip-norm": 0.12},
 }
 
 
@@ -58,22 +73,28 @@ def noise_for(target: float, rate: float, rounds: int) -> float:
     return high
 
 
-def one_run(level: float | None, seed: int, nodes: int, per_round: int, rounds: int,
-            clip: float) -> dict[str, Any]:
+def one_run(method: str, level: float | None, seed: int, nodes: int, per_round: int,
+            rounds: int, lr: float | None = None) -> dict[str, Any]:
     rate = per_round / nodes
+    settings = dict(METHODS[method])
+    if lr is not None:
+        settings["lr"] = lr
+    clip = settings.pop("dp-clip-norm")
     dp: dict[str, Any] = {"dp": "off"}
     if level is not None:
         dp = {"dp": "central", "dp-clip-norm": clip, "dp-delta": DELTA,
               "dp-noise-multiplier": noise_for(level, rate, rounds),
               "dp-target-epsilon": level}
     with tempfile.TemporaryDirectory() as tmp:
-        config = {**BASE, "num-server-rounds": rounds, "clients-per-round": per_round,
-                  "seed": seed, "output-dir": f"{tmp}/out", **dp}
+        config = {**BASE, **settings, "num-server-rounds": rounds,
+                  "clients-per-round": per_round, "seed": seed, "output-dir": f"{tmp}/out", **dp}
         grid = LoopbackGrid(client_app, nodes, config,
                             node_config=lambda i: {"cache-dir": f"{tmp}/node-{i}"})
         began = time.perf_counter()
-        summary = run_server(grid, RunConfig.from_run_config(config), node_wait_s=5)
-    return {"epsilon_level": level, "seed": seed, "nodes": nodes, "per_round": per_round,
+        run = RunConfig.from_run_config(config)
+        summary = RUNNERS[run.strategy](grid, run)
+    return {"method": method, "lr": run.lr, "epsilon_level": level, "seed": seed,
+            "nodes": nodes, "per_round": per_round,
             "rounds": rounds, "clip": clip if level is not None else None,
             "noise_multiplier": dp.get("dp-noise-multiplier"),
             "epsilon_spent": summary.get("dp_epsilon"), "dp_stop": summary.get("dp_stop"),
@@ -88,23 +109,34 @@ def spread(values: list[float]) -> str:
     return f"{mean:.3f} [{min(values):.3f}-{max(values):.3f}]" if len(values) > 1 else f"{mean:.3f}"
 
 
+def method_of(r: dict[str, Any]) -> str:
+    """A result's method (results saved before the baselines ran are FedCyBGD's)."""
+    return str(r.get("method", "fedcybgd-fo"))
+
+
 def table(results: list[dict[str, Any]]) -> str:
-    groups: dict[float | None, list[dict[str, Any]]] = {}
-    for r in results:
-        groups.setdefault(r["epsilon_level"], []).append(r)
-    base = groups.get(None, [])
-    drop0 = statistics.fmean(r["eval_loss_before"] - r["eval_loss"] for r in base) if base else 0
-    lines = ["| privacy | noise multiplier | epsilon spent | final eval loss | loss drop vs no DP "
-             "| eval accuracy | seeds |", "|---|---|---|---|---|---|---|"]
-    for level in sorted(groups, key=lambda x: math.inf if x is None else x):
-        runs = groups[level]
-        drop = statistics.fmean(r["eval_loss_before"] - r["eval_loss"] for r in runs)
-        name = "no DP" if level is None else f"epsilon <= {level:g}"
-        noise = "-" if level is None else f"{runs[0]['noise_multiplier']:.3f}"
-        spent = "-" if level is None else spread([r["epsilon_spent"] for r in runs])
-        share = f"{drop / drop0:.0%}" if drop0 else ""
-        lines.append(f"| {name} | {noise} | {spent} | {spread([r['eval_loss'] for r in runs])} "
-                     f"| {share} | {spread([r['eval_accuracy'] for r in runs])} | {len(runs)} |")
+    lines = ["| method | privacy | noise multiplier | clip | epsilon spent | final eval loss "
+             "| loss drop vs its no DP | eval accuracy | seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for method in [m for m in METHODS if any(method_of(r) == m for r in results)]:
+        groups: dict[float | None, list[dict[str, Any]]] = {}
+        for r in results:
+            if method_of(r) == method:
+                groups.setdefault(r["epsilon_level"], []).append(r)
+        base = groups.get(None, [])
+        drop0 = (statistics.fmean(r["eval_loss_before"] - r["eval_loss"] for r in base)
+                 if base else 0)
+        for level in sorted(groups, key=lambda x: math.inf if x is None else x):
+            runs = groups[level]
+            drop = statistics.fmean(r["eval_loss_before"] - r["eval_loss"] for r in runs)
+            name = "no DP" if level is None else f"epsilon <= {level:g}"
+            noise = "-" if level is None else f"{runs[0]['noise_multiplier']:.3f}"
+            clip = "-" if level is None else f"{runs[0]['clip']:g}"
+            spent = "-" if level is None else spread([r["epsilon_spent"] for r in runs])
+            share = f"{drop / drop0:.0%}" if drop0 else ""
+            lines.append(f"| {method} | {name} | {noise} | {clip} | {spent} "
+                         f"| {spread([r['eval_loss'] for r in runs])} | {share} "
+                         f"| {spread([r['eval_accuracy'] for r in runs])} | {len(runs)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -114,26 +146,58 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     levels = sorted({r["epsilon_level"] for r in results if r["epsilon_level"] is not None})
-    for level in levels:
-        losses = [r["eval_loss"] for r in results if r["epsilon_level"] == level]
-        ax.errorbar([level], [statistics.fmean(losses)], fmt="o", color="C0",
-                    yerr=[[statistics.fmean(losses) - min(losses)],
-                          [max(losses) - statistics.fmean(losses)]])
-    base = [r["eval_loss"] for r in results if r["epsilon_level"] is None]
-    if base:
-        ax.axhspan(min(base), max(base), color="C1", alpha=0.3, label="no DP (seed range)")
+    methods = [m for m in METHODS if any(method_of(r) == m for r in results)]
+    for k, method in enumerate(methods):
+        mine = [r for r in results if method_of(r) == method]
+        xs, ys, lo, hi = [], [], [], []
+        for level in levels:
+            losses = [r["eval_loss"] for r in mine if r["epsilon_level"] == level]
+            if losses:
+                xs.append(level * (1 + 0.06 * (k - (len(methods) - 1) / 2)))  # side by side
+                ys.append(statistics.fmean(losses))
+                lo.append(ys[-1] - min(losses))
+                hi.append(max(losses) - ys[-1])
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", color=f"C{k}", label=f"{method} (DP)")
+        base = [r["eval_loss"] for r in mine if r["epsilon_level"] is None]
+        if base:
+            ax.axhspan(min(base), max(base), color=f"C{k}", alpha=0.2,
+                       label=f"{method}, no DP (seed range)")
     before = [r["eval_loss_before"] for r in results]
     ax.axhline(statistics.fmean(before), color="grey", linestyle="--", label="untrained")
     ax.set_xscale("log")
     ax.set_xlabel("epsilon (delta 1e-5), user level")
     ax.set_ylabel("final eval loss")
-    ax.set_title("Central DP on FedCyBGD: loss against privacy")
-    ax.legend()
+    ax.set_title("Central user-level DP: loss against privacy, seed range")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def tune(methods: list[str], lrs: list[float], seed: int, args: argparse.Namespace) -> None:
+    """Each method without DP at each learning rate: its final eval loss (resumable)."""
+    path = args.out / "tuning.json"
+    runs: list[dict[str, Any]] = json.loads(path.read_text()) if path.exists() else []
+    for method in methods:
+        for lr in lrs:
+            if any(r["method"] == method and r["lr"] == lr and r["seed"] == seed and
+                   r["rounds"] == args.rounds and r["nodes"] == args.nodes for r in runs):
+                continue
+            r = one_run(method, None, seed, args.nodes, args.per_round, args.rounds, lr=lr)
+            runs.append(r)
+            path.write_text(json.dumps(runs, indent=1) + "\n")
+            print(f"tune {method} lr {lr:g}: loss {r['eval_loss_before']:.4f} -> "
+                  f"{r['eval_loss']:.4f}, acc {r['eval_accuracy']:.3f}, {r['wall_s']} s",
+                  flush=True)
+    lines = [f"| method | lr | final eval loss (no DP, seed {seed}) | eval accuracy |",
+             "|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (list(METHODS).index(r["method"]), r["lr"])):
+        lines.append(f"| {r['method']} | {r['lr']:g} | {r['eval_loss']:.4f} "
+                     f"| {r['eval_accuracy']:.3f} |")
+    (args.out / "tuning.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -141,31 +205,43 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=100)
     parser.add_argument("--per-round", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--clip", type=float, default=0.3,
-                        help="dp-clip-norm (the tiny model's honest deltas: ~0.24-0.32)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--epsilons", default="1,4,8")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--tune", default="",
+                        help="comma-separated learning rates: run each method without DP "
+                             "(first seed) at each, into tuning.json / tuning.md, and stop")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "results.json"
     results: list[dict[str, Any]] = (json.loads(path.read_text())
                                      if args.resume and path.exists() else [])
-    done = {(r["epsilon_level"], r["seed"], r["nodes"], r["per_round"], r["rounds"])
-            for r in results}
+    done = {(method_of(r), r["epsilon_level"], r["seed"], r["nodes"], r["per_round"],
+             r["rounds"]) for r in results}
     levels: list[float | None] = [None, *(float(e) for e in args.epsilons.split(","))]
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for level in levels:
-            if (level, seed, args.nodes, args.per_round, args.rounds) in done:
-                continue
-            r = one_run(level, seed, args.nodes, args.per_round, args.rounds, args.clip)
-            results.append(r)
-            path.write_text(json.dumps(results, indent=1) + "\n")
-            print(f"epsilon {level}, seed {seed}: noise {r['noise_multiplier']}, spent "
-                  f"{r['epsilon_spent']}, loss {r['eval_loss_before']:.4f} -> "
-                  f"{r['eval_loss']:.4f}, acc {r['eval_accuracy']:.3f}, {r['wall_s']} s",
-                  flush=True)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
+    if args.tune:
+        tune(methods, [float(x) for x in args.tune.split(",")], int(args.seeds.split(",")[0]),
+             args)
+        return
+    for method in methods:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for level in levels:
+                if (method, level, seed, args.nodes, args.per_round, args.rounds) in done:
+                    continue
+                r = one_run(method, level, seed, args.nodes, args.per_round, args.rounds)
+                results.append(r)
+                path.write_text(json.dumps(results, indent=1) + "\n")
+                print(f"{method}, epsilon {level}, seed {seed}: noise {r['noise_multiplier']}, "
+                      f"spent {r['epsilon_spent']}, loss {r['eval_loss_before']:.4f} -> "
+                      f"{r['eval_loss']:.4f}, acc {r['eval_accuracy']:.3f}, {r['wall_s']} s",
+                      flush=True)
     text = table(results)
     (args.out / "table.md").write_text(text)
     plot(results, args.out / "privacy_utility.png")

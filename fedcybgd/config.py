@@ -43,6 +43,7 @@ from fedcybgd.core.fields import ConfigError, build, closest, coerce, normalize,
 from fedcybgd.data.catalogue import builtin_dataset
 from fedcybgd.data.kinds import task_class
 from fedcybgd.model.devices import check_device_name
+from fedcybgd.protocol.dp import adaptive_noise, count_stddev
 from fedcybgd.protocol.prior import ClassPriorSpec
 from fedcybgd.rules import RuleOptions
 
@@ -329,6 +330,20 @@ class RunConfig:
     dp_target_epsilon: float = setting(0.0, ge=0, doc=(
         "the budget: a round whose completion would spend more is not started and the run ends, "
         "saying so; 0 = no budget"))
+    dp_adaptive_clip: bool = setting(False, doc=(
+        "`central` only: the clip norm starts at `dp-clip-norm` and follows the "
+        "`dp-clip-quantile` of the nodes' delta norms, each round by a noised count of the nodes "
+        "whose delta was within it (the update noise grows so that both together are accounted "
+        "at `dp-noise-multiplier`); FedAvg baselines: Flower's adaptive-clipping wrapper"))
+    dp_clip_quantile: float = setting(0.5, gt=0, lt=1, doc=(
+        "adaptive clipping: the share of nodes whose delta the clip should leave unclipped"))
+    dp_clip_lr: float = setting(0.2, gt=0, le=10, doc=(
+        "adaptive clipping: the clip's geometric step, `clip *= exp(-lr * (share within - "
+        "quantile))`"))
+    dp_clip_count_stddev: float = setting(0.0, ge=0, doc=(
+        "adaptive clipping: the deviation of the noise on the count of unclipped nodes; 0 = "
+        "`max(clients-per-round / 20, dp-noise-multiplier)` (it must exceed half the multiplier; "
+        "at the multiplier the update noise is 1.15x the fixed clip's)"))
     max_update_norm: float = setting(0.0, ge=0, section="Robust aggregation", doc=(
         "clip each node's block delta to this L2 norm; 0 = off"))
     outlier_factor: float = setting(10.0, ge=0, doc=(
@@ -415,6 +430,14 @@ class RunConfig:
             (self.dp_noise_multiplier == 0, "dp-noise-multiplier = 0 adds no noise: no "
                                             "privacy to account for"),
         ]
+        problems.append((self.dp_adaptive_clip and self.dp != "central",
+                         "dp-adaptive-clip = true: the clip adapts on the server's noised count "
+                         "of the nodes' bits, so only dp = 'central'"))
+        if self.dp_adaptive_clip and self.dp == "central":
+            try:
+                adaptive_noise(self.dp_noise_multiplier, self.clip_count_stddev)
+            except ValueError as err:
+                problems.append((True, str(err)))
         if self.dp in ("central", "local"):
             problems += [
                 (self.aggregate != "mean", f"aggregate = {self.aggregate!r}: dp's noise is "
@@ -486,6 +509,12 @@ class RunConfig:
             return self.task
         builtin = builtin_dataset(self.dataset)
         return builtin.task if builtin is not None else "classification"
+
+    @property
+    def clip_count_stddev(self) -> float:
+        """``dp-clip-count-stddev``, its 0 resolved (see the field)."""
+        return count_stddev(self.dp_clip_count_stddev, self.clients_per_round,
+                            self.dp_noise_multiplier)
 
     @property
     def lora_modules(self) -> list[str]:

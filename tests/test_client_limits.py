@@ -244,6 +244,8 @@ def test_a_malformed_self_sync_promotion_is_refused_by_name(config, tmp_path, pr
     (protocol.UPLOAD_CODEC, "int3"),
     (protocol.LOCAL_STEPS, 0),
     (protocol.LR, -1.0),
+    (protocol.DP_CLIP, float("inf")),
+    (protocol.DP_CLIP, 0.0),
     (protocol.RULE, "no-such-rule"),
 ])
 def test_a_malformed_instruction_field_is_refused_by_name(config, tmp_path, key, value):

@@ -13,8 +13,8 @@ import pytest
 import torch
 from scipy import optimize, stats
 
-from fedcybgd.protocol.dp import add_noise, clip_delta, delta_norm, epsilon
-from fedcybgd.strategies.privacy import PrivacyLedger
+from fedcybgd.protocol.dp import adaptive_noise, add_noise, clip_delta, delta_norm, epsilon
+from fedcybgd.strategies.privacy import AdaptiveClip, PrivacyLedger
 
 
 def exact_gaussian_epsilon(sigma: float, delta: float) -> float:
@@ -227,7 +227,7 @@ def test_local_dp_noise_comes_from_the_node_not_the_server():
     start = {"w": torch.zeros(10_000)}
     trained = {"w": torch.full((10_000,), 5.0)}
     # Execute: the same update, twice
-    one, two = private_update(run, trained, start), private_update(run, trained, start)
+    (one, _), (two, _) = private_update(run, trained, start), private_update(run, trained, start)
     # Assert: clipped to 0.1 then noised at 0.2 a coordinate, with fresh noise each time
     assert not torch.equal(one["w"], two["w"])
     assert float(one["w"].std()) == pytest.approx(0.2, rel=0.05)
@@ -239,6 +239,8 @@ def test_local_dp_noise_comes_from_the_node_not_the_server():
     ({"upload-codec": "seedlog", "download-codec": "fp32"}, "not a clipped delta"),
     ({"dp-noise-multiplier": 0.0}, "adds no noise"),
     ({"strategy": "fedavg", "dp": "local"}, "only dp = 'central'"),
+    ({"dp": "local", "dp-adaptive-clip": True}, "only dp = 'central'"),
+    ({"dp-adaptive-clip": True, "dp-clip-count-stddev": 0.4}, "above dp-noise-multiplier"),
 ])
 def test_dp_settings_that_would_not_be_private_are_refused_at_start(overrides, fragment):
     from fedcybgd.config import ConfigError, RunConfig
@@ -249,7 +251,8 @@ def test_dp_settings_that_would_not_be_private_are_refused_at_start(overrides, f
 
 @pytest.mark.slow
 def test_dp_through_flwr_run_as_the_docs_show(tmp_path):
-    # Prepare: docs/privacy.md's command with a tiny model, a private Flower home and ports
+    # Prepare: docs/privacy.md's adaptive-clipping command (its first command and these keys)
+    # with a tiny model, a private Flower home and ports
     import os
     import socket
     import subprocess
@@ -268,7 +271,8 @@ def test_dp_through_flwr_run_as_the_docs_show(tmp_path):
            "FLWR_LOCAL_CONTROL_API_PORT": str(free_port())}
     command = [str(Path(sys.executable).with_name("fedcybgd")), "run", ".", "local",
                "--run-config", "dp='central' dp-clip-norm=0.05 dp-noise-multiplier=1.0 "
-               "dp-target-epsilon=8 clients-per-round=4",
+               "dp-target-epsilon=8 clients-per-round=4 dp-adaptive-clip=true "
+               "dp-clip-quantile=0.5",
                "--run-config", f"model='tiny-llama' layers-per-block=1 num-server-rounds=2 "
                f"local-steps=2 batch-size=4 max-seq-len=48 eval-examples=16 "
                f"output-dir='{out}'",
@@ -279,11 +283,14 @@ def test_dp_through_flwr_run_as_the_docs_show(tmp_path):
                               capture_output=True, text=True, timeout=900, check=False)
     finally:
         stop_local_superlink(home)
-    # Assert: completed, every round accounted at q = 4 / 8
+    # Assert: completed, every round accounted at q = 4 / 8, the clip adapted from 0.05 on
+    # the nodes' votes (through real ClientApps)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["dp_epsilon"] for r in rows[1:]] == pytest.approx(
         [epsilon([(0.5, k)], 1.0, 1e-5) for k in (1, 2)])
+    assert rows[1]["dp_clip_norm"] == pytest.approx(0.05)
+    assert rows[2]["dp_clip_norm"] == pytest.approx(rows[1]["dp_clip_next"]) != 0.05
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dp"] == "central" and summary["run_config"]["dp-target-epsilon"] == 8.0
 
@@ -316,3 +323,108 @@ def test_fedavg_runs_under_flowers_dp_wrapper_and_stops_at_its_budget(tiny_run_c
     size = sum(v.numel() for v in start.values())
     noise = math.sqrt(2 * size) * 1e-3 / 4
     assert moved == pytest.approx(noise, rel=0.1)  # the clipped updates are tiny beside it
+
+
+# ------------------------------------------------------------------------ adaptive clipping
+
+
+def test_adaptive_noise_is_flowers_and_accounts_at_the_asked_multiplier():
+    from flwr.supercore.differential_privacy import compute_adaptive_noise_params
+
+    for z, m, stddev in [(1.0, 20, 1.0), (3.3, 20, 3.3), (0.5, 100, 5.0)]:
+        z_update = adaptive_noise(z, stddev)
+        assert z_update == pytest.approx(compute_adaptive_noise_params(z, m, stddev)[1])
+        # the update (sensitivity: the clip) and the centred count (sensitivity 1/2) together
+        # are one Gaussian mechanism of multiplier z
+        assert (z_update ** -2 + (2 * stddev) ** -2) ** -0.5 == pytest.approx(z)
+        assert z_update > z
+    with pytest.raises(ValueError, match="above dp-noise-multiplier"):
+        adaptive_noise(2.0, 1.0)
+
+
+def _norms(rounds: int, nodes: int, seed: int) -> torch.Tensor:
+    """Honest nodes' delta norms, round by round: log-normal around 0.3."""
+    generator = torch.Generator().manual_seed(seed)
+    return 0.3 * torch.exp(0.5 * torch.randn((rounds, nodes), generator=generator))
+
+
+@pytest.mark.parametrize("quantile", [0.5, 0.8])
+def test_the_adaptive_clip_settles_at_the_asked_quantile_of_the_norms(quantile):
+    # Prepare: a clip far too small, 20 nodes a round, the count noised at deviation 1
+    clip = AdaptiveClip(clip=0.01, quantile=quantile, lr=0.2, count_stddev=1.0, seed=3)
+    norms = _norms(400, 20, seed=0)
+    # Execute: each round the nodes vote whether their norm was within the clip
+    trace = [clip.update((row <= clip.clip).tolist()) for row in norms]
+    # Assert: over the last 200 rounds the clip left about `quantile` of the norms unclipped
+    late = torch.tensor(trace[199:399])
+    share = float((norms[200:] <= late[:, None]).double().mean())
+    assert share == pytest.approx(quantile, abs=0.05)
+
+
+@pytest.mark.parametrize(("vote", "low", "high"), [(True, 0.28, 0.47), (False, 0.53, 0.72)])
+def test_colluding_nodes_lying_about_their_norms_move_the_clip_only_by_their_share(vote, low,
+                                                                                   high):
+    # Prepare: 4 of every 20 nodes always vote the same way, whatever their norms (a shrink or
+    # a growth attack on the clip), against the median
+    clip = AdaptiveClip(clip=0.3, quantile=0.5, lr=0.2, count_stddev=1.0, seed=4)
+    honest = _norms(400, 16, seed=1)
+    # Execute
+    trace = [clip.update([*(row <= clip.clip).tolist(), *[vote] * 4]) for row in honest]
+    # Assert: the clip settles where the honest share within it is (0.5 - 4/20) / (16/20) =
+    # 0.375 (liars say within) or 0.5 / (16/20) = 0.625 (liars say above): it neither
+    # collapses to zero nor runs away, round after round
+    late = torch.tensor(trace[199:399])
+    share = float((honest[200:] <= late[:, None]).double().mean())
+    assert low < share < high
+    assert float(late.min()) > 0.05 and float(late.max()) < 2.0
+
+
+def test_the_node_clips_to_the_rounds_clip_and_votes_on_it():
+    from fedcybgd.client.app import private_update
+    from fedcybgd.config import RunConfig
+
+    run = RunConfig.from_run_config({"dp": "central", "dp-clip-norm": 1.0,
+                                     "dp-adaptive-clip": True})
+    start = {"w": torch.zeros(100)}
+    trained = {"w": torch.full((100,), 0.05)}  # a delta of norm 0.5
+    # Execute: the round's clip above, then below the delta's norm; and no clip sent
+    within, above = (private_update(run, trained, start, clip) for clip in (0.8, 0.2))
+    default = private_update(run, trained, start)
+    # Assert
+    assert within[1] is True and delta_norm(within[0], start) == pytest.approx(0.5)
+    assert above[1] is False and delta_norm(above[0], start) == pytest.approx(0.2)
+    assert default[1] is None and delta_norm(default[0], start) == pytest.approx(0.5)
+
+
+def test_an_adaptive_clip_run_moves_the_clip_accounts_alike_and_resumes_it(tiny_run_config,
+                                                                          tmp_path):
+    # Prepare: a clip far below the nodes' deltas, so every node votes "above" and it grows
+    adaptive = {"dp": "central", "dp-clip-norm": 0.01, "dp-noise-multiplier": 1.0,
+                "dp-adaptive-clip": True}
+    # Execute: 4 rounds at once; 2 rounds, then resumed to 4
+    _, rows, _ = _dp_run(tiny_run_config, tmp_path / "once", **adaptive,
+                         **{"output-dir": str(tmp_path / "once" / "out")})
+    _dp_run(tiny_run_config, tmp_path / "split", **adaptive, **{
+        "num-server-rounds": 2, "output-dir": str(tmp_path / "split" / "out")})
+    summary, resumed, _ = _dp_run(tiny_run_config, tmp_path / "split", **adaptive, **{
+        "resume": True, "output-dir": str(tmp_path / "split" / "out")})
+    # Assert: each round used the clip the previous one set, and it grew from 0.01; epsilon is
+    # the fixed clip's at the same multiplier (the count is inside it)
+    clips = [r["dp_clip_norm"] for r in rows[1:]]
+    assert clips[0] == pytest.approx(0.01)
+    assert clips[1:] == pytest.approx([r["dp_clip_next"] for r in rows[1:-1]])
+    assert clips[-1] > 0.01 * 1.1
+    assert [r["dp_epsilon"] for r in rows[1:]] == pytest.approx(
+        [epsilon([(0.5, k)], 1.0, 1e-5) for k in (1, 2, 3, 4)])
+    # the resumed run went on from the checkpointed clip and drew the same count noise
+    assert [r["dp_clip_norm"] for r in resumed[1:]] == pytest.approx(clips)
+    assert summary["status"] == "completed"
+
+
+def test_fedavg_takes_flowers_adaptive_clipping_wrapper(tiny_run_config, tmp_path):
+    summary, rows, _ = _dp_run(tiny_run_config, tmp_path, **{
+        "strategy": "fedavg", "dp": "central", "dp-clip-norm": 0.01, "dp-noise-multiplier": 1.0,
+        "dp-adaptive-clip": True, "num-server-rounds": 2})
+    assert summary["status"] == "completed" and [r["round"] for r in rows] == [0, 1, 2]
+    assert "DifferentialPrivacyServerSideAdaptiveClipping" in summary["dp_accounting"]
+    assert summary["dp_epsilon"] == pytest.approx(epsilon([(0.5, 2)], 1.0, 1e-5))

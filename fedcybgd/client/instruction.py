@@ -37,6 +37,7 @@ class Instruction:
     upload_codec: str  # a codec spec, or "seedlog"
     local_steps: int  # the steps the server asked for: what one downloaded step log may hold
     lr: float | None  # the round's rate (the server's schedule); None: the run config's
+    dp_clip: float | None  # central DP, adaptive clip: the round's clip; None: the run config's
     class_prior: list[float] | None
     keep_pending: bool  # self-sync: keep the decoded upload as a pending copy
     promotions: dict[str, selfsync.Promotion]  # self-synced blocks the server installed
@@ -76,12 +77,13 @@ def _positive_int(cfg: Mapping[str, Any], key: str) -> int:
     return value
 
 
-def _lr(cfg: Mapping[str, Any]) -> float | None:
-    value = cfg.get(protocol.LR)
+def _positive(cfg: Mapping[str, Any], key: str) -> float | None:
+    """An optional finite number > 0 (a rate, a clip norm)."""
+    value = cfg.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"{value!r:.40} is not a rate > 0")
+        raise ValueError(f"{value!r:.40} is not a finite number > 0")
     return float(value)
 
 
@@ -110,7 +112,8 @@ def read_instruction(cfg: Mapping[str, Any] | None) -> Instruction:
             _text(cfg, protocol.EXPECT, MAX_JSON))),
         upload_codec=upload_codec,
         local_steps=_field(protocol.LOCAL_STEPS, lambda: _positive_int(cfg, protocol.LOCAL_STEPS)),
-        lr=_field(protocol.LR, lambda: _lr(cfg)),
+        lr=_field(protocol.LR, lambda: _positive(cfg, protocol.LR)),
+        dp_clip=_field(protocol.DP_CLIP, lambda: _positive(cfg, protocol.DP_CLIP)),
         class_prior=_field(protocol.CLASS_PRIOR, lambda: protocol.class_prior(cfg)),
         keep_pending=cfg.get(protocol.SELF_SYNC) is True,
         promotions=({} if promote is None else _field(

@@ -480,7 +480,9 @@ def upload_reply(rnd: Round, outcome: TrainOutcome, trained: dict[str, torch.Ten
         upload_codec = ins.seedlog_fallback
     pending = ""
     if kind == protocol.WEIGHTS:
-        trained = private_update(run, trained, start)
+        trained, unclipped = private_update(run, trained, start, ins.dp_clip)
+        if unclipped is not None:  # adaptive clipping: the node's vote on the clip
+            outcome.metrics[protocol.DP_UNCLIPPED] = float(unclipped)
         keep = ins.keep_pending  # the server asks for the pending copy
         feedback = run.error_feedback and not parse_spec(upload_codec).lossless
         up = encode_upload(trained, start, upload_codec, block=block, version=ins.server_round,
@@ -522,18 +524,25 @@ def upload_reply(rnd: Round, outcome: TrainOutcome, trained: dict[str, torch.Ten
 
 
 def private_update(run: RunConfig, trained: dict[str, torch.Tensor],
-                   start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                   start: dict[str, torch.Tensor], round_clip: float | None = None
+                   ) -> tuple[dict[str, torch.Tensor], bool | None]:
     """User-level DP on the node (:mod:`fedcybgd.protocol.dp`): the block delta clipped to
     ``dp-clip-norm`` before compression and error feedback; with ``dp = "local"``, Gaussian
     noise of ``dp-noise-multiplier x dp-clip-norm`` added from the node's own randomness (a seed
-    the server could know would let it subtract the noise)."""
+    the server could know would let it subtract the noise).
+
+    With ``dp = "central"`` and adaptive clipping the instruction's ``round_clip`` is the clip
+    (the node trusts the central server with its noise already), and the second value says
+    whether the delta was within it (the node's vote on the next clip); otherwise ``None``."""
     if run.dp not in ("central", "local"):  # off, or example-level (DP-SGD in training)
-        return trained
-    clipped, _ = dp.clip_delta(trained, start, run.dp_clip_norm)
+        return trained, None
+    adaptive = run.dp == "central" and run.dp_adaptive_clip and round_clip is not None
+    clip = round_clip if adaptive and round_clip is not None else run.dp_clip_norm
+    clipped, norm = dp.clip_delta(trained, start, clip)
     if run.dp != "local":
-        return clipped
+        return clipped, (norm <= clip) if adaptive else None
     return dp.add_noise(clipped, run.dp_noise_multiplier * run.dp_clip_norm,
-                        seed=secrets.randbits(63))
+                        seed=secrets.randbits(63)), None
 
 
 def zo_node(device: torch.device) -> str:

@@ -41,6 +41,8 @@ ZO_TORCH = "zo-torch"  # the server's torch version (seed-log replay check)
 SEEDLOG_FALLBACK = "seedlog-fallback"  # codec for weights when a seed log cannot be replayed
 LOCAL_STEPS = "local-steps"  # steps the server asks for; a seed log may hold no more
 LR = "lr"  # the round's client learning rate (the server's schedule); absent: the run config's
+DP_CLIP = "dp-clip-norm"  # central DP, adaptive clip: this round's clip; absent: the run config's
+DP_UNCLIPPED = "dp_unclipped"  # train metric: 1.0 if the delta was within the clip, else 0.0
 # the class shares training aims at (fedcybgd.protocol.prior): a list of floats, one per
 # class; absent: equal shares. Instructions of FedCyBGD and of the FedAvg baselines alike.
 CLASS_PRIOR = "class-prior"

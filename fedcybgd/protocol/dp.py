@@ -100,3 +100,30 @@ def add_noise(tensors: Mapping[str, torch.Tensor], std: float, seed: int) -> Ten
         noise = torch.randn(t.shape, generator=generator, dtype=torch.float64) * std
         out[name] = (t.double() + noise).to(t.dtype)
     return {name: out[name] for name in tensors}
+
+
+def adaptive_noise(noise_multiplier: float, count_stddev: float) -> float:
+    """The multiplier of the noise on the updates under adaptive clipping, so that the updates
+    and the noised count of unclipped nodes together are a Gaussian mechanism of multiplier
+    ``noise_multiplier`` (what the ledger accounts): ``(z**-2 - (2 sigma_b)**-2)**-0.5``, the
+    bits centred (sensitivity 1/2), after Andrew et al., "Differentially Private Learning with
+    Adaptive Clipping" (2021). Flower's ``compute_adaptive_noise_params`` does the same sum.
+
+    Raises
+    ------
+    ValueError
+        ``2 x count_stddev`` is not above ``noise_multiplier``: the count alone would spend
+        the whole budget.
+    """
+    if not 2 * count_stddev > noise_multiplier > 0:
+        raise ValueError(f"adaptive clipping needs 2 x dp-clip-count-stddev "
+                         f"({2 * count_stddev:g}) above dp-noise-multiplier "
+                         f"({noise_multiplier:g})")
+    return float((noise_multiplier ** -2 - (2 * count_stddev) ** -2) ** -0.5)
+
+
+def count_stddev(configured: float, clients_per_round: int, noise_multiplier: float) -> float:
+    """Adaptive clipping's count noise: ``configured``, or for 0 ``max(clients_per_round / 20,
+    noise_multiplier)`` (Andrew et al.'s ``m / 20``, raised where it would not exceed half the
+    multiplier; at the multiplier the update noise is ``2 / sqrt(3)`` = 1.15x the fixed clip's)."""
+    return configured or max(clients_per_round / 20, noise_multiplier)

@@ -24,6 +24,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
+    DifferentialPrivacyServerSideAdaptiveClipping,
     DifferentialPrivacyServerSideFixedClipping,
     FedAvg,
     Strategy,
@@ -212,6 +213,7 @@ class FedAvgPrivacy:
     noise_multiplier: float
     delta: float
     target: float
+    adaptive: bool = False
 
     @classmethod
     def of(cls, run: RunConfig, population: int) -> FedAvgPrivacy | None:
@@ -228,7 +230,8 @@ class FedAvgPrivacy:
             raise ConfigError(f"dp = {run.dp!r}: the FedAvg baselines run under Flower's "
                               "server-side DP wrapper, so only dp = 'central'")
         return cls(min(1.0, run.clients_per_round / max(population, 1)),
-                   run.dp_noise_multiplier, run.dp_delta, run.dp_target_epsilon)
+                   run.dp_noise_multiplier, run.dp_delta, run.dp_target_epsilon,
+                   run.dp_adaptive_clip)
 
     def spent(self, rounds: int) -> float:
         """Epsilon after ``rounds`` rounds."""
@@ -245,7 +248,8 @@ class FedAvgPrivacy:
         """The summary's ``dp_*`` keys."""
         return {"dp": "central", "dp_epsilon": self.spent(rounds), "dp_delta": self.delta,
                 "dp_noise_multiplier": self.noise_multiplier, "dp_target_epsilon": self.target,
-                "dp_accounting": "Flower's DifferentialPrivacyServerSideFixedClipping; RDP, "
+                "dp_accounting": f"Flower's DifferentialPrivacyServerSide"
+                                 f"{'Adaptive' if self.adaptive else 'Fixed'}Clipping; RDP, "
                                  f"Poisson-subsampled Gaussian per round at q = {self.rate:.3g}"}
 
 
@@ -378,7 +382,15 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
                              "eval_accuracy": record.eval_accuracy})  # type: ignore[dict-item]
 
     driver: Strategy = strategy
-    if privacy is not None:
+    if privacy is not None and run.dp_adaptive_clip:
+        # Flower's adaptive-clipping wrapper: the clip starts at dp-clip-norm and follows the
+        # quantile of the update norms on a noised count; it raises the update noise so both
+        # are accounted at dp-noise-multiplier, as FedCyBGD's adaptive clip does
+        driver = DifferentialPrivacyServerSideAdaptiveClipping(
+            strategy, run.dp_noise_multiplier, run.clients_per_round,
+            initial_clipping_norm=run.dp_clip_norm, target_clipped_quantile=run.dp_clip_quantile,
+            clip_norm_lr=run.dp_clip_lr, clipped_count_stddev=run.clip_count_stddev)
+    elif privacy is not None:
         # Flower's own central-DP wrapper: each update clipped to dp-clip-norm around the
         # global model, Gaussian noise of multiplier x clip / n on the average
         driver = DifferentialPrivacyServerSideFixedClipping(

@@ -27,10 +27,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedcybgd import protocol
 from fedcybgd.config import RunConfig
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import PRIVACY_BUDGET, SEEDLOG, zeroth_order
+from fedcybgd.protocol.dp import adaptive_noise, count_stddev
 from fedcybgd.protocol.message_size import message_bytes
 from fedcybgd.protocol.prior import ClassPriorSpec, with_class_prior
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
@@ -39,7 +41,7 @@ from fedcybgd.strategies.installing import Admitted, BlockInstaller
 from fedcybgd.strategies.instructions import RunTerms, train_message
 from fedcybgd.strategies.lr_schedule import build_lr_schedule
 from fedcybgd.strategies.matching import RuleForBudget, match
-from fedcybgd.strategies.privacy import DpMean, PrivacyLedger
+from fedcybgd.strategies.privacy import AdaptiveClip, DpMean, PrivacyLedger
 from fedcybgd.strategies.quantized_install import QuantizedInstall
 from fedcybgd.strategies.reader import NodeBook, ReplyReader
 from fedcybgd.strategies.record import RoundInFlight, RoundRecord
@@ -184,6 +186,10 @@ class FedCyBGD(Strategy):
         dp_noise_multiplier: float = _RUN.dp_noise_multiplier,
         dp_delta: float = _RUN.dp_delta,
         dp_target_epsilon: float = _RUN.dp_target_epsilon,
+        dp_adaptive_clip: bool = _RUN.dp_adaptive_clip,
+        dp_clip_quantile: float = _RUN.dp_clip_quantile,
+        dp_clip_lr: float = _RUN.dp_clip_lr,
+        dp_clip_count_stddev: float = _RUN.dp_clip_count_stddev,
     ) -> None:
         clients_per_block = clients_per_block or clients_per_round  # 0: all on one block
         if clients_per_round < 1 or clients_per_block < 1 or clients_per_round % clients_per_block:
@@ -215,9 +221,22 @@ class FedCyBGD(Strategy):
         self.example_epsilon = 0.0  # dp = "example": the largest a node has reported
         self.privacy_stop: str | None = None  # why the budget ended the run, once it has
         self._dp_round: tuple[float, list[str]] = (0.0, [])
+        # Adaptive clipping (central): the clip follows a quantile of the nodes' delta norms;
+        # the update noise's multiplier rises so that it and the noised count are accounted
+        # together at dp_noise_multiplier.
+        self.adaptive_clip: AdaptiveClip | None = None
+        self.dp_update_multiplier = dp_noise_multiplier
+        self._max_update_norm = max_update_norm  # the robust screen's own bound (0: none)
+        if dp_adaptive_clip:
+            if dp != "central":
+                raise ValueError(f"dp-adaptive-clip needs dp = 'central', got {dp!r}")
+            stddev = count_stddev(dp_clip_count_stddev, clients_per_round, dp_noise_multiplier)
+            self.dp_update_multiplier = adaptive_noise(dp_noise_multiplier, stddev)
+            self.adaptive_clip = AdaptiveClip(dp_clip_norm, dp_clip_quantile, dp_clip_lr, stddev,
+                                              seed)
         if self.privacy is not None:
-            aggregate = DpMean(dp_noise_multiplier * dp_clip_norm if dp == "central" else 0.0,
-                               seed)
+            aggregate = DpMean(self.dp_update_multiplier * dp_clip_norm if dp == "central"
+                               else 0.0, seed)
             if dp == "central":
                 max_update_norm = (min(max_update_norm, dp_clip_norm) if max_update_norm
                                    else dp_clip_norm)
@@ -333,6 +352,9 @@ class FedCyBGD(Strategy):
             "dp-ledger": None if self.privacy is None else (
                 self.privacy.noise_multiplier, self.privacy.delta, self.privacy.target_epsilon),
             "dp-noise": getattr(self.aggregate, "noise_std", None),
+            "dp-adaptive-clip": None if self.adaptive_clip is None else (
+                self.adaptive_clip.clip, self.adaptive_clip.quantile, self.adaptive_clip.lr,
+                self.adaptive_clip.count_stddev),
         }
 
     # What tests and the ServerApp read directly.
@@ -403,6 +425,8 @@ class FedCyBGD(Strategy):
         if self.privacy is not None and not self._privacy_allows(server_round, nodes):
             self.round = RoundInFlight(RoundRecord.training(server_round, self.update_rule), [])
             return []
+        if self.adaptive_clip is not None:  # this round's clip: the nodes', the screen's, noise
+            config = self._with_adaptive_clip(config)
         blocks = self.schedule.take(len(nodes) // self.clients_per_block)
         nodes = nodes[: len(blocks) * self.clients_per_block]
         pairs = match(nodes, blocks, per_block=self.clients_per_block, rule=self.update_rule,
@@ -491,6 +515,12 @@ class FedCyBGD(Strategy):
         if self.privacy is not None and live.sent:
             rate, dp_nodes = self._dp_round
             record.extra["dp_epsilon"] = self.privacy.record(rate, dp_nodes)
+        if self.adaptive_clip is not None and live.sent:
+            # each admitted node's one vote (a value other than 0 or 1 is no vote)
+            votes = [got.metrics.get(protocol.DP_UNCLIPPED) for _, (_, got, _) in arrived]
+            record.extra["dp_clip_norm"] = self.adaptive_clip.clip
+            record.extra["dp_clip_next"] = self.adaptive_clip.update(
+                [v == 1.0 for v in votes if v in (0.0, 1.0)])
         elif self.dp == "example":
             reported = [got.metrics.get("dp_epsilon", math.nan) for _, (_, got, _) in arrived]
             self.example_epsilon = max([self.example_epsilon,
@@ -501,6 +531,15 @@ class FedCyBGD(Strategy):
             return None, record.to_metric_record()
         live.returned = ArrayRecord({k: v.detach().clone() for k, v in self.weights.items()})
         return live.returned, record.to_metric_record()
+
+    def _with_adaptive_clip(self, config: ConfigRecord) -> ConfigRecord:
+        """The round's clip in the instruction, on the server's screen and in the noise."""
+        assert self.adaptive_clip is not None
+        clip = self.adaptive_clip.clip
+        self.screen.max_norm = min(self._max_update_norm, clip) if self._max_update_norm else clip
+        if isinstance(self.aggregate, DpMean):
+            self.aggregate.noise_std = self.dp_update_multiplier * clip
+        return ConfigRecord({**dict(config), protocol.DP_CLIP: float(clip)})
 
     def _privacy_allows(self, server_round: int, nodes: list[int]) -> bool:
         """Whether the round sampling ``nodes`` fits ``dp-target-epsilon``; keeps its sampling
@@ -552,7 +591,9 @@ class FedCyBGD(Strategy):
                 "traffic_seen": {} if self.budget is None else {
                     c: list(r) for c, r in self.budget.seen.items()},
                 "privacy": {"example_epsilon": self.example_epsilon} if self.privacy is None
-                else {**self.privacy.state(), "merges": getattr(self.aggregate, "merges", 0)}}
+                else {**self.privacy.state(), "merges": getattr(self.aggregate, "merges", 0),
+                      **({} if self.adaptive_clip is None
+                         else {"adaptive_clip": self.adaptive_clip.state()})}}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state`'s output (weights must be restored by the caller)."""
@@ -574,3 +615,5 @@ class FedCyBGD(Strategy):
             self.privacy.load_state(privacy)
             if isinstance(self.aggregate, DpMean):
                 self.aggregate.merges = int(privacy.get("merges", 0))
+            if self.adaptive_clip is not None and "adaptive_clip" in privacy:
+                self.adaptive_clip.load_state(privacy["adaptive_clip"])

@@ -20,6 +20,7 @@ completion would take the epsilon above the target is not started.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -136,3 +137,43 @@ class DpMean:
             return mean
         return add_noise(mean, self.noise_std / len(tensors),
                          seed=(self.seed * 1_000_003 + self.merges) % 2**63)
+
+
+@dataclass
+class AdaptiveClip:
+    """The clip norm of central user-level DP, moved each round toward the ``quantile`` of the
+    nodes' delta norms (geometric update on a noised count, Andrew et al. 2021): after a round
+    whose nodes said whether their delta's norm was within the clip (``bits``),
+    ``clip *= exp(-lr * (noised share within - quantile))``. The count's noise has deviation
+    ``count_stddev`` and is drawn from the run's seed and the update's index, so a resumed run
+    draws the same. A node's bit is one vote of 0 or 1: a lying node moves the share by at most
+    ``1 / n`` of a round's ``n`` votes."""
+
+    clip: float
+    quantile: float
+    lr: float
+    count_stddev: float
+    seed: int
+    updates: int = 0
+
+    def update(self, bits: Sequence[bool]) -> float:
+        """Move the clip after a round with ``bits`` (no bits: unchanged); returns the new clip."""
+        if not bits:
+            return self.clip
+        self.updates += 1
+        generator = torch.Generator().manual_seed((self.seed * 7_368_787 + self.updates) % 2**63)
+        noise = float(torch.randn((), generator=generator, dtype=torch.float64)) * self.count_stddev
+        share = (sum(bool(b) for b in bits) + noise) / len(bits)
+        self.clip *= math.exp(-self.lr * (share - self.quantile))
+        return self.clip
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able, for checkpoints."""
+        return {"clip": self.clip, "updates": self.updates}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state`'s output."""
+        clip, updates = float(state["clip"]), int(state["updates"])
+        if not (math.isfinite(clip) and clip > 0 and updates >= 0):
+            raise ValueError(f"adaptive clip state is malformed: {dict(state)}")
+        self.clip, self.updates = clip, updates
