@@ -38,12 +38,16 @@ from fedcybgd.deploy.local import QUICK_RUN_CONFIG, NodeContainer, run_deploymen
 
 RESULTS = Path(__file__).resolve().parent / "results" / "arm64"
 IMAGES = {"linux/arm64": "fedcybgd:0.1.0-arm64", "linux/amd64": "fedcybgd:0.1.0"}
-# case -> run config. SmolLM2 (its real weights) for one round per rule, kept small so the
-# emulated node finishes in minutes. The tiny random Llama cannot federate across
-# architectures: its random initialisation differs between x86 and arm64 builds of torch, and
-# the server refuses the node by its pretrained checksum (the "tiny-*" cases show it).
+# case -> run config. SmolLM2 (its real weights) for one round per rule, kept small. The tiny
+# random Llama cannot federate across architectures as "tiny-llama": its random
+# initialisation differs between x86 and arm64 builds of torch, and the server refuses the node
+# by its pretrained checksum (the "tiny-*" cases show it). The "saved-tiny-*" cases save it
+# once, on this machine, into the deployment's state folder (which the node's container sees
+# at the same path) and run with that folder as the model: the same weights on both sides, and
+# an emulated round in minutes.
 SMALL = {"num-server-rounds": 1, "eval-examples": 16, "local-steps": 1, "batch-size": 4,
          "max-seq-len": 32}
+SAVED_TINY = "<saved tiny-llama>"  # replaced by the folder run_case saves it in
 CASES: dict[str, dict[str, object]] = {
     "smollm2-fo": {**SMALL, "update-rule": "fo"},
     "smollm2-zerolock": {**SMALL, "update-rule": "zerolock"},
@@ -51,8 +55,21 @@ CASES: dict[str, dict[str, object]] = {
     "tiny-fo": {**QUICK_RUN_CONFIG, "update-rule": "fo"},
     "tiny-zerolock": {**QUICK_RUN_CONFIG, "update-rule": "zerolock"},
     "tiny-lezo": {**QUICK_RUN_CONFIG, "update-rule": "lezo"},
+    "saved-tiny-fo": {**QUICK_RUN_CONFIG, "model": SAVED_TINY, "update-rule": "fo"},
+    "saved-tiny-zerolock": {**QUICK_RUN_CONFIG, "model": SAVED_TINY, "update-rule": "zerolock"},
+    "saved-tiny-lezo": {**QUICK_RUN_CONFIG, "model": SAVED_TINY, "update-rule": "lezo"},
 }
-DEFAULT_CASES = ("smollm2-fo", "smollm2-zerolock", "smollm2-lezo", "tiny-fo")
+DEFAULT_CASES = ("saved-tiny-fo", "saved-tiny-zerolock", "saved-tiny-lezo", "smollm2-lezo")
+
+
+def save_tiny(folder: Path) -> Path:
+    """The tiny random Llama and its tokenizer, saved as a Hugging Face folder."""
+    from fedcybgd.model.loading import load_model, load_tokenizer
+
+    if not (folder / "model.safetensors").is_file():
+        load_model("tiny-llama").save_pretrained(folder)
+        load_tokenizer("tiny-llama").save_pretrained(folder)
+    return folder
 
 
 def _ask_machine(node: NodeContainer, state: Path, found: dict[str, str],
@@ -79,9 +96,12 @@ def run_case(case: str, node_platform: str, work: Path) -> dict[str, Any]:
     asker = threading.Thread(target=_ask_machine, args=(node, state, found, stop), daemon=True)
     asker.start()
     out = work / f"{case}-{node_platform.split('/')[1]}"
+    config = {**CASES[case], "overwrite": True}
+    if config.get("model") == SAVED_TINY:
+        config["model"] = str(save_tiny(state / "tiny-llama-saved"))
     start = time.monotonic()
     try:
-        result = run_deployment(1, format_config({**CASES[case], "overwrite": True}), out,
+        result = run_deployment(1, format_config(config), out,
                                 tls=True, state=state, timeout=7200.0, node_container=node)
     finally:
         stop.set()
