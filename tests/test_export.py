@@ -27,13 +27,18 @@ def _folder(name: str, root: Path) -> Path:
     return folder
 
 
-def _round_trip(folder: Path, kind: str, tmp_path: Path) -> tuple[float, Path]:
+def _round_trip(folder: Path, kind: str, tmp_path: Path,
+                check_tokenizer: bool = True) -> tuple[float, Path]:
+    """The exported file's logits against the folder's (max error over the logits' deviation);
+    with ``check_tokenizer``, its tokenizer and chat template too (written alike whatever the
+    type: one check per model is enough)."""
     out = export_gguf(folder, tmp_path / f"{folder.name}-{kind}.gguf", kind)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer(TEXT, return_tensors="pt").input_ids
-    back_tokenizer = AutoTokenizer.from_pretrained(out.parent, gguf_file=out.name)
-    assert back_tokenizer(TEXT).input_ids == ids[0].tolist()
-    assert back_tokenizer.chat_template == tokenizer.chat_template
+    if check_tokenizer:
+        back_tokenizer = AutoTokenizer.from_pretrained(out.parent, gguf_file=out.name)
+        assert back_tokenizer(TEXT).input_ids == ids[0].tolist()
+        assert back_tokenizer.chat_template == tokenizer.chat_template
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     back = AutoModelForCausalLM.from_pretrained(out.parent, gguf_file=out.name,
                                                 dtype=torch.float32)
@@ -58,7 +63,7 @@ def test_a_tiny_llama_round_trips_exactly_at_f32_and_within_q8_0s_tolerance(tmp_
     folder = _folder("tiny-llama", tmp_path)
     exact, f32 = _round_trip(folder, "f32", tmp_path)
     assert exact <= TOLERANCE["f32"]
-    error, q8 = _round_trip(folder, "q8_0", tmp_path)
+    error, q8 = _round_trip(folder, "q8_0", tmp_path, check_tokenizer=False)
     assert error <= TOLERANCE["q8_0"]
     assert q8.stat().st_size < 0.4 * f32.stat().st_size
 
@@ -68,19 +73,21 @@ def test_a_tiny_llama_round_trips_exactly_at_f32_and_within_q8_0s_tolerance(tmp_
 def test_other_families_round_trip(family, tmp_path):
     folder = _folder(family, tmp_path)
     for kind in ("f32", "f16", "q8_0"):
-        error, _ = _round_trip(folder, kind, tmp_path)
+        error, _ = _round_trip(folder, kind, tmp_path, check_tokenizer=kind == "f32")
         assert error <= TOLERANCE[kind], (kind, error)
 
 
 @pytest.mark.slow
 def test_smollm2_round_trips_within_each_types_tolerance(tmp_path):
+    # f32's exactness is the tiny Llama's test (the same writer); here the types edge runtimes
+    # load, each within its tolerance and each smaller than the one before
     folder = _folder("smollm2-135m", tmp_path)
     sizes = {}
-    for kind in ("f32", "f16", "q8_0", "q4_1"):
-        error, out = _round_trip(folder, kind, tmp_path)
+    for kind in ("f16", "q8_0", "q4_1"):
+        error, out = _round_trip(folder, kind, tmp_path, check_tokenizer=kind == "f16")
         assert error <= TOLERANCE[kind], (kind, error)
         sizes[kind] = out.stat().st_size
-    assert sizes["f32"] > sizes["f16"] > sizes["q8_0"] > sizes["q4_1"]
+    assert sizes["f16"] > sizes["q8_0"] > sizes["q4_1"]
 
 
 def test_an_unsupported_family_is_refused_by_name(tmp_path):
