@@ -14,7 +14,9 @@ Per method and rate, a 2-node, 2-round run on the loopback deployment's machiner
 round 2 a steady round. Reported per round: wall time (``round_s``), bytes on the wire each way
 (``wire_bytes_*``: what Flower carried, summed over the nodes), the node's training time, and
 the time the link alone needs for those bytes at the rate (the slowest node's bytes / rate).
-Methods run at their app defaults (FedCyBGD: int2 deltas up and down).
+Methods run at their app defaults (FedCyBGD: int2 deltas up and down). The SuperLink keeps its
+state in memory here: with its SQLite file, FedAvg-full's 513 MB messages locked the database
+long enough for heartbeats and task pulls to fail, and that run died in its first round.
 
     python experiments/slow_links.py                      # 20 and 2 Mbit/s, all three methods
     python experiments/slow_links.py --rates 20 --methods fedcybgd,fedavg-lora
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -129,8 +133,12 @@ def inner(method: str, rate: float, out: Path, extra: str = "") -> dict[str, Any
             return f"{LINK_IP}:{self.port}"
 
         def superlink_args(self) -> list[str]:
-            return superlink_command(host="0.0.0.0", port=self.port,
-                                     database=str(self.state / "superlink" / "state.db"))
+            # the state in memory: with its SQLite file, FedAvg-full's 513 MB messages held
+            # the database long enough that heartbeats and task pulls failed with "database
+            # is locked" and the run died in round 1 (see the note in the results' README)
+            cmd = superlink_command(host="0.0.0.0", port=self.port, database="-")
+            at = cmd.index("--database")
+            return cmd[:at] + cmd[at + 2:]
 
     with tempfile.TemporaryDirectory(prefix="fedcybgd-slow-") as tmp:
         dep = Namespaced(Path(tmp) / "state", out / "logs", threads_per_process=1,
@@ -147,6 +155,8 @@ def inner(method: str, rate: float, out: Path, extra: str = "") -> dict[str, Any
             wall = time.monotonic() - began
             dep.save_run_log(run_id)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    for bulky in ("final", "checkpoint"):  # the model (540 MB): not a result of this experiment
+        shutil.rmtree(out / bulky, ignore_errors=True)
     rounds = []
     for r in rows[1:]:
         per_node = max(r.get("wire_bytes_down", 0), r.get("wire_bytes_up", 0)) / NODES
@@ -177,6 +187,9 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    # Ctrl-C or a SIGTERM (a background job ignores SIGINT) stops the run cleanly: the
+    # deployment's processes end and the namespaces are removed
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rates", default="20,2", help="Mbit/s, comma-separated")
     parser.add_argument("--methods", default=",".join(METHODS))
@@ -208,14 +221,20 @@ def main() -> None:
             run_out = args.out / "runs" / f"{method}-{rate:g}mbit"
             print(f"--- {method} at {rate:g} Mbit/s", flush=True)
             with Network(NODES, rate):
-                done = subprocess.run(
+                inner_run = subprocess.Popen(
                     ["ip", "netns", "exec", LINK_NS, sys.executable, __file__, "--inner",
                      method, str(rate), str(run_out.resolve()), "--run-config",
                      args.run_config],
-                    capture_output=True, text=True, check=False)
-            lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-            if done.returncode or not lines:
-                print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                try:
+                    stdout, stderr = inner_run.communicate()
+                except KeyboardInterrupt:  # let the inner run stop its deployment first
+                    inner_run.send_signal(signal.SIGTERM)
+                    inner_run.communicate(timeout=120)
+                    raise
+            lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+            if inner_run.returncode or not lines:
+                print(stdout[-3000:] + stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{method} at {rate:g} Mbit/s failed (logs: {run_out})")
             results.append(json.loads(lines[-1][len("RESULT "):]))
             path.write_text(json.dumps(results, indent=1) + "\n")
