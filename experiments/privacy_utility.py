@@ -47,15 +47,34 @@ BASE: dict[str, Any] = {
     "local-steps": 2, "batch-size": 4, "max-seq-len": 48, "lr": 1e-3, "eval-every": 0,
     "eval-examples": 128, "eval-batch-size": 32,
 }
-# Each method's own settings on top of BASE. ``dp-clip-norm`` is about the method's median
-# honest update norm at its rate (2 local steps, measured without DP on this federation):
-# FedCyBGD's one-layer block delta ~0.24-0.32, FedAvg-full's whole-model delta ~3.0-3.4 at lr
-# 1e-3, LoRA's adapter delta (rank 8, q/v) ~0.10-0.15 at lr 1e-3.
+# Each method's own settings on top of BASE, and its learning rates: ``lr`` for the runs
+# without DP, the lowest final eval loss without DP among 1e-3, 3e-3 and 1e-2 (seed 0,
+# `--tune 1e-3,3e-3,1e-2`: results/privacy/tuning.md). The DP runs take the rate with the
+# lowest final eval loss at epsilon 4 among 1e-3 and 1e-2 (seed 0, `--tune-dp 1e-3,1e-2`:
+# tuning_dp.md; :func:`dp_lr` reads it): under noise a smaller rate may win, as the noise's
+# step is proportional to the clip and the clip to the rate.
 METHODS: dict[str, dict[str, Any]] = {
-    "fedcybgd-fo": {"dp-clip-norm": 0.3},
-    "fedavg-full": {"strategy": "fedavg", "fedavg-params": "full", "dp-clip-norm": 3.0},
-    "fedavg-lora": {"strategy": "fedavg", "fedavg-params": "lora", "dp-clip-norm": 0.12},
+    "fedcybgd-fo": {"settings": {}, "lr": 1e-2},
+    "fedavg-full": {"settings": {"strategy": "fedavg", "fedavg-params": "full"}, "lr": 1e-2},
+    "fedavg-lora": {"settings": {"strategy": "fedavg", "fedavg-params": "lora"}, "lr": 1e-2},
 }
+# The clip at each rate: the median honest update norm, measured without DP on this federation
+# (20 nodes, 2-4 rounds; min-max in brackets): FedCyBGD's one-layer block delta, FedAvg-full's
+# whole-model delta, LoRA's adapters (rank 8, q/v).
+CLIPS: dict[str, dict[float, float]] = {
+    "fedcybgd-fo": {1e-3: 0.3, 1e-2: 2.8},  # 0.311 (0.296-0.322); 2.80 (2.27-3.05)
+    "fedavg-full": {1e-3: 3.16, 1e-2: 29.0},  # 3.16 (3.02-3.37); 29.0 (26.4-29.8)
+    "fedavg-lora": {1e-3: 0.123, 1e-2: 1.16},  # 0.123 (0.099-0.147); 1.16 (0.97-1.40)
+}
+
+def dp_lr(method: str, out: Path = OUT) -> float:
+    """The method's rate under DP: its best at epsilon 4 in ``tuning_dp.json``."""
+    path = out / "tuning_dp.json"
+    tried = [r for r in (json.loads(path.read_text()) if path.exists() else [])
+             if r["method"] == method]
+    if not tried:
+        raise SystemExit(f"{method}: no rate tuned under DP yet; run --tune-dp 1e-3,1e-2 first")
+    return float(min(tried, key=lambda r: r["eval_loss"])["lr"])
 
 
 def noise_for(target: float, rate: float, rounds: int) -> float:
@@ -76,10 +95,10 @@ def noise_for(target: float, rate: float, rounds: int) -> float:
 def one_run(method: str, level: float | None, seed: int, nodes: int, per_round: int,
             rounds: int, lr: float | None = None) -> dict[str, Any]:
     rate = per_round / nodes
-    settings = dict(METHODS[method])
-    if lr is not None:
-        settings["lr"] = lr
-    clip = settings.pop("dp-clip-norm")
+    spec = METHODS[method]
+    lr = lr if lr is not None else spec["lr"] if level is None else dp_lr(method)
+    settings = {**spec["settings"], "lr": lr}
+    clip = CLIPS[method][lr]
     dp: dict[str, Any] = {"dp": "off"}
     if level is not None:
         dp = {"dp": "central", "dp-clip-norm": clip, "dp-delta": DELTA,
@@ -110,14 +129,14 @@ def spread(values: list[float]) -> str:
 
 
 def method_of(r: dict[str, Any]) -> str:
-    """A result's method (results saved before the baselines ran are FedCyBGD's)."""
-    return str(r.get("method", "fedcybgd-fo"))
+    """A result's method."""
+    return str(r["method"])
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| method | privacy | noise multiplier | clip | epsilon spent | final eval loss "
+    lines = ["| method | privacy | lr | noise multiplier | clip | epsilon spent | final eval loss "
              "| loss drop vs its no DP | eval accuracy | seeds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for method in [m for m in METHODS if any(method_of(r) == m for r in results)]:
         groups: dict[float | None, list[dict[str, Any]]] = {}
         for r in results:
@@ -134,7 +153,7 @@ def table(results: list[dict[str, Any]]) -> str:
             clip = "-" if level is None else f"{runs[0]['clip']:g}"
             spent = "-" if level is None else spread([r["epsilon_spent"] for r in runs])
             share = f"{drop / drop0:.0%}" if drop0 else ""
-            lines.append(f"| {method} | {name} | {noise} | {clip} | {spent} "
+            lines.append(f"| {method} | {name} | {runs[0]['lr']:g} | {noise} | {clip} | {spent} "
                          f"| {spread([r['eval_loss'] for r in runs])} | {share} "
                          f"| {spread([r['eval_accuracy'] for r in runs])} | {len(runs)} |")
     return "\n".join(lines) + "\n"
@@ -176,27 +195,32 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def tune(methods: list[str], lrs: list[float], seed: int, args: argparse.Namespace) -> None:
-    """Each method without DP at each learning rate: its final eval loss (resumable)."""
-    path = args.out / "tuning.json"
+def tune(methods: list[str], lrs: list[float], seed: int, args: argparse.Namespace,
+         level: float | None) -> None:
+    """Each method at each learning rate, without DP (``level`` None) or at ``level``: its
+    final eval loss (resumable)."""
+    name = "tuning" if level is None else "tuning_dp"
+    path = args.out / f"{name}.json"
     runs: list[dict[str, Any]] = json.loads(path.read_text()) if path.exists() else []
     for method in methods:
         for lr in lrs:
             if any(r["method"] == method and r["lr"] == lr and r["seed"] == seed and
                    r["rounds"] == args.rounds and r["nodes"] == args.nodes for r in runs):
                 continue
-            r = one_run(method, None, seed, args.nodes, args.per_round, args.rounds, lr=lr)
+            r = one_run(method, level, seed, args.nodes, args.per_round, args.rounds, lr=lr)
             runs.append(r)
             path.write_text(json.dumps(runs, indent=1) + "\n")
             print(f"tune {method} lr {lr:g}: loss {r['eval_loss_before']:.4f} -> "
                   f"{r['eval_loss']:.4f}, acc {r['eval_accuracy']:.3f}, {r['wall_s']} s",
                   flush=True)
-    lines = [f"| method | lr | final eval loss (no DP, seed {seed}) | eval accuracy |",
-             "|---|---|---|---|"]
+    what = "no DP" if level is None else f"epsilon {level:g}"
+    lines = [f"| method | lr | clip | final eval loss ({what}, seed {seed}) | eval accuracy |",
+             "|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (list(METHODS).index(r["method"]), r["lr"])):
-        lines.append(f"| {r['method']} | {r['lr']:g} | {r['eval_loss']:.4f} "
+        clip = "-" if r["clip"] is None else f"{r['clip']:g}"
+        lines.append(f"| {r['method']} | {r['lr']:g} | {clip} | {r['eval_loss']:.4f} "
                      f"| {r['eval_accuracy']:.3f} |")
-    (args.out / "tuning.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -213,6 +237,9 @@ def main() -> None:
     parser.add_argument("--tune", default="",
                         help="comma-separated learning rates: run each method without DP "
                              "(first seed) at each, into tuning.json / tuning.md, and stop")
+    parser.add_argument("--tune-dp", default="",
+                        help="the same at epsilon 4 (rates with a clip in CLIPS), into "
+                             "tuning_dp.json / tuning_dp.md")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -226,12 +253,12 @@ def main() -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
-    if args.tune:
-        tune(methods, [float(x) for x in args.tune.split(",")], int(args.seeds.split(",")[0]),
-             args)
+    if args.tune or args.tune_dp:
+        tune(methods, [float(x) for x in (args.tune or args.tune_dp).split(",")],
+             int(args.seeds.split(",")[0]), args, 4.0 if args.tune_dp else None)
         return
-    for method in methods:
-        for seed in (int(s) for s in args.seeds.split(",")):
+    for seed in (int(s) for s in args.seeds.split(",")):  # each seed across every method
+        for method in methods:
             for level in levels:
                 if (method, level, seed, args.nodes, args.per_round, args.rounds) in done:
                     continue
