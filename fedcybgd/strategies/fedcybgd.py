@@ -515,17 +515,17 @@ class FedCyBGD(Strategy):
         if self.privacy is not None and live.sent:
             rate, dp_nodes = self._dp_round
             record.extra["dp_epsilon"] = self.privacy.record(rate, dp_nodes)
+        elif self.dp == "example":
+            reported = [got.metrics.get("dp_epsilon", math.nan) for _, (_, got, _) in arrived]
+            self.example_epsilon = max([self.example_epsilon,
+                                        *(e for e in reported if math.isfinite(e))])
+            record.extra["dp_epsilon"] = self.example_epsilon
         if self.adaptive_clip is not None and live.sent:
             # each admitted node's one vote (a value other than 0 or 1 is no vote)
             votes = [got.metrics.get(protocol.DP_UNCLIPPED) for _, (_, got, _) in arrived]
             record.extra["dp_clip_norm"] = self.adaptive_clip.clip
             record.extra["dp_clip_next"] = self.adaptive_clip.update(
                 [v == 1.0 for v in votes if v in (0.0, 1.0)])
-        elif self.dp == "example":
-            reported = [got.metrics.get("dp_epsilon", math.nan) for _, (_, got, _) in arrived]
-            self.example_epsilon = max([self.example_epsilon,
-                                        *(e for e in reported if math.isfinite(e))])
-            record.extra["dp_epsilon"] = self.example_epsilon
         self.history.append(record)
         if not record.accepted or not self.return_arrays:
             return None, record.to_metric_record()
