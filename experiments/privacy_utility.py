@@ -98,9 +98,12 @@ def one_run(method: str, level: float | None, seed: int, nodes: int, per_round: 
     spec = METHODS[method]
     lr = lr if lr is not None else spec["lr"] if level is None else dp_lr(method)
     settings = {**spec["settings"], "lr": lr}
-    clip = CLIPS[method][lr]
+    clip: float | None = None
     dp: dict[str, Any] = {"dp": "off"}
     if level is not None:
+        if lr not in CLIPS[method]:
+            raise SystemExit(f"{method} at lr {lr:g}: no honest update norm measured (CLIPS)")
+        clip = CLIPS[method][lr]
         dp = {"dp": "central", "dp-clip-norm": clip, "dp-delta": DELTA,
               "dp-noise-multiplier": noise_for(level, rate, rounds),
               "dp-target-epsilon": level}
