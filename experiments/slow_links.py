@@ -13,7 +13,8 @@ Per method and rate, a 2-node, 2-round run on the loopback deployment's machiner
 (FedAvg sends the whole model or adapter; FedCyBGD nodes hold the pretrained weights already),
 round 2 a steady round. Reported per round: wall time (``round_s``), bytes on the wire each way
 (``wire_bytes_*``: what Flower carried, summed over the nodes), the node's training time, and
-the time the link alone needs for those bytes at the rate (the slowest node's bytes / rate).
+the time the link alone needs for those bytes at the rate (one node's share, down plus
+up, over the rate).
 Methods run at their app defaults (FedCyBGD: int2 deltas up and down). The SuperLink keeps its
 state in memory here: with its SQLite file, FedAvg-full's 513 MB messages locked the database
 long enough for heartbeats and task pulls to fail, and that run died in its first round.
@@ -159,15 +160,13 @@ def inner(method: str, rate: float, out: Path, extra: str = "") -> dict[str, Any
         shutil.rmtree(out / bulky, ignore_errors=True)
     rounds = []
     for r in rows[1:]:
-        per_node = max(r.get("wire_bytes_down", 0), r.get("wire_bytes_up", 0)) / NODES
         rounds.append({"round": r["round"], "round_s": r.get("round_s"),
                        "wire_bytes_down": r.get("wire_bytes_down"),
                        "wire_bytes_up": r.get("wire_bytes_up"),
                        "client_train_s": r.get("client_train_s"),
                        # one node's bytes each way through its own link, down then up
                        "link_s": (r.get("wire_bytes_down", 0) + r.get("wire_bytes_up", 0))
-                       / NODES * 8 / (rate * 1e6),
-                       "per_node_max_one_way_bytes": per_node})
+                       / NODES * 8 / (rate * 1e6)})
     return {"method": method, "rate_mbit": rate, "status": status, "run_wall_s": wall,
             "rounds": rounds}
 
