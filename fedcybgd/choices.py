@@ -27,3 +27,4 @@ FROZEN_QUANTS: tuple[str, ...] = ("none", "int8")  # frozen-quant
 EVAL_PRECISIONS: tuple[str, ...] = ("float32", "frozen")  # eval-precision
 EARLY_STOP_METRICS: tuple[str, ...] = ("loss", "metric")  # early-stop-metric
 DP_MODES: tuple[str, ...] = ("off", "central", "local", "example")  # dp
+WANDB_MODES: tuple[str, ...] = ("offline", "online")  # wandb-mode

@@ -36,6 +36,7 @@ from fedcybgd.choices import (
     PARTITIONERS,
     SERVER_OPTIMIZERS,
     STRATEGIES,
+    WANDB_MODES,
 )
 from fedcybgd.compression import CodecError, lossy_delta_spec, parse_spec
 from fedcybgd.core import registry
@@ -259,10 +260,16 @@ class RunConfig:
     trackers: str = setting("", doc=(
         "comma-separated experiment trackers fed every `metrics.jsonl` row, the run config and "
         "the summary: `tensorboard` (event files in `<output-dir>/tensorboard`), `mlflow` (an "
-        "MLflow run; needs the `trackers` extra); empty = none"))
+        "MLflow run), `wandb` (a Weights & Biases run); each needs the `trackers` extra; empty "
+        "= none"))
     mlflow_tracking_uri: str = setting("", doc=(
         "where `mlflow` records; empty: an SQLite store `<output-dir>/mlflow.db` with "
         "artifacts in `<output-dir>/mlartifacts`"))
+    wandb_mode: str = setting("offline", choices=WANDB_MODES, doc=(
+        "`offline`: `wandb` records in `<output-dir>/wandb` and sends nothing (`wandb sync` "
+        "uploads it later); `online`: to the W&B server your `wandb login` or `WANDB_API_KEY` "
+        "names"))
+    wandb_project: str = setting("fedcybgd", doc="the W&B project the run is recorded in")
     upload_codec: str = setting("delta+int2+zstd", section="Communication", doc=(
         "codec spec for uploads (see compression; two bits a value, the node's error feedback "
         "keeps what they drop; on SmolLM2 at these defaults it ends no worse than fp32, see "

@@ -1,5 +1,6 @@
-"""Experiment trackers: a run with trackers = "tensorboard,mlflow" leaves event files and an
-MLflow run whose numbers are the rows of metrics.jsonl; a tracker that cannot work is named."""
+"""Experiment trackers: a run with trackers = "tensorboard,mlflow,wandb" leaves event files, an
+MLflow run and an offline W&B run whose numbers are the rows of metrics.jsonl; a tracker that
+cannot work is named."""
 
 from __future__ import annotations
 
@@ -13,7 +14,38 @@ from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.server.trackers import Trackers, scalars
 
 
-def test_a_run_feeds_tensorboard_and_mlflow_the_rows_of_metrics_jsonl(tiny_run_config, tmp_path):
+def wandb_records(run_file: Path) -> list:
+    """The records of a W&B run file (``run-<id>.wandb``), read as W&B lays it out: a 7-byte
+    header (``:W&B``, magic, version), then 32 KiB blocks of chunks, each a 7-byte header
+    (checksum, length, kind: 1 whole, 2 first, 3 middle, 4 last) and a piece of one protobuf
+    ``Record``."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B", run_file
+    records, piece, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if length == 0 and kind == 0:
+            break
+        piece += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(piece))
+            piece = b""
+    return records
+
+
+def item_key(item) -> str:
+    """A W&B record item's name (``key``, or the parts of ``nested_key``)."""
+    return item.key or "/".join(item.nested_key)
+
+
+def test_a_run_feeds_tensorboard_mlflow_and_wandb_the_rows_of_metrics_jsonl(tiny_run_config,
+                                                                              tmp_path):
     import mlflow
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -21,7 +53,7 @@ def test_a_run_feeds_tensorboard_and_mlflow_the_rows_of_metrics_jsonl(tiny_run_c
     from fedcybgd.harness.loopback import LoopbackGrid
     from fedcybgd.server.app import run_server
 
-    config = {**tiny_run_config, "trackers": "tensorboard,mlflow"}
+    config = {**tiny_run_config, "trackers": "tensorboard,mlflow,wandb"}
     grid = LoopbackGrid(client_app, 2, config,
                         node_config=lambda i: {"cache-dir": str(tmp_path / f"cache-{i}")})
     summary = run_server(grid, RunConfig.from_run_config(config), node_wait_s=5)
@@ -51,6 +83,31 @@ def test_a_run_feeds_tensorboard_and_mlflow_the_rows_of_metrics_jsonl(tiny_run_c
     files = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"summary.json", "metrics.jsonl", "plots.png"} <= files
 
+    # W&B (offline, the default): one run file under <output-dir>/wandb whose history rows are
+    # the rows, with the run config, the summary and the files
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    records = wandb_records(next(run_dir.glob("run-*.wandb")))
+    kinds = [r.WhichOneof("record_type") for r in records]
+    got_rows: dict[str, dict[int, float]] = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            for item in r.history.item:
+                if not item_key(item).startswith("_"):
+                    got_rows.setdefault(item_key(item), {})[r.history.step.num] = \
+                        json.loads(item.value_json)
+    assert set(got_rows) == set(want)
+    for key, by_round in want.items():
+        assert got_rows[key] == pytest.approx(by_round, rel=1e-6), key
+    (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    params = {item_key(i): json.loads(i.value_json) for i in run_record.config.update}
+    assert params["lr"] == config["lr"]
+    final = {item_key(i): json.loads(i.value_json) for r in records
+             if r.WhichOneof("record_type") == "summary" for i in r.summary.update}
+    assert final["summary/final_eval_loss"] == pytest.approx(summary["final_eval_loss"], rel=1e-6)
+    assert kinds[-1] == "exit" and records[-1].exit.exit_code == 0
+    assert {"summary.json", "metrics.jsonl", "plots.png"} <= {
+        p.name for p in (run_dir / "files").iterdir()}
+
 
 def test_an_unknown_tracker_or_a_missing_package_is_named(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"trackers: \['neptune'\] not known"):
@@ -58,6 +115,9 @@ def test_an_unknown_tracker_or_a_missing_package_is_named(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "mlflow", None)
     with pytest.raises(ConfigError, match=r'needs mlflow .*pip install "fedcybgd\[trackers\]"'):
         Trackers(RunConfig(trackers="mlflow"), tmp_path)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match=r'needs wandb .*pip install "fedcybgd\[trackers\]"'):
+        Trackers(RunConfig(trackers="wandb"), tmp_path)
 
 
 def test_a_failing_tracker_is_dropped_and_the_rest_go_on(tmp_path, caplog):

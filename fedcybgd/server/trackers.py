@@ -9,7 +9,11 @@ run's files (``summary.json``, ``metrics.jsonl``, ``plots.png``).
 * ``tensorboard``: event files in ``<output-dir>/tensorboard`` (``tensorboard --logdir`` there);
 * ``mlflow``: one MLflow run in experiment ``fedcybgd``, at ``mlflow-tracking-uri`` (default: an
   SQLite store ``<output-dir>/mlflow.db`` with artifacts in ``<output-dir>/mlartifacts``;
-  ``mlflow ui --backend-store-uri sqlite:///<output-dir>/mlflow.db``).
+  ``mlflow ui --backend-store-uri sqlite:///<output-dir>/mlflow.db``);
+* ``wandb``: one Weights & Biases run in project ``wandb-project``; with ``wandb-mode =
+  "offline"`` (the default) it is written to ``<output-dir>/wandb`` and nothing leaves the machine
+  (``wandb sync <output-dir>/wandb/offline-run-*`` uploads it later); ``"online"`` sends it to the
+  server that ``wandb login`` or ``WANDB_API_KEY`` names.
 
 A tracker whose package is missing stops the run at start, naming the extra to install
 (``pip install "fedcybgd[trackers]"``); a tracker that fails during the run is logged and
@@ -109,10 +113,38 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id, status=status)
 
 
+class WandbTracker:
+    """One Weights & Biases run (project ``wandb-project``, offline by default)."""
+
+    def __init__(self, run: RunConfig, out: Path) -> None:
+        try:
+            import wandb
+        except ImportError as err:
+            raise ConfigError(f"trackers = 'wandb' needs wandb ({err}); {EXTRA}") from None
+        (out / "wandb").mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=run.wandb_project, name=f"{run.strategy}-{run.update_rule}-seed{run.seed}",
+            config=run.to_run_config(), dir=str(out),
+            mode="online" if run.wandb_mode == "online" else "offline",
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+
+    def log_row(self, row: Mapping[str, Any]) -> None:
+        self.run.log(scalars(row), step=int(row["round"]))
+
+    def finish(self, summary: Mapping[str, Any], files: list[Path]) -> None:
+        for key, value in scalars(summary).items():
+            self.run.summary[f"summary/{key}"] = value
+        for path in files:
+            if path.is_file():
+                self.run.save(str(path), base_path=str(path.parent), policy="now")
+        self.run.finish(exit_code=0 if summary.get("status") == "completed" else 1)
+
+
 # The registry: a tracker's name -> its class (made with the run config and output folder)
 TRACKERS: dict[str, Callable[[RunConfig, Path], Tracker]] = {
     "tensorboard": TensorBoardTracker,
     "mlflow": MlflowTracker,
+    "wandb": WandbTracker,
 }
 
 
