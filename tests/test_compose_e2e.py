@@ -1,5 +1,7 @@
 """docker-compose for real: build the image, bring up the SuperLink and three SuperNodes, train.
 
+The container tier (``make test-containers``; .ci/run runs it after ``make test``).
+
 On a local Docker engine (started by scripts/prepare-docker-offline.sh when it is installed but
 not running; a base image made with debootstrap when none can be pulled):
 
@@ -48,7 +50,7 @@ RUN_CONFIG: dict[str, object] = {**QUICK_RUN_CONFIG, "partitioner": "iid"}
 TIMINGS: dict[str, float] = {}
 
 # A cold build is ~4 min; each stack 2-5 min on 2 idle cores, far more on a loaded machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.slow, pytest.mark.containers, pytest.mark.timeout(3600)]
 RUN_TIMEOUT_S = 1500
 
 
