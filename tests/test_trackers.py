@@ -11,37 +11,7 @@ from pathlib import Path
 import pytest
 
 from fedcybgd.config import ConfigError, RunConfig
-from fedcybgd.server.trackers import Trackers, scalars
-
-
-def wandb_records(run_file: Path) -> list:
-    """The records of a W&B run file (``run-<id>.wandb``), read as W&B lays it out: a 7-byte
-    header (``:W&B``, magic, version), then 32 KiB blocks of chunks, each a 7-byte header
-    (checksum, length, kind: 1 whole, 2 first, 3 middle, 4 last) and a piece of one protobuf
-    ``Record``."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = run_file.read_bytes()
-    assert data[:4] == b":W&B", run_file
-    records, piece, pos, block = [], b"", 7, 32768
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
-            pos += block - pos % block
-            continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        if length == 0 and kind == 0:
-            break
-        piece += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            records.append(wandb_internal_pb2.Record.FromString(piece))
-            piece = b""
-    return records
-
-
-def item_key(item) -> str:
-    """A W&B record item's name (``key``, or the parts of ``nested_key``)."""
-    return item.key or "/".join(item.nested_key)
+from fedcybgd.server.trackers import Trackers, item_key, scalars, wandb_history, wandb_records
 
 
 def test_a_run_feeds_tensorboard_mlflow_and_wandb_the_rows_of_metrics_jsonl(tiny_run_config,
@@ -86,15 +56,10 @@ def test_a_run_feeds_tensorboard_mlflow_and_wandb_the_rows_of_metrics_jsonl(tiny
     # W&B (offline, the default): one run file under <output-dir>/wandb whose history rows are
     # the rows, with the run config, the summary and the files
     (run_dir,) = (out / "wandb").glob("offline-run-*")
-    records = wandb_records(next(run_dir.glob("run-*.wandb")))
+    run_file = next(run_dir.glob("run-*.wandb"))
+    records = wandb_records(run_file)
     kinds = [r.WhichOneof("record_type") for r in records]
-    got_rows: dict[str, dict[int, float]] = {}
-    for r in records:
-        if r.WhichOneof("record_type") == "history":
-            for item in r.history.item:
-                if not item_key(item).startswith("_"):
-                    got_rows.setdefault(item_key(item), {})[r.history.step.num] = \
-                        json.loads(item.value_json)
+    got_rows = wandb_history(run_file)
     assert set(got_rows) == set(want)
     for key, by_round in want.items():
         assert got_rows[key] == pytest.approx(by_round, rel=1e-6), key

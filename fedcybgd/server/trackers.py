@@ -163,6 +163,53 @@ def tracker_names(text: str) -> list[str]:
     return names
 
 
+def wandb_records(run_file: Path) -> list[Any]:
+    """The records of a W&B run file (``run-<id>.wandb``), as protobuf ``Record`` messages.
+
+    W&B lays the file out as a 7-byte header (``:W&B``, a magic number, a version), then
+    32 KiB blocks of chunks, each a 7-byte header (checksum, length, kind: 1 whole, 2 first,
+    3 middle, 4 last) and a piece of one record. This reads what an offline run recorded
+    without a W&B server (e.g. to check it against ``metrics.jsonl``).
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{run_file} is not a W&B run file")
+    records, piece, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if length == 0 and kind == 0:
+            break
+        piece += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(piece))  # type: ignore[attr-defined]
+            piece = b""
+    return records
+
+
+def item_key(item: Any) -> str:
+    """A W&B record item's name (``key``, or the parts of ``nested_key``)."""
+    return str(item.key or "/".join(item.nested_key))
+
+
+def wandb_history(run_file: Path) -> dict[str, dict[int, float]]:
+    """Every logged scalar of a W&B run file: name -> {step: value} (W&B's own ``_`` keys
+    left out)."""
+    history: dict[str, dict[int, float]] = {}
+    for record in wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                if not item_key(item).startswith("_"):
+                    history.setdefault(item_key(item), {})[record.history.step.num] = \
+                        json.loads(item.value_json)
+    return history
+
+
 class Trackers:
     """The run's trackers together; one that fails is logged and dropped."""
 
