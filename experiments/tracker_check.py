@@ -1,4 +1,4 @@
-"""What the trackers recorded for a finished run, against its ``metrics.jsonl``; a screenshot of
+r"""What the trackers recorded for a finished run, against its ``metrics.jsonl``; a screenshot of
 TensorBoard's scalars page.
 
     fedcybgd run . local \
