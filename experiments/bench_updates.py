@@ -72,12 +72,20 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "lezo-0.25/bf16": ("lezo", {"lezo-density": 0.25}),
     "lezo-0.25/int8": ("lezo", {"lezo-density": 0.25}),
     "inference/int8": ("inference", {}),
+    # without the step cache: z drawn three times a step, the exact restore saved sparsely
+    "mezo/lean": ("mezo", {"zo-step-cache-mb": 0.0}),
+    "lezo-0.25/lean": ("lezo", {"lezo-density": 0.25, "zo-step-cache-mb": 0.0}),
 }
 # --variants names one of these for a whole set: fp32 vs bf16 vs int8 frozen, recompute or not
 VARIANT_SETS = {
     "precision": "inference,inference/int8,lezo-0.25,lezo-0.25/bf16,lezo-0.25/int8,fo,"
                  "fo/bf16,fo/int8,fo/recompute,fo/recompute/bf16",
+    # the zeroth-order step against its floor (two forwards), with and without the step cache
+    "zo-floor": "inference,mezo,mezo/lean,lezo-0.25,lezo-0.25/lean",
 }
+# Where a zeroth-order step's time goes (TrainOutcome metrics, seconds a step): the frozen
+# prefix, the two forwards, drawing z once (the step cache), the perturb/restore/update passes.
+ZO_PROFILE = ("prefix_s", "zo_forward_s", "z_s", "perturb_s")
 PRECISIONS = {"bf16": ("bfloat16", "none"), "int8": ("bfloat16", "int8")}
 
 
@@ -119,6 +127,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     rule_name, options = VARIANTS[args.variant]
+    if rule_name in ("lezo", "mezo"):
+        from fedcybgd.rules.builtin import LezoOptions
+
+        # a row says which restore path it measured (rows without the key predate the cache)
+        options = {"zo-step-cache-mb": LezoOptions().step_cache_mb, **options}
     precision = Precision(*precision_of(args.variant))
     tokenizer = load_tokenizer(args.model)
     frame = shares.load_split("rotten-tomatoes", "train")
@@ -184,6 +197,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if rule_name != "full" else (float("nan"), float("nan"))
     )
 
+    profile: dict[str, float] = {}
+
     def step_fn(batch_index: int) -> None:
         batch = batches[batch_index]
         if rule_name == "inference":
@@ -205,7 +220,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                          batches=iter([batch]), steps=1, lr=1e-6, weight_decay=0.0,
                          seed=batch_index, options=dict(options),
                          state_dir=Path(args.state_dir) if args.state_dir else None)
-        get_rule(rule_name).train(task)
+        outcome = get_rule(rule_name).train(task)
+        if batch_index > 0:  # the warm-up step is not profiled
+            for key in ZO_PROFILE:
+                if key in outcome.metrics:
+                    profile[key] = profile.get(key, 0.0) + outcome.metrics[key] / args.steps
 
     optimizer = (
         torch.optim.AdamW(model.parameters(), lr=1e-6) if rule_name == "full" else None
@@ -239,6 +258,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "tokens": int(sum(int(b.attention_mask.sum()) for b in batches[1:]) / args.steps),
         "task": args.task,
         "scored_tokens": int(sum(b.num_scored for b in batches[1:]) / args.steps),
+        "profile_s": profile,
     }
 
 
@@ -319,7 +339,8 @@ def main() -> None:
               f"above model {row['peak_above_loaded_mb']:7.0f} MB  "
               f"above runtime ({row['runtime_rss_mb']:4.0f}) "
               f"{row['peak_above_runtime_mb']:6.0f} MB  "
-              f"estimate {row['estimate_mb']:6.0f} MB ({row['estimate_error']:+.0%})",
+              f"estimate {row['estimate_mb']:6.0f} MB ({row['estimate_error']:+.0%})"
+              + "".join(f"  {k} {v:.3f}" for k, v in row.get("profile_s", {}).items()),
               flush=True)
         return row
 
@@ -339,7 +360,36 @@ def main() -> None:
         "jobs": args.jobs,
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    floor = zo_floor_table(rows)
+    if floor:
+        out.with_suffix(".md").write_text(floor)
+        print(floor)
     print(f"saved {out}")
+
+
+def zo_floor_table(rows: list[dict[str, Any]]) -> str:
+    """Each zeroth-order row's step against its floor, two forwards of the ``inference`` row of
+    the same block and task, with its profile; empty without such pairs."""
+    forward = {(r["where"], r["task"]): r["step_s"] for r in rows if r["variant"] == "inference"}
+    zo = [r for r in rows if r["rule"] in ("lezo", "mezo") and (r["where"], r["task"]) in forward]
+    if not zo:
+        return ""
+    lines = ["| variant | where | step cache MB | s/step | vs 2 forwards | "
+             + " | ".join(ZO_PROFILE) + " |", "|---" * (5 + len(ZO_PROFILE)) + "|"]
+    for r in zo:
+        two = 2 * forward[(r["where"], r["task"])]
+        profile = r.get("profile_s", {})
+        lines.append(f"| {r['variant']} | {r['where']} | "
+                     f"{r['options'].get('zo-step-cache-mb', '-')} | {r['step_s']:.3f} | "
+                     f"{r['step_s'] / two:.2f}x | "
+                     + " | ".join(f"{profile.get(k, float('nan')):.3f}" for k in ZO_PROFILE)
+                     + " |")
+    by_variant = {(r["variant"], r["where"]): r["step_s"] for r in zo}
+    for (variant, where), step in by_variant.items():
+        if variant == "mezo" and ("lezo-0.25", where) in by_variant:
+            lines.append(f"\nMeZO / LeZO-0.25 ({where}): "
+                         f"{step / by_variant[('lezo-0.25', where)]:.2f}x")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

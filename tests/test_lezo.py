@@ -113,6 +113,7 @@ def test_projected_gradient_matches_directional_derivative(batches):
     assert step.g == pytest.approx(directional, rel=0.01)
 
 
+@pytest.mark.parametrize("cache_mb", [0.0, 256.0], ids=["sparse-restore", "step-cache"])
 @pytest.mark.parametrize(
     ("rule_name", "block", "layers_per_block", "dtype"),
     [
@@ -122,10 +123,11 @@ def test_projected_gradient_matches_directional_derivative(batches):
         ("lezo", "layer.0-3", 4, torch.bfloat16),  # fp32 master path
     ],
 )
-def test_lr_zero_leaves_weights_bit_identical(batches, rule_name, block, layers_per_block, dtype):
+def test_lr_zero_leaves_weights_bit_identical(batches, rule_name, block, layers_per_block, dtype,
+                                              cache_mb):
     # Prepare
     task = make_task(batches, block, layers_per_block, steps=3, lr=0.0, dtype=dtype,
-                     **{"lezo-density": 0.5})
+                     **{"lezo-density": 0.5, "zo-step-cache-mb": cache_mb})
     before = snapshot(task.model)
 
     # Execute
@@ -135,8 +137,47 @@ def test_lr_zero_leaves_weights_bit_identical(batches, rule_name, block, layers_
     after = snapshot(task.model)
     assert outcome.steps == 3 and outcome.skipped_steps == 0
     assert all(bit_equal(before[n], after[n]) for n in before)
-    if dtype == torch.float32 and block != "embed":
+    if dtype == torch.float32 and block != "embed" and cache_mb == 0:
         assert outcome.metrics["restore_patch_frac"] > 0  # the exact-restore patch was needed
+
+
+@pytest.mark.parametrize(
+    ("rule_name", "block", "layers_per_block", "dtype"),
+    [
+        ("lezo", "layer.0-3", 4, torch.float32),
+        ("mezo", "embed", 1, torch.float32),  # several z chunks a tensor
+        ("lezo", "layer.0-3", 4, torch.bfloat16),  # fp32 master path
+    ],
+)
+def test_the_step_cache_trains_the_same_weights_and_log_as_the_sparse_restore(
+        batches, rule_name, block, layers_per_block, dtype):
+    # Prepare: the same round twice, z drawn once a step (cache) and three times (no cache)
+    def train(cache_mb: float) -> tuple[dict[str, torch.Tensor], Any]:
+        task = make_task(batches, block, layers_per_block, steps=3, lr=1e-2, weight_decay=0.1,
+                         dtype=dtype, **{"lezo-density": 0.5, "zo-step-cache-mb": cache_mb})
+        outcome = get_rule(rule_name).train(task)
+        return snapshot(task.model), outcome
+
+    # Execute
+    lean, lean_outcome = train(0.0)
+    cached, cached_outcome = train(256.0)
+
+    # Assert: bit for bit the same weights and step log; the cached round drew z up front (its
+    # time is counted) and patched nothing; the other drew none up front
+    assert any(not bit_equal(lean[n], _tiny(dtype).state_dict()[n]) for n in lean)  # it trained
+    assert all(bit_equal(lean[n], cached[n]) for n in lean)
+    assert lean_outcome.step_log == cached_outcome.step_log
+    assert cached_outcome.metrics["z_s"] > 0 and lean_outcome.metrics["z_s"] < 1e-3
+    assert cached_outcome.metrics["restore_patch_frac"] == 0
+
+
+def test_a_step_whose_units_exceed_the_cache_takes_the_sparse_restore(batches):
+    # Prepare: a cache too small for one layer's z and starting values
+    task = make_task(batches, "layer.0-3", 4, steps=2, lr=1e-2, **{"zo-step-cache-mb": 0.01})
+    # Execute
+    outcome = get_rule("lezo").train(task)
+    # Assert: the sparse path ran (elements were patched back), and z was never cached
+    assert outcome.steps == 2 and outcome.metrics["restore_patch_frac"] > 0
 
 
 def test_only_chosen_units_change(batches):

@@ -94,6 +94,9 @@ def row_estimate(row: dict, per_layer: tuple[ModelShape, BlockMap],
     from fedcybgd.model.precision import Precision
 
     rule, options = bench_updates.VARIANTS[row["variant"]]
+    options = {**options, **row.get("options", {})}
+    if rule in ("lezo", "mezo") and "zo-step-cache-mb" not in options:
+        options["zo-step-cache-mb"] = 0.0  # measured before the step cache: the sparse restore
     shape, grouping = whole if row["where"] == "whole" else per_layer
     block = bench_updates.pick_block(grouping.names,
                                      "bottom" if row["where"] == "whole" else row["where"])

@@ -123,11 +123,12 @@ def test_builtin_rules_are_declared_for_both_sides():
 
 
 @pytest.mark.parametrize("scored", [None, 100, 600])
-def test_builtin_estimates_are_unchanged(scored):
-    # The estimate before the per-rule branch moved into the rules, written out (gradients
-    # and kept activations count as the larger of the two; the logits are those of the
-    # scored positions, one a row unless given, in the copies the
-    # loss keeps, zerolock's at most zerolock-slice = 256 rows at a time).
+def test_builtin_estimates_match_their_written_out_form(scored):
+    # Each built-in rule's estimate written out (gradients and kept activations count as the
+    # larger of the two; the logits are those of the scored positions, one a row unless given,
+    # in the copies the loss keeps, zerolock's at most zerolock-slice = 256 rows at a time;
+    # the zeroth-order step cache, z and starting values of the perturbed share, 256 MB at
+    # most, else the sparse restore's 5% of the block).
     from fedcybgd.rules.builtin import BACKWARD_LOGIT_COPIES, FORWARD_LOGIT_COPIES
 
     model = load_model("tiny-llama")
@@ -152,14 +153,41 @@ def test_builtin_estimates_are_unchanged(scored):
             "fo": optimizer - grads + max(grads, (shape.num_layers - lowest) * acts) + back,
             "zerolock": optimizer - grads + max(grads, max(own, 1) * acts)
             + back * min(1.0, 256 / rows),
-            "lezo": 20.0 + 0.05 * block_bytes / MB + acts + forward,
-            "mezo": 20.0 + 0.05 * block_bytes / MB + acts + forward,
+            "lezo": 20.0 + 2 * 0.25 * block_bytes / MB + acts + forward,
+            "mezo": 20.0 + 2 * 1.0 * block_bytes / MB + acts + forward,
             "inference": acts + logits,
         }
         for rule, added in extra.items():
             expected = RUNTIME_MB + shape.param_bytes / MB + added
             got = estimate_peak_mb(shape, blocks, rule, block, batch, seq, scored_tokens=scored)
             assert got == pytest.approx(expected, rel=1e-12), rule
+        # without the step cache: the sparse restore's saved elements
+        for rule in ("lezo", "mezo"):
+            expected = (RUNTIME_MB + shape.param_bytes / MB + 20.0 + 0.05 * block_bytes / MB
+                        + acts + forward)
+            got = estimate_peak_mb(shape, blocks, rule, block, batch, seq, scored_tokens=scored,
+                                   options={"zo-step-cache-mb": 0.0})
+            assert got == pytest.approx(expected, rel=1e-12), rule
+
+
+def test_a_budget_between_the_step_cache_and_the_sparse_restore_takes_lezo_without_the_cache():
+    # Prepare: a block of the tiny Llama, lezo's estimate with and without the step cache
+    from fedcybgd.memory.estimate import fitting_rule_options
+
+    model = load_model("tiny-llama")
+    blocks = BlockMap(model, layers_per_block=2)
+    shape = ModelShape.of(model, blocks)
+    block = blocks.names[1]
+    cached = estimate_peak_mb(shape, blocks, "lezo", block, 4, 48)
+    lean = estimate_peak_mb(shape, blocks, "lezo", block, 4, 48,
+                            options={"zo-step-cache-mb": 0.0})
+    # Execute / Assert: between the two, lezo fits without the cache; above, with it; below
+    # both, nothing fits
+    assert lean < cached
+    assert fitting_rule_options(shape, blocks, block, (lean + cached) / 2, 4, 48, "lezo") == \
+        ("lezo", {"zo-step-cache-mb": 0.0})
+    assert fitting_rule_options(shape, blocks, block, cached + 1, 4, 48, "lezo") == ("lezo", {})
+    assert fitting_rule_options(shape, blocks, block, lean - 1, 4, 48, "lezo") is None
 
 
 # --------------------------------------------------------------------- selecting a plug-in

@@ -59,13 +59,14 @@ from fedcybgd.config import ConfigError, NodeConfig, RunConfig
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.core.measure import PeakMemory, cgroup_memory, rss_bytes
 from fedcybgd.data.prompts import Batch
-from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule, measured_runtime_mb
+from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule_options, measured_runtime_mb
 from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
 from fedcybgd.protocol import Holding, dp, seedlog, seedsync, selfsync, zeroth_order
 from fedcybgd.protocol.zeroth_order import SeedLog
 from fedcybgd.rules import ExampleDp, rule_spec
+from fedcybgd.rules.builtin import LEAN_OPTIONS
 from fedcybgd.tasks.base import build_task, warn_cut
 from fedcybgd.tasks.shares import target_shares
 
@@ -238,6 +239,11 @@ class Round:
     privacy: ExampleDp | None = None  # dp = "example": this round's DP-SGD settings
     ledger: ExampleLedger | None = None
     dp_round: tuple[float, float, int] | None = None  # (rate, multiplier, steps) to record
+    options: dict[str, Any] = field(default_factory=dict)  # the rule's, as the budget fits them
+
+    def __post_init__(self) -> None:
+        if not self.options:
+            self.options = dict(self.run.options)
 
     def answer(self, status: str, reason: str, store: bool = True) -> Answered:
         """End the round with ``status`` and ``reason`` (the holdings too with ``store``)."""
@@ -388,18 +394,19 @@ def fit_memory_budget(rnd: Round) -> None:
     # An sft batch scores every response token, not one per row (an upper bound here)
     scored = build_task(run).max_scored_tokens(run.batch_size, run.max_seq_len)
     runtime = measured_runtime_mb(cm.shape, cm.blocks, rnd.precision, rss_bytes() / 2**20)
-    fit = fitting_rule(cm.shape, cm.blocks, block, node.memory_budget_mb, run.batch_size,
-                       run.max_seq_len, rnd.rule_name, rnd.precision, run.options, scored,
-                       runtime)
+    fit = fitting_rule_options(cm.shape, cm.blocks, block, node.memory_budget_mb,
+                               run.batch_size, run.max_seq_len, rnd.rule_name, rnd.precision,
+                               run.options, scored, runtime)
     if fit is None:
         need = estimate_peak_mb(cm.shape, cm.blocks, "lezo", block, run.batch_size,
-                                run.max_seq_len, rnd.precision, run.options, scored, runtime)
+                                run.max_seq_len, rnd.precision,
+                                {**run.options, **LEAN_OPTIONS}, scored, runtime)
         raise rnd.answer(
             protocol.REJECTED,
             f"memory-budget-mb = {node.memory_budget_mb:.0f} fits no update rule for "
             f"block {block} (the smallest, lezo, needs about {need:.0f} MB, "
             f"{runtime:.0f} MB of it this process's runtime)", store=False)
-    rnd.rule_name = fit
+    rnd.rule_name, rnd.options = fit
 
 
 def install_downloads(rnd: Round) -> None:
@@ -443,7 +450,7 @@ def train_block(rnd: Round) -> tuple[TrainOutcome, dict[str, torch.Tensor],
     torch.manual_seed(ins.seed)
     task = TrainTask(model=cm.model, stack=cm.stack, blocks=cm.blocks, block=block,
                      batches=iter(feed), steps=run.local_steps, lr=rnd.lr,
-                     weight_decay=run.weight_decay, seed=ins.seed, options=dict(run.options),
+                     weight_decay=run.weight_decay, seed=ins.seed, options=dict(rnd.options),
                      state_dir=rnd.rule_state, privacy=rnd.privacy)
     began = time.perf_counter()
     rule = get_rule(rnd.rule_name)

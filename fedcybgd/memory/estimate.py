@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedcybgd.model.blocks import EMBED, HEAD
 from fedcybgd.rules import MemoryNeeds, rule_spec
+from fedcybgd.rules.builtin import LEAN_OPTIONS
 
 if TYPE_CHECKING:
     from fedcybgd.model.blocks import BlockMap
@@ -224,14 +225,38 @@ def fitting_rule(
 ) -> str | None:
     """``preferred`` if it fits ``budget_mb``, else the first rule in :data:`RULE_ORDER` after it
     (after ``preferred`` not in that order, such as a plug-in rule: all of it) that fits;
-    ``None`` when nothing fits. A budget of 0 means "no budget declared"."""
+    ``None`` when nothing fits. A budget of 0 means "no budget declared". A rule fits when it
+    does at the run's options or at :data:`LEAN_OPTIONS` (see :func:`fitting_rule_options`)."""
+    fit = fitting_rule_options(shape, blocks, block, budget_mb, batch_size, seq_len, preferred,
+                               precision, options, scored_tokens, runtime_mb)
+    return None if fit is None else fit[0]
+
+
+def fitting_rule_options(
+    shape: ModelShape,
+    blocks: BlockMap,
+    block: str,
+    budget_mb: float,
+    batch_size: int,
+    seq_len: int,
+    preferred: str,
+    precision: Precision | None = None,
+    options: Mapping[str, Any] | None = None,
+    scored_tokens: int | None = None,
+    runtime_mb: float = RUNTIME_MB,
+) -> tuple[str, dict[str, Any]] | None:
+    """As :func:`fitting_rule`, with the options the rule fits at: the run's, or the run's with
+    :data:`LEAN_OPTIONS` over them (a rule that trades speed for memory, e.g. the zeroth-order
+    step cache, is tried without it before the next, smaller rule)."""
+    run_options = dict(options or {})
     if budget_mb <= 0:
-        return preferred
+        return preferred, run_options
     order = [preferred] + [r for r in RULE_ORDER if r != preferred]
     if preferred in RULE_ORDER:
         order = list(RULE_ORDER[RULE_ORDER.index(preferred):])
     for rule in order:
-        if estimate_peak_mb(shape, blocks, rule, block, batch_size, seq_len, precision,
-                            options, scored_tokens, runtime_mb) <= budget_mb:
-            return rule
+        for tried in (run_options, {**run_options, **LEAN_OPTIONS}):
+            if estimate_peak_mb(shape, blocks, rule, block, batch_size, seq_len, precision,
+                                tried, scored_tokens, runtime_mb) <= budget_mb:
+                return rule, tried
     return None

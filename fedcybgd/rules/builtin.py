@@ -16,8 +16,9 @@ its calibration):
   weights) and the activations autograd keeps for every layer from the block up, and the logits;
 * ``zerolock``: the same optimizer state, the activations of the block's own layers only and the
   local head's logits at the label positions;
-* ``lezo`` / ``mezo``: a small fixed workspace, the few elements whose exact restore must be
-  saved, and one layer's transient activations (forward passes only, nothing kept).
+* ``lezo`` / ``mezo``: a small fixed workspace, the step cache (z and the perturbed units'
+  starting values, when within ``zo-step-cache-mb``) or else the few elements whose exact
+  restore must be saved, and one layer's transient activations (forward passes only).
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ ZO_WORKSPACE_MB = 20.0  # LeZO's fixed perturbation workspace
 BACKWARD_LOGIT_COPIES = 4.0
 FORWARD_LOGIT_COPIES = 2.0
 ZO_PATCH_FRACTION = 0.05  # share of a unit's elements saved for an exact restore
+# Rule options that trade speed for memory, set this way when a node's budget needs it (the
+# memory module tries a rule at these before falling back to a smaller rule).
+LEAN_OPTIONS: dict[str, float] = {"zo-step-cache-mb": 0.0}
+ZO_STEP_CACHE_DOC = (
+    "`lezo`, `mezo`: memory a step may keep its z and the perturbed units' starting values in "
+    "(8 bytes a perturbed element; 4 for fp16/bf16 weights), so z is drawn once a step and the "
+    "restore is a copy; a step that needs more draws z three times and saves only the elements "
+    "an exact restore needs (the same weights either way); 0 = never")
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,7 @@ class LezoOptions(RuleOptions):
         "`lezo`, `mezo`: perturbation scale"))
     density: float = setting(0.25, key="lezo-density", gt=0, le=1, doc=(
         "`lezo`: share of the block's units perturbed per step"))
+    step_cache_mb: float = setting(256.0, key="zo-step-cache-mb", ge=0, doc=ZO_STEP_CACHE_DOC)
 
     def __post_init__(self) -> None:
         normalize(self)
@@ -170,20 +180,40 @@ class MezoOptions(RuleOptions):
 
     eps: float = setting(1e-3, key="zo-eps", gt=0, doc=(
         "`lezo`, `mezo`: perturbation scale"))
+    step_cache_mb: float = setting(256.0, key="zo-step-cache-mb", ge=0, doc=ZO_STEP_CACHE_DOC)
 
     def __post_init__(self) -> None:
         normalize(self)
 
 
-def zeroth_order_memory(needs: MemoryNeeds) -> float:
-    """``lezo`` / ``mezo``: workspace, saved restore elements, one layer's activations, the
-    scored positions' logits of a forward."""
-    return (ZO_WORKSPACE_MB + ZO_PATCH_FRACTION * needs.block_mb
+def step_cache_mb(block_mb: float, density: float, cache_mb: float) -> float:
+    """What a zeroth-order step keeps to draw z once: z and the starting values of the
+    perturbed share of the block (two fp32 copies of it), or nothing above ``cache_mb``."""
+    need = 2.0 * density * block_mb
+    return need if need <= cache_mb else 0.0
+
+
+def _zeroth_order_memory(needs: MemoryNeeds, density: float, cache_mb: float) -> float:
+    cache = step_cache_mb(needs.block_mb, density, cache_mb)
+    return (ZO_WORKSPACE_MB + (cache if cache else ZO_PATCH_FRACTION * needs.block_mb)
             + needs.layer_activations_mb + FORWARD_LOGIT_COPIES * needs.logits_mb
             + needs.frozen_transient_mb)
 
 
-declare_rule("lezo", options=LezoOptions, memory=zeroth_order_memory, step_log=True,
+def lezo_memory(needs: MemoryNeeds) -> float:
+    """``lezo``: workspace, the step cache (or the saved restore elements), one layer's
+    activations, the scored positions' logits of a forward."""
+    options = LezoOptions.from_options(needs.options)
+    return _zeroth_order_memory(needs, options.density, options.step_cache_mb)
+
+
+def mezo_memory(needs: MemoryNeeds) -> float:
+    """``mezo``: as ``lezo`` with every unit perturbed."""
+    return _zeroth_order_memory(needs, 1.0, MezoOptions.from_options(needs.options)
+                                .step_cache_mb)
+
+
+declare_rule("lezo", options=LezoOptions, memory=lezo_memory, step_log=True,
              example_dp=True, implementation=f"{UPDATES}.lezo:LeZO")
-declare_rule("mezo", options=MezoOptions, memory=zeroth_order_memory, step_log=True,
+declare_rule("mezo", options=MezoOptions, memory=mezo_memory, step_log=True,
              example_dp=True, implementation=f"{UPDATES}.lezo:MeZO")

@@ -10,8 +10,16 @@ Forward passes only, at inference memory. One step on a batch:
 3. ``theta -= lr * (g * z + wd * theta)`` on the chosen units; a non-finite ``l+``, ``l-`` or
    ``g`` skips the update (counted in ``skipped_steps``), the weights stay bit-identical.
 
-z of a unit comes from the unit's own generator (``zeroth_order.unit_z_chunks``), in chunks, so it
-is drawn three times per step (perturb, swap sign, restore+update) and never stored.
+z of a unit comes from the unit's own generator (``zeroth_order.unit_z_chunks``), in chunks.
+
+**The step cache** (``zo-step-cache-mb``, 256 by default). When the chosen units' z and the
+starting values of their fp32 tensors fit in it (8 bytes a perturbed element, 4 for fp16/bf16
+weights, whose master copy already holds the start), z is drawn once a step into it, the
+perturbations are computed from the kept start, and the restore is a copy: no element needs
+saving. Otherwise (e.g. MeZO on a whole SmolLM2: 800 MB) z is drawn three times a step
+(perturb, swap sign, restore+update) and never stored, and the restore is the sparse one below.
+Both paths compute the same values with the same ops in the same order: the weights and the
+step log are bit-identical (tests/test_lezo.py), so the server's replay does not care.
 
 **Exact restore.** fp32 ``(theta + d) - d`` is not always ``theta``: an element differs by an
 ulp when ``theta + d`` lands in a coarser binade (7 % of N(0, 0.02) weights at ``eps = 1e-3``;
@@ -35,8 +43,8 @@ batch and feeds both perturbed forwards; only the block and the layers above run
 the units are layers, the prefix extends to the lowest *chosen* layer (the block's layers below
 it are not perturbed this step either).
 
-**Memory.** Besides the saved elements, one reused workspace of five 2**20-element buffers
-(~17 MB); z is never held whole. SmolLM2-135M, all 30 layers as one block: peak RSS 1.01-1.02x
+**Memory.** Besides the step cache or the saved elements, one reused workspace of five
+2**20-element buffers (~17 MB). SmolLM2-135M, all 30 layers as one block: peak RSS 1.01-1.02x
 an inference forward for MeZO and LeZO alike.
 
 **Seed log.** Every applied step is recorded (seed, units, fp32 ``g`` and ``lr``); the
@@ -84,22 +92,24 @@ class ZoOptions:
     density: float
     weight_decay: float
     lr: float
+    cache_bytes: int = 0
 
     @classmethod
     def from_task(cls, task: TrainTask, density: float | None) -> ZoOptions:
         """Read ``zo-eps`` and ``lezo-density`` (``density`` fixes the latter: MeZO)."""
         if density is None:
             lezo = LezoOptions.from_options(task.options)
-            eps, density = lezo.eps, lezo.density
+            eps, density, cache_mb = lezo.eps, lezo.density, lezo.step_cache_mb
         else:
-            eps = MezoOptions.from_options(task.options).eps
+            mezo = MezoOptions.from_options(task.options)
+            eps, cache_mb = mezo.eps, mezo.step_cache_mb
         wd = task.weight_decay
         if not (math.isfinite(wd) and wd >= 0):
             raise ValueError(f"weight-decay must be finite and >= 0, got {wd}")
         if not (math.isfinite(task.lr) and task.lr >= 0):
             raise ValueError(f"lr must be finite and >= 0, got {task.lr}")
         to32 = zeroth_order.to_f32
-        return cls(to32(eps), density, to32(wd), to32(task.lr))
+        return cls(to32(eps), density, to32(wd), to32(task.lr), int(cache_mb * 2**20))
 
 
 def perturbed_loss(stack: LayerStack, batch: Batch, prefix: Hidden | None, start: int) -> float:
@@ -244,6 +254,53 @@ class _Slot:
         x.copy_(theta)
 
 
+    # The cached step: z drawn once (``begin``), the starting values of fp32 weights kept in
+    # ``start``; every value written is the one the uncached methods above write.
+    def plus_cached(self, offset: int, z: torch.Tensor, start: torch.Tensor | None,
+                    eps: float, ws: _Workspace) -> None:
+        """theta -> theta + d, theta kept in ``start``."""
+        x, master = self._chunk(offset, z.numel())
+        d, a, _, _ = ws.take(z.numel())
+        torch.mul(z, eps, out=d)
+        if master is not None:
+            x.copy_(torch.add(master, d, out=a))
+            return
+        assert start is not None
+        start.copy_(x)
+        torch.add(start, d, out=x)
+
+    def swap_cached(self, offset: int, z: torch.Tensor, start: torch.Tensor | None,
+                    eps: float, ws: _Workspace) -> None:
+        """-> theta - d."""
+        x, master = self._chunk(offset, z.numel())
+        d, a, _, _ = ws.take(z.numel())
+        torch.mul(z, eps, out=d)
+        if master is not None:
+            x.copy_(torch.sub(master, d, out=a))
+            return
+        assert start is not None
+        torch.sub(start, d, out=x)
+
+    def unplus_cached(self, offset: int, z: torch.Tensor, start: torch.Tensor | None) -> None:
+        """-> theta."""
+        x, master = self._chunk(offset, z.numel())
+        source = master if master is not None else start
+        assert source is not None
+        x.copy_(source)
+
+    def finish_cached(self, offset: int, z: torch.Tensor, start: torch.Tensor | None,
+                      ws: _Workspace, update: tuple[float, float, float] | None) -> None:
+        """-> theta, then the update ``(g, lr, wd)`` if given."""
+        x, master = self._chunk(offset, z.numel())
+        theta = master if master is not None else start
+        assert theta is not None
+        if update is not None:
+            _, _, b, _ = ws.take(z.numel())
+            g, lr, wd = update
+            zeroth_order.apply_update(theta, z, g, lr, wd, self.decay, work=(b, ws.d[:z.numel()]))
+        x.copy_(theta)
+
+
 class _Block:
     """The block's units and the chunked passes over the chosen ones."""
 
@@ -260,6 +317,39 @@ class _Block:
         largest = max(slot.numel for unit in self.units for slot in unit)
         self.ws = _Workspace(min(zeroth_order.Z_CHUNK, largest), self.device)
         self.perturbed = 0
+        # The step cache (see ``begin``): z and the fp32 weights' starting values of the chosen
+        # units, flat buffers reused from step to step; ``cached`` is the step's chunk list.
+        self._z = torch.empty(0, dtype=torch.float32, device=self.device)
+        self._start = torch.empty(0, dtype=torch.float32, device=self.device)
+        self.cached: list[tuple[_Slot, int, torch.Tensor, torch.Tensor | None]] | None = None
+
+    def begin(self, seed_of_step: int, chosen: tuple[int, ...], cache_bytes: int) -> None:
+        """Draw the step's z once into the cache when it fits in ``cache_bytes`` with the
+        starting values of the chosen fp32 tensors (then ``plus``/``swap``/``finish`` read z
+        from it and restore by copy); otherwise the passes redraw z and save sparsely.
+        Either way the weights come out bit-identical (same z, same ops, same order)."""
+        slots = [slot for unit in chosen for slot in self.units[unit]]
+        z_numel = sum(slot.numel for slot in slots)
+        start_numel = sum(slot.numel for slot in slots if slot.master is None)
+        if 4 * (z_numel + start_numel) > cache_bytes:
+            self.cached = None
+            return
+        if self._z.numel() < z_numel:
+            self._z = torch.empty(z_numel, dtype=torch.float32, device=self.device)
+        if self._start.numel() < start_numel:
+            self._start = torch.empty(start_numel, dtype=torch.float32, device=self.device)
+        self.cached = []
+        at_z = at_start = 0
+        for slot, offset, z in self._chunks(seed_of_step, chosen):
+            n = z.numel()
+            cached_z = self._z[at_z:at_z + n]
+            cached_z.copy_(z)
+            at_z += n
+            start = None
+            if slot.master is None:
+                start = self._start[at_start:at_start + n]
+                at_start += n
+            self.cached.append((slot, offset, cached_z, start))
 
     def _chunks(
         self, seed_of_step: int, chosen: tuple[int, ...]
@@ -272,20 +362,38 @@ class _Block:
                 yield slots[pos], offset, z.to(self.device)
 
     def plus(self, seed_of_step: int, chosen: tuple[int, ...], eps: float) -> None:
+        if self.cached is not None:
+            for slot, offset, z, start in self.cached:
+                slot.plus_cached(offset, z, start, eps, self.ws)
+                self.perturbed += z.numel()
+            return
         for slot, offset, z in self._chunks(seed_of_step, chosen):
             slot.plus(offset, z, eps, self.ws)
             self.perturbed += z.numel()
 
     def swap(self, seed_of_step: int, chosen: tuple[int, ...], eps: float) -> None:
+        if self.cached is not None:
+            for slot, offset, z, start in self.cached:
+                slot.swap_cached(offset, z, start, eps, self.ws)
+            return
         for slot, offset, z in self._chunks(seed_of_step, chosen):
             slot.swap(offset, z, eps, self.ws)
 
     def unplus(self, seed_of_step: int, chosen: tuple[int, ...], eps: float) -> None:
+        if self.cached is not None:
+            for slot, offset, z, start in self.cached:
+                slot.unplus_cached(offset, z, start)
+            return
         for slot, offset, z in self._chunks(seed_of_step, chosen):
             slot.unplus(offset, z, eps, self.ws)
 
     def finish(self, seed_of_step: int, chosen: tuple[int, ...], eps: float,
                update: tuple[float, float, float] | None) -> None:
+        if self.cached is not None:
+            for slot, offset, z, start in self.cached:
+                slot.finish_cached(offset, z, start, self.ws, update)
+            self.cached = None
+            return
         for slot, offset, z in self._chunks(seed_of_step, chosen):
             slot.finish(offset, z, eps, self.ws, update)
 
@@ -314,7 +422,7 @@ class ZerothOrder:
         lowest = task.blocks.lowest_layer([task.block])
         began = time.perf_counter()
         base = _block_checksum(task)
-        times = {"prefix_s": 0.0, "zo_forward_s": 0.0, "perturb_s": 0.0}
+        times = {"prefix_s": 0.0, "zo_forward_s": 0.0, "perturb_s": 0.0, "z_s": 0.0}
         times["seedlog_s"] = time.perf_counter() - began
         steps: list[zeroth_order.SeedStep] = []
         losses: list[float] = []
@@ -393,6 +501,9 @@ class ZerothOrder:
             times["zo_forward_s"] += time.perf_counter() - clock
             return out
 
+        clock = time.perf_counter()
+        block.begin(seed, chosen, opts.cache_bytes)
+        times["z_s"] += time.perf_counter() - clock
         clock = time.perf_counter()
         block.plus(seed, chosen, opts.eps)
         times["perturb_s"] += time.perf_counter() - clock
