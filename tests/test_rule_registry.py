@@ -127,7 +127,7 @@ def test_builtin_estimates_match_their_written_out_form(scored):
     # Each built-in rule's estimate written out (gradients and kept activations count as the
     # larger of the two; the logits are those of the scored positions, one a row unless given,
     # in the copies the loss keeps, zerolock's at most zerolock-slice = 256 rows at a time;
-    # the zeroth-order step cache, z and starting values of the perturbed share, 256 MB at
+    # the zeroth-order step cache, z and starting values of the perturbed share, 64 MB at
     # most, else the sparse restore's 5% of the block).
     from fedcybgd.rules.builtin import BACKWARD_LOGIT_COPIES, FORWARD_LOGIT_COPIES
 

@@ -12,11 +12,11 @@ Forward passes only, at inference memory. One step on a batch:
 
 z of a unit comes from the unit's own generator (``zeroth_order.unit_z_chunks``), in chunks.
 
-**The step cache** (``zo-step-cache-mb``, 256 by default). When the chosen units' z and the
+**The step cache** (``zo-step-cache-mb``, 64 MB by default). When the chosen units' z and the
 starting values of their fp32 tensors fit in it (8 bytes a perturbed element, 4 for fp16/bf16
 weights, whose master copy already holds the start), z is drawn once a step into it, the
 perturbations are computed from the kept start, and the restore is a copy: no element needs
-saving. Otherwise (e.g. MeZO on a whole SmolLM2: 800 MB) z is drawn three times a step
+saving. Otherwise (e.g. LeZO-0.25 on a whole SmolLM2: 216 MB) z is drawn three times a step
 (perturb, swap sign, restore+update) and never stored, and the restore is the sparse one below.
 Both paths compute the same values with the same ops in the same order: the weights and the
 step log are bit-identical (tests/test_lezo.py), so the server's replay does not care.
@@ -44,8 +44,9 @@ the units are layers, the prefix extends to the lowest *chosen* layer (the block
 it are not perturbed this step either).
 
 **Memory.** Besides the step cache or the saved elements, one reused workspace of five
-2**20-element buffers (~17 MB). SmolLM2-135M, all 30 layers as one block: peak RSS 1.01-1.02x
-an inference forward for MeZO and LeZO alike.
+2**20-element buffers (~17 MB). SmolLM2-135M, all 30 layers as one block, without the cache:
+peak RSS 1.01-1.02x an inference forward for MeZO and LeZO alike; LeZO-0.25 with a cache that
+holds it (256 MB): 1.2x.
 
 **Seed log.** Every applied step is recorded (seed, units, fp32 ``g`` and ``lr``); the
 :class:`~fedcybgd.protocol.zeroth_order.SeedLog` is returned as ``TrainOutcome.step_log`` (both
