@@ -225,11 +225,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                          batches=iter([batch]), steps=1, lr=1e-6, weight_decay=0.0,
                          seed=batch_index, options=dict(options),
                          state_dir=Path(args.state_dir) if args.state_dir else None)
-        outcome = get_rule(rule_name).train(task)
+        rule = get_rule(rule_name)
+        rule.train(task)
+        times = getattr(rule, "last_times", {})  # a zeroth-order rule's split of the round
         if batch_index > 0:  # the warm-up step is not profiled
             for key in ZO_PROFILE:
-                if key in outcome.metrics:
-                    profile[key] = profile.get(key, 0.0) + outcome.metrics[key] / args.steps
+                if key in times:
+                    profile[key] = profile.get(key, 0.0) + times[key] / args.steps
 
     optimizer = (
         torch.optim.AdamW(model.parameters(), lr=1e-6) if rule_name == "full" else None
