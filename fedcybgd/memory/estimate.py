@@ -210,25 +210,11 @@ def measured_runtime_mb(shape: ModelShape, blocks: BlockMap, precision: Precisio
     return rss_mb - weights_mb(shape, blocks, None, precision)
 
 
-def fitting_rule(
-    shape: ModelShape,
-    blocks: BlockMap,
-    block: str,
-    budget_mb: float,
-    batch_size: int,
-    seq_len: int,
-    preferred: str,
-    precision: Precision | None = None,
-    options: Mapping[str, Any] | None = None,
-    scored_tokens: int | None = None,
-    runtime_mb: float = RUNTIME_MB,
-) -> str | None:
-    """``preferred`` if it fits ``budget_mb``, else the first rule in :data:`RULE_ORDER` after it
-    (after ``preferred`` not in that order, such as a plug-in rule: all of it) that fits;
-    ``None`` when nothing fits. A budget of 0 means "no budget declared". A rule fits when it
-    does at the run's options or at :data:`LEAN_OPTIONS` (see :func:`fitting_rule_options`)."""
-    fit = fitting_rule_options(shape, blocks, block, budget_mb, batch_size, seq_len, preferred,
-                               precision, options, scored_tokens, runtime_mb)
+def fitting_rule(*args: Any, **kwargs: Any) -> str | None:
+    """The rule of :func:`fitting_rule_options` (same arguments): ``preferred`` if it fits
+    ``budget_mb``, else the first rule in :data:`RULE_ORDER` after it (after ``preferred`` not
+    in that order, such as a plug-in rule: all of it) that fits; ``None`` when nothing fits."""
+    fit = fitting_rule_options(*args, **kwargs)
     return None if fit is None else fit[0]
 
 
@@ -245,7 +231,10 @@ def fitting_rule_options(
     scored_tokens: int | None = None,
     runtime_mb: float = RUNTIME_MB,
 ) -> tuple[str, dict[str, Any]] | None:
-    """As :func:`fitting_rule`, with the options the rule fits at: the run's, or the run's with
+    """The rule that fits ``budget_mb`` and the options it fits at: ``preferred`` if it fits,
+    else the first rule in :data:`RULE_ORDER` after it (after ``preferred`` not in that order,
+    such as a plug-in rule: all of it) that fits; ``None`` when nothing fits. A budget of 0
+    means "no budget declared". Each rule is tried at the run's options, then with
     :data:`LEAN_OPTIONS` over them (a rule that trades speed for memory, e.g. the zeroth-order
     step cache, is tried without it before the next, smaller rule)."""
     run_options = dict(options or {})
