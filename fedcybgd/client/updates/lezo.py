@@ -254,7 +254,6 @@ class _Slot:
             zeroth_order.apply_update(theta, z, g, lr, wd, self.decay, work=(b, d))
         x.copy_(theta)
 
-
     # The cached step: z drawn once (``begin``), the starting values of fp32 weights kept in
     # ``start``; every value written is the one the uncached methods above write.
     def plus_cached(self, offset: int, z: torch.Tensor, start: torch.Tensor | None,
@@ -296,9 +295,9 @@ class _Slot:
         theta = master if master is not None else start
         assert theta is not None
         if update is not None:
-            _, _, b, _ = ws.take(z.numel())
+            d, _, b, _ = ws.take(z.numel())
             g, lr, wd = update
-            zeroth_order.apply_update(theta, z, g, lr, wd, self.decay, work=(b, ws.d[:z.numel()]))
+            zeroth_order.apply_update(theta, z, g, lr, wd, self.decay, work=(b, d))
         x.copy_(theta)
 
 
