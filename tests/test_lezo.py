@@ -165,7 +165,8 @@ def test_the_step_cache_trains_the_same_weights_and_log_as_the_sparse_restore(
 
     # Assert: bit for bit the same weights and step log; the cached round drew z up front (its
     # time is counted) and patched nothing; the other drew none up front
-    assert any(not bit_equal(lean[n], _tiny(dtype).state_dict()[n]) for n in lean)  # it trained
+    start = _tiny(dtype).state_dict()
+    assert any(not bit_equal(lean[n], start[n]) for n in lean)  # it trained
     assert all(bit_equal(lean[n], cached[n]) for n in lean)
     assert lean_outcome.step_log == cached_outcome.step_log
     assert cached_times["z_s"] > 0 and lean_times["z_s"] < 1e-3
