@@ -7,6 +7,7 @@ with its own state folder and FLWR_HOMEs, and always stop every process they sta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -282,3 +283,46 @@ def test_e2e_tls_with_supernode_auth(deployment: LocalDeployment, tmp_path: Path
     deployment.save_run_log(run_id)
     assert status == "finished:completed", (out / "logs").as_posix()
     _check_outputs(out)
+
+
+@pytest.mark.slow
+def test_deploy_local_stops_every_process_on_sigterm(tmp_path: Path) -> None:
+    """``kill`` / ``systemctl stop`` of deploy-local: exit 143, nothing it started is left."""
+    import queue
+    import signal
+    import threading
+
+    import psutil
+
+    cmd = [sys.executable, "-m", "fedcybgd.deploy.local", "--quick", "--nodes", "1",
+           "--output-dir", str(tmp_path / "out"), "--state-dir", str(tmp_path / "state")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout],  # type: ignore[union-attr]
+                     daemon=True).start()
+    seen: list[str] = []
+    started: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("SuperNodes online" in line for line in seen):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=1.0))
+        started = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()) for p in started)
+        assert "flower-superlink" in names and "flower-supernode" in names, names
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143
+        _, alive = psutil.wait_procs(started, timeout=15)
+        assert alive == [], [p.cmdline() for p in alive]
+        time.sleep(0.5)  # the reader thread drains the pipe
+        while not lines.empty():
+            seen.append(lines.get())
+        assert "deploy-local terminated (SIGTERM)" in "".join(seen), "".join(seen)[-2000:]
+    finally:  # a failed check leaves nothing running either
+        if proc.poll() is None:
+            proc.kill()
+        for leftover in started:
+            with contextlib.suppress(psutil.Error):
+                leftover.kill()

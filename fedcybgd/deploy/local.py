@@ -575,8 +575,22 @@ def run_deployment(
     return result
 
 
+class Terminated(Exception):
+    """A SIGTERM (or SIGHUP) arrived: unwinding stops every process the deployment started."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    # Raise once; a second signal during the clean-up must not cut the clean-up short.
+    signal.signal(signum, signal.SIG_IGN)
+    raise Terminated(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the app once on a loopback deployment; exit 0 when it finished:completed."""
+    """Run the app once on a loopback deployment; exit 0 when it finished:completed.
+
+    Ctrl-C (exit 130) and SIGTERM or SIGHUP (exit 143), e.g. from ``systemctl stop``, ``kill``
+    or a closed terminal, stop the run and every process it started before the command exits.
+    """
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=3, help="SuperNodes to start")
@@ -615,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     run_config = args.run_config
     if args.quick:
         run_config = merge_config(QUICK_RUN_CONFIG, run_config)
+    handled = (signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, _terminate) for sig in handled}
     try:
         result = run_deployment(args.nodes, run_config, args.output_dir or DEFAULT_OUTPUT_DIR,
                                 tls=args.tls, state=args.state_dir, timeout=args.timeout,
@@ -627,6 +643,13 @@ def main(argv: list[str] | None = None) -> int:
         print("deploy-local interrupted: the run and every process it started are stopped",
               file=sys.stderr)
         return 130
+    except Terminated as why:
+        print(f"deploy-local terminated ({why}): the run and every process it started are "
+              "stopped", file=sys.stderr)
+        return 143
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     out = result.output_dir
     print(f"status: {result.status}")
     if not result.completed:
