@@ -28,3 +28,4 @@ EVAL_PRECISIONS: tuple[str, ...] = ("float32", "frozen")  # eval-precision
 EARLY_STOP_METRICS: tuple[str, ...] = ("loss", "metric")  # early-stop-metric
 DP_MODES: tuple[str, ...] = ("off", "central", "local", "example")  # dp
 WANDB_MODES: tuple[str, ...] = ("offline", "online")  # wandb-mode
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zerolock")  # pipeline schedule

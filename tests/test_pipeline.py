@@ -1,0 +1,231 @@
+"""Pipeline mode: the schedules and their simulator, the stage message format, stages that
+train by backprop across the cut (the full model's gradient) or by ZeroLock (each chunk its own
+objective), and the process rig with one OS process per stage."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from fedcybgd.client.pipeline import Stage, StageConfig, stage_layers
+from fedcybgd.config import RunConfig
+from fedcybgd.harness.pipeline import PipelineError, PipelineSpec, run_in_process, run_pipeline
+from fedcybgd.model.layerwise import LayerStack
+from fedcybgd.model.loading import load_model, load_tokenizer
+from fedcybgd.protocol import activations
+from fedcybgd.protocol.activations import ActivationError
+from fedcybgd.strategies.pipeline import SCHEDULES, Op, in_flight, plan, simulate
+from fedcybgd.tasks import shares
+from fedcybgd.tasks.base import build_task
+from fedcybgd.tasks.objective import batch_loss, scored_logits
+
+M = 3  # micro-batches per step
+
+
+# ------------------------------------------------------------------ schedules and simulator
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("stages", "mbs"), [(1, 1), (2, 4), (4, 3), (4, 8)])
+def test_every_stage_runs_each_micro_batch_once(schedule, stages, mbs):
+    for ops in plan(schedule, stages, mbs, steps=2):
+        kinds = ("F", "L") if schedule == "zerolock" else ("F", "B")
+        for kind in kinds:
+            assert sorted(op.mb for op in ops if op.kind == kind) == list(range(2 * mbs))
+        assert [op for op in ops if op.kind not in kinds] == [Op("S"), Op("S")]
+        assert ops[-1] == Op("S")
+
+
+def test_activations_kept_per_stage():
+    assert [in_flight(o) for o in plan("gpipe", 4, 6)] == [6, 6, 6, 6]
+    assert [in_flight(o) for o in plan("1f1b", 4, 6)] == [4, 3, 2, 1]
+    assert [in_flight(o) for o in plan("1f1b", 4, 2)] == [2, 2, 2, 1]
+    assert [in_flight(o) for o in plan("zerolock", 4, 6)] == [1, 1, 1, 1]
+
+
+def test_simulated_makespans_match_the_closed_forms():
+    k, m, f, b, loc = 4, 6, 1.0, 2.0, 1.5
+    secs = {(s, kind): t for s in range(k) for kind, t in (("F", f), ("B", b), ("L", loc))}
+    assert simulate(plan("gpipe", k, m), secs).makespan_s == pytest.approx((m + k - 1) * (f + b))
+    assert simulate(plan("1f1b", k, m), secs).makespan_s == pytest.approx((m + k - 1) * (f + b))
+    # early forwarding: stage k starts micro-batch 0 after k forwards, never waits again
+    assert simulate(plan("zerolock", k, m), secs).makespan_s == pytest.approx(
+        (k - 1) * f + m * (f + loc))
+    # a transfer delays each hop once on the way up (and down for backprop)
+    slow = simulate(plan("zerolock", k, m), secs, transfer_s=0.25)
+    assert slow.makespan_s == pytest.approx((k - 1) * (f + 0.25) + m * (f + loc))
+
+
+def test_simulator_refuses_a_deadlock_and_plan_refuses_unknowns():
+    ops = [[Op("B", 0), Op("F", 0)], [Op("F", 0), Op("B", 0)]]  # stage 0 waits before it sends
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate(ops, {})
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        plan("pipedream", 2, 2)
+    with pytest.raises(ValueError, match="stages must be in"):
+        stage_layers(4, 5)
+
+
+# ------------------------------------------------------------------ the stage message
+@pytest.fixture(scope="module")
+def batches():
+    tokenizer = load_tokenizer("tiny-llama")
+    task = build_task(RunConfig())
+    return list(itertools.islice(shares.batches(shares.load_split("rotten-tomatoes", "train"),
+                                                tokenizer, 4, 32, seed=0, task=task), 2 * M))
+
+
+def test_messages_round_trip(batches):
+    batch = batches[0]
+    states = torch.randn(len(batch), batch.input_ids.shape[1], 8)
+    kind, mb, got, back = activations.decode(activations.encode("F", 5, states, batch), 8,
+                                             1 << 20, task="the task")
+    assert (kind, mb) == ("F", 5) and torch.equal(got, states)
+    assert back is not None and back.task == "the task"
+    assert torch.equal(back.input_ids, batch.input_ids) and torch.equal(back.labels, batch.labels)
+    half = activations.decode(activations.encode("B", 2, states, dtype="bfloat16"), 8, 1 << 20)
+    assert half[:2] == ("B", 2) and torch.equal(half[2], states.bfloat16().float())
+    assert activations.peek(activations.encode("B", 7, states)) == ("B", 7)
+
+
+def test_bad_messages_are_refused_by_name(batches):
+    batch = batches[0]
+    states = torch.randn(len(batch), batch.input_ids.shape[1], 8)
+    good = activations.encode("F", 0, states, batch)
+    with pytest.raises(ActivationError, match=r"shape .* expected \[batch, tokens, 16\]"):
+        activations.decode(good, 16, 1 << 20)
+    with pytest.raises(ActivationError, match="exceeds the limit"):
+        activations.decode(good, 8, 100)
+    with pytest.raises(ActivationError, match="non-finite"):
+        activations.decode(activations.encode("B", 0, states * float("nan")), 8, 1 << 20)
+    with pytest.raises(ActivationError, match="not a safetensors"):
+        activations.decode(b"\x00" * 64, 8, 1 << 20)
+    extra = save({"grad": states, "code": torch.zeros(1)}, metadata={"kind": "B", "mb": "0"})
+    with pytest.raises(ActivationError, match="unexpected tensors"):
+        activations.decode(extra, 8, 1 << 20)
+    no_kind = save({"grad": states}, metadata={"kind": "X", "mb": "0"})
+    with pytest.raises(ActivationError, match="'kind'"):
+        activations.decode(no_kind, 8, 1 << 20)
+    fields = {k: getattr(batch, k) for k in ("input_ids", "attention_mask", "last_index",
+                                              "target_ids", "labels", "class_token_ids")}
+    fields["last_index"] = fields["last_index"] + 1000
+    far = save({"states": states, **fields}, metadata={"kind": "F", "mb": "0"})
+    with pytest.raises(ActivationError, match="'last_index' points outside"):
+        activations.decode(far, 8, 1 << 20)
+
+
+# ------------------------------------------------------------------ stages in one process
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return load_model("tiny-llama")
+
+
+def _stages(model, schedule: str, count: int, lr: float = 1e-3) -> list[Stage]:
+    return [Stage(copy.deepcopy(model), StageConfig(k, count, schedule, lr)) for k in range(count)]
+
+
+def _gradients(stages: list[Stage]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        out.update(stage.gradients())
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_gradient(model, batches):
+    """The whole model's mean gradient over the first step's micro-batches (decoder layers)."""
+    ref = copy.deepcopy(model)
+    stack = LayerStack(ref)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    for layer in stack.layers:
+        for p in layer.parameters():
+            p.requires_grad_(True)
+    for batch in batches[:M]:
+        hidden = stack.run(stack.embed(batch.input_ids, batch.attention_mask), 0,
+                           stack.num_layers)
+        (batch_loss(scored_logits(stack, hidden.states, batch), batch) / M).backward()
+    return {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want)
+    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in want)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_backprop_pipelines_give_the_whole_models_gradient(model, batches, full_gradient,
+                                                           schedule, count):
+    stages = _stages(model, schedule, count)
+    moved = run_in_process(stages, batches, M, step=False)
+    assert (moved > 0) == (count > 1)
+    assert _close(_gradients(stages), full_gradient) < 1e-5
+    assert [s.kept for s in stages] == [0] * count
+
+
+def test_zerolock_on_one_stage_is_backprop_and_on_more_each_chunk_its_own(model, batches,
+                                                                          full_gradient):
+    one = _stages(model, "zerolock", 1)
+    run_in_process(one, batches, M, step=False)
+    assert _close(_gradients(one), full_gradient) < 1e-5
+    two = _stages(model, "zerolock", 2)
+    run_in_process(two, batches, M, step=False)
+    grads = _gradients(two)
+    upper = set(two[1].gradients())
+    # the last stage's local objective is the true loss at the top: its gradient is the model's
+    assert _close({n: grads[n] for n in upper}, {n: full_gradient[n] for n in upper}) < 1e-5
+    # the lower stage follows its own head: not the model's gradient...
+    lower = set(two[0].gradients())
+    assert _close({n: grads[n] for n in lower}, {n: full_gradient[n] for n in lower}) > 1e-2
+    # ...and nothing above it changes it (no signal travels down)
+    other = _stages(model, "zerolock", 2)
+    with torch.no_grad():
+        for p in other[1].params:
+            p.add_(torch.randn_like(p))
+    run_in_process(other, batches, M, step=False)
+    assert _close(other[0].gradients(), {n: grads[n] for n in lower}) == 0.0
+
+
+def test_stages_step_on_the_mean_gradient_and_refuse_out_of_order_work(model, batches):
+    stages = _stages(model, "1f1b", 2)
+    before = {n: t.clone() for s in stages for n, t in s.chunk_state().items()}
+    run_in_process(stages, batches, M, steps=2)
+    after = {n: t for s in stages for n, t in s.chunk_state().items()}
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+    stage = stages[1]
+    with pytest.raises(ValueError, match="no forward pending a backward"):
+        stage.backward(99)
+    with pytest.raises(ValueError, match="from the states of the stage below"):
+        stage.forward(0, batches[0])
+    states = torch.zeros(4, batches[0].input_ids.shape[1], model.config.hidden_size)
+    stage.forward(0, batches[0], states)
+    with pytest.raises(ValueError, match="still in flight"):
+        stage.step()
+
+
+# ------------------------------------------------------------------ one process per stage
+@pytest.mark.slow
+def test_process_pipeline_trains_like_the_in_process_one(model, batches):
+    spec = PipelineSpec(model="tiny-llama", stages=2, schedule="1f1b", micro_batches=M,
+                        steps=2, batch_size=4, max_seq_len=32, lr=1e-3)
+    result = run_pipeline(spec)
+    reference = _stages(model, "1f1b", 2)
+    run_in_process(reference, batches, M, steps=2)
+    assert [r.max_kept for r in result.stages] == [2, 1]
+    assert result.stages[0].bytes_up > 0 and result.stages[1].bytes_down > 0
+    assert [r.ops["F"]["count"] for r in result.stages] == [2 * M, 2 * M]
+    # the processes' last-stage losses are the in-process ones
+    assert [v for _, v in result.stages[1].losses] == pytest.approx(
+        [v for _, v in reference[1].losses], rel=1e-5)
+    zerolock = run_pipeline(PipelineSpec(**{**spec.__dict__, "schedule": "zerolock"}))
+    assert [r.max_kept for r in zerolock.stages] == [1, 1]
+    assert zerolock.stages[1].bytes_down == 0 and zerolock.stages[1].messages_down == 0
+
+
+def test_a_failing_stage_is_named():
+    with pytest.raises(PipelineError, match="stage 0 failed: ValueError: unknown tiny model"):
+        run_pipeline(PipelineSpec(model="tiny-nosuchfamily", stages=1, schedule="gpipe"))
