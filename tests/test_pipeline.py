@@ -229,3 +229,64 @@ def test_process_pipeline_trains_like_the_in_process_one(model, batches):
 def test_a_failing_stage_is_named():
     with pytest.raises(PipelineError, match="stage 0 failed: ValueError: unknown tiny model"):
         run_pipeline(PipelineSpec(model="tiny-nosuchfamily", stages=1, schedule="gpipe"))
+
+
+# ------------------------------------------------------------------ on Flower's runtime
+FLOWER = {"model": "tiny-llama", "strategy": "pipeline", "pipeline-stages": 2,
+          "micro-batches": M, "batch-size": 4, "max-seq-len": 32, "num-server-rounds": 2,
+          "lr": 1e-3, "eval-examples": 32, "partitioner": "iid"}
+
+
+def _reference(model, config: dict, schedule: str) -> tuple[float, list[float]]:
+    """The same training in one process on node 0's batches: final eval loss, step losses."""
+    from fedcybgd.client.local_data import training_batches
+    from fedcybgd.config import NodeConfig
+    from fedcybgd.server.common import Evaluator
+
+    run = RunConfig.from_run_config({**config, "pipeline-schedule": schedule})
+    node = NodeConfig.from_node_config({"partition-id": 0, "num-partitions": 2})
+    steps = run.num_server_rounds
+    batches = list(itertools.islice(training_batches(run, node, run.seed), M * steps))
+    stages = [Stage(copy.deepcopy(model), StageConfig(k, 2, schedule, run.lr),
+                    build_task(run)) for k in range(2)]
+    run_in_process(stages, batches, M, steps)
+    final = copy.deepcopy(model)
+    final.load_state_dict({**stages[0].chunk_state(), **stages[1].chunk_state()}, strict=False)
+    losses = [v for _, v in stages[1].losses]
+    per_step = [sum(losses[i * M:(i + 1) * M]) / M for i in range(steps)]
+    return Evaluator(run, LayerStack(final))().loss, per_step
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zerolock"])
+def test_flower_pipeline_trains_as_the_stages_do_in_one_process(model, tmp_path, schedule):
+    from fedcybgd.harness.loopback import run_in_process as flower_run
+
+    summary, rows = flower_run({**FLOWER, "pipeline-schedule": schedule}, 2, tmp_path)
+    assert summary["status"] == "completed", summary
+    want_loss, want_steps = _reference(model, FLOWER, schedule)
+    # the ServerApp's messages carry the same activations (gradients) the stages exchange in
+    # one process, so the model it assembles and evaluates is the same one
+    assert summary["final_eval_loss"] == pytest.approx(want_loss, rel=1e-5)
+    assert summary["final_eval_loss"] != pytest.approx(summary["initial_eval_loss"], rel=1e-4)
+    assert [r["train_loss"] for r in rows[1:]] == pytest.approx(want_steps, rel=1e-5)
+    assert all(r["bytes_down"] > 0 and r["bytes_up"] > 0 for r in rows[1:])
+
+
+def test_a_stage_refuses_a_bad_instruction_by_name(tmp_path):
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from fedcybgd.client.pipeline_round import handle
+
+    context = Context(run_id=7, node_id=3, node_config={"cache-dir": str(tmp_path)},
+                      state=RecordDict(), run_config={**FLOWER})
+    bad = [({"stage": 5, "kind": "F", "step": 0, "final": False}, "'stage' = 5"),
+           ({"stage": 0, "kind": "B", "step": 0, "final": False}, "has no backward"),
+           ({"stage": 0, "kind": "F", "step": -1, "final": False}, "'step' = -1"),
+           ({"stage": 1, "kind": "F", "step": 0, "final": False}, "no 'activations' record")]
+    for fields, reason in bad:
+        msg = Message(RecordDict({activations.PIPELINE: ConfigRecord(fields)}), dst_node_id=3,
+                      message_type="train.pipeline")
+        reply = handle(msg, context)
+        status = reply.content.config_records[activations.PIPELINE]
+        assert status["status"] == "refused" and reason in str(status["reason"]), status
+    assert list(tmp_path.rglob("*.safetensors")) == []  # nothing kept from a refused message

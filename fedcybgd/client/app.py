@@ -58,6 +58,15 @@ def train(msg: Message, context: Context) -> Message:
     return training.train(msg, context)
 
 
+@app.train("pipeline")
+def pipeline_stage(msg: Message, context: Context) -> Message:
+    """A turn as a pipeline stage (``strategy = "pipeline"``):
+    :func:`fedcybgd.client.pipeline_round.handle`."""
+    from fedcybgd.client import pipeline_round
+
+    return pipeline_round.handle(msg, context)
+
+
 def __getattr__(name: str) -> Any:
     """The round's steps and helpers (``open_round``, ``zo_node``, ...) as attributes of this
     module too, from :mod:`fedcybgd.client.training`, imported on first use."""

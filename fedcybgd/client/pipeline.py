@@ -118,6 +118,41 @@ class Stage:
         return {names[id(p)]: p.detach().clone()
                 for i in range(a, b) for p in self.stack.layers[i].parameters()}
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the stage must keep between messages: its chunk and AdamW's state
+        (``adam.<i>.<field>`` for parameter ``i`` of the chunk)."""
+        out = self.chunk_state()
+        for i, p in enumerate(self.params):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                out[f"adam.{i}.{key}"] = torch.as_tensor(value).detach().clone()
+        return out
+
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put back what :meth:`state` returned; ``ValueError`` naming a tensor that does not
+        fit this stage (another cut, another model)."""
+        own = self.chunk_state()
+        names = {id(p): n for n, p in self.stack.model.named_parameters()}
+        for name, value in tensors.items():
+            if name.startswith("adam."):
+                parts = name.split(".")
+                if (len(parts) != 3 or not parts[1].isdigit()
+                        or int(parts[1]) >= len(self.params)
+                        or parts[2] not in ("step", "exp_avg", "exp_avg_sq")):
+                    raise ValueError(f"stage state: unknown optimizer tensor {name!r}")
+                p = self.params[int(parts[1])]
+                if parts[2] != "step" and value.shape != p.shape:
+                    raise ValueError(f"stage state: {name!r} has shape {tuple(value.shape)}, "
+                                     f"its parameter {tuple(p.shape)}")
+                self.optimizer.state[p][parts[2]] = value.clone()
+            elif name not in own or own[name].shape != value.shape:
+                raise ValueError(f"stage state: {name!r} is not a tensor of this stage's chunk "
+                                 f"(layers {self.layers})")
+        with torch.no_grad():
+            for p in self.params:
+                name = names[id(p)]
+                if name in tensors:
+                    p.copy_(tensors[name])
+
     def gradients(self) -> dict[str, torch.Tensor]:
         """The mean gradient :meth:`step` would apply now, under the parameters' names."""
         names = {id(p): n for n, p in self.stack.model.named_parameters()}
@@ -148,6 +183,11 @@ class Stage:
         else:
             self._pending[mb] = (out, batch)
         return out.states.detach()
+
+    def drop(self, mb: int) -> None:
+        """Forget micro-batch ``mb``'s forward (its graph is recomputed when needed)."""
+        self._saved.pop(mb, None)
+        self._pending.pop(mb, None)
 
     def backward(self, mb: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         """``B``: backpropagate micro-batch ``mb`` through the chunk; the gradient for the

@@ -24,6 +24,12 @@ from safetensors.torch import save as st_save
 
 from fedcybgd.data.prompts import Batch
 
+# Record names of pipeline mode's messages (``train.pipeline``).
+PIPELINE = "pipeline"  # ConfigRecord: the instruction (stage, kind, step, final) / the status
+ACTIVATIONS = "activations"  # ConfigRecord: "mb.<i>" -> this module's bytes for micro-batch i
+CHUNK = "chunk"  # ArrayRecord: the stage's trained tensors, in the reply to its last message
+PIPELINE_METRICS = "pipeline-metrics"  # MetricRecord: losses, seconds, memory of the message
+
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Batch fields that travel with the activations (None fields are left out).
 BATCH_KEYS = ("input_ids", "attention_mask", "last_index", "target_ids", "labels",

@@ -47,6 +47,7 @@ from fedcybgd.server.common import (
 from fedcybgd.server.early_stop import EarlyStop
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
 from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
+from fedcybgd.server.pipeline import run_pipeline_server
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.preflight import check_data
 from fedcybgd.server.report import print_progress, print_summary_table
@@ -319,7 +320,8 @@ def configure_logging() -> None:
 # A whole run of each ``strategy`` (fedcybgd.choices.STRATEGIES): it writes the run's outputs
 # and returns its summary. The ServerApp and experiments/run_experiments.py both pick from here.
 Runner = Callable[[Grid, RunConfig], dict[str, Any]]
-RUNNERS: dict[str, Runner] = {"fedcybgd": run_server, "fedavg": run_fedavg}
+RUNNERS: dict[str, Runner] = {"fedcybgd": run_server, "fedavg": run_fedavg,
+                              "pipeline": run_pipeline_server}
 
 
 @app.main()

@@ -1,0 +1,234 @@
+"""A node's turn as a pipeline stage (``strategy = "pipeline"``): one ``train.pipeline`` message.
+
+The server's instruction (``fedcybgd.protocol.activations.PIPELINE``) names the stage, the kind
+of work and the step; the run config (the node reads its own) names the model, the cut, the
+schedule, the micro-batches and AdamW's rate. One message is one mini-batch's work of the
+stage (``micro-batches`` micro-batches):
+
+* ``F``: the chunk's forward on each micro-batch (stage 0 from its own data, the others from
+  the states the message carries), ZeroLock's local update and step right after; the reply
+  carries the outputs for the next stage.
+* ``B`` (``gpipe``/``1f1b``): the stage recomputes each micro-batch's forward from what it kept
+  of the ``F`` message (stage 0: its data again), backpropagates the gradient the message
+  carries (the last stage: its loss), steps, and replies with the gradients for the stage
+  below. Flower runs a fresh ClientApp process for every message, so nothing of a forward's
+  graph survives to its backward: this is GPipe with re-materialization.
+
+Between messages the stage keeps its chunk, AdamW's state and the ``F`` inputs a backward
+will need under the node's cache folder (``pipeline/run-<id>/stage-<k>``); nothing of it
+leaves the node except the chunk, once, in the reply to the stage's last message
+(``final``). Every value the server sends is checked; a bad one gets a ``refused`` reply naming
+it and changes nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from safetensors.torch import load_file, save_file
+
+from fedcybgd.client.pipeline import BACKPROP, Stage, StageConfig
+from fedcybgd.config import NodeConfig, RunConfig
+from fedcybgd.core.atomic import make_dirs
+from fedcybgd.data.prompts import Batch
+from fedcybgd.model.loading import cache_root, load_model
+from fedcybgd.protocol import activations as act
+from fedcybgd.tasks.base import build_task
+
+log = logging.getLogger(__name__)
+
+STATUS_OK = "ok"
+STATUS_REFUSED = "refused"
+MAX_STEP = 10**9
+
+
+class Refused(ValueError):
+    """The instruction cannot be carried out: the text names the field and why."""
+
+
+@dataclass(frozen=True)
+class StageInstruction:
+    """A checked ``train.pipeline`` instruction."""
+
+    stage: int
+    kind: str
+    step: int
+    final: bool
+
+
+def read_instruction(record: ConfigRecord | None, run: RunConfig) -> StageInstruction:
+    """The instruction, every field checked against the run config (:class:`Refused`)."""
+    if record is None:
+        raise Refused(f"no '{act.PIPELINE}' record in the message")
+    values = dict(record)
+    stage, kind, step, final = (values.get(k) for k in ("stage", "kind", "step", "final"))
+    if not isinstance(stage, int) or isinstance(stage, bool) or not (
+            0 <= stage < run.pipeline_stages):
+        raise Refused(f"instruction field 'stage' = {stage!r}: not in 0.."
+                      f"{run.pipeline_stages - 1}")
+    if kind not in ("F", "B"):
+        raise Refused(f"instruction field 'kind' = {kind!r}: must be 'F' or 'B'")
+    if kind == "B" and run.pipeline_schedule not in BACKPROP:
+        raise Refused(f"instruction field 'kind' = 'B': schedule {run.pipeline_schedule!r} "
+                      "has no backward")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
+        raise Refused(f"instruction field 'step' = {step!r}: not a step number")
+    if not isinstance(final, bool):
+        raise Refused(f"instruction field 'final' = {final!r}: must be true or false")
+    return StageInstruction(stage, kind, step, final)
+
+
+def stage_dir(node: NodeConfig, run_id: int, stage: int) -> Path:
+    """Where this node keeps stage ``stage`` of run ``run_id`` between messages."""
+    root = Path(node.cache_dir) if node.cache_dir else cache_root()
+    return root / "pipeline" / f"run-{int(run_id)}" / f"stage-{int(stage)}"
+
+
+def _reply(msg: Message, status: str, reason: str = "",
+           outputs: dict[str, bytes] | None = None, metrics: dict[str, float] | None = None,
+           chunk: dict[str, torch.Tensor] | None = None) -> Message:
+    content = RecordDict({act.PIPELINE: ConfigRecord({"status": status, "reason": reason})})
+    if outputs is not None:
+        content[act.ACTIVATIONS] = ConfigRecord(dict(outputs))
+    if metrics is not None:
+        content[act.PIPELINE_METRICS] = MetricRecord(dict(metrics))
+    if chunk is not None:
+        content[act.CHUNK] = ArrayRecord(chunk)  # a torch state dict
+    return Message(content, reply_to=msg)
+
+
+def handle(msg: Message, context: Context) -> Message:
+    """Do one stage message (module docstring); a ``refused`` reply names a bad input."""
+    run = RunConfig.from_run_config(context.run_config)
+    node = NodeConfig.from_node_config(context.node_config)
+    try:
+        ins = read_instruction(msg.content.config_records.get(act.PIPELINE), run)
+        return _work(msg, context, run, node, ins)
+    except (Refused, act.ActivationError) as err:
+        log.warning("pipeline: refused a message (%s)", err)
+        return _reply(msg, STATUS_REFUSED, str(err))
+
+
+def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
+          ins: StageInstruction) -> Message:
+    started = time.perf_counter()
+    task = build_task(run)
+    model = load_model(run.model)
+    hidden = int(model.config.hidden_size)
+    stage = Stage(model, StageConfig(ins.stage, run.pipeline_stages, run.pipeline_schedule,
+                                     run.lr, run.weight_decay), task)
+    folder = stage_dir(node, context.run_id, ins.stage)
+    make_dirs(folder)
+    state_file = folder / "stage.safetensors"
+    if state_file.exists():
+        stage.load_state(load_file(str(state_file)))
+    loaded_s = time.perf_counter() - started
+    m = run.micro_batches
+    mbs = list(range(ins.step * m, (ins.step + 1) * m))
+    inputs = _inputs(msg, run, node, stage, ins, mbs, folder, hidden, task)
+    outputs: dict[str, bytes] = {}
+    work = time.perf_counter()
+    if ins.kind == "F":
+        for mb in mbs:
+            batch, states = inputs[mb]
+            out = stage.forward(mb, batch, states)
+            if run.pipeline_schedule in BACKPROP:
+                stage.drop(mb)  # recomputed for the backward (module docstring)
+            else:
+                stage.local_update(mb)
+            if not stage.last:
+                outputs[f"mb.{mb}"] = act.encode("F", mb, out, batch)
+        if run.pipeline_schedule not in BACKPROP:
+            stage.step()
+    else:
+        grads = {} if stage.last else _decoded(msg, "B", mbs, hidden, task)
+        for mb in reversed(mbs):
+            batch, states = inputs[mb]
+            stage.forward(mb, batch, states)
+            back = stage.backward(mb, None if stage.last else grads[mb][0])
+            if back is not None:
+                outputs[f"mb.{mb}"] = act.encode("B", mb, back)
+        stage.step()
+        for mb in mbs:
+            (folder / f"input-{mb}.bin").unlink(missing_ok=True)
+    work_s = time.perf_counter() - work
+    tmp = folder / "stage.safetensors.tmp"
+    save_file(stage.state(), str(tmp))
+    tmp.replace(state_file)
+    losses = [v for mb, v in stage.losses]
+    metrics = {"loss": sum(losses) / len(losses) if losses else math.nan,
+               "load_s": loaded_s, "work_s": work_s,
+               "total_s": time.perf_counter() - started,
+               "bytes_out": float(sum(len(v) for v in outputs.values()))}
+    return _reply(msg, STATUS_OK, "", outputs, metrics,
+                  stage.chunk_state() if ins.final else None)
+
+
+def _decoded(msg: Message, kind: str, mbs: list[int], hidden: int,
+             task: object) -> dict[int, tuple[torch.Tensor, Batch | None]]:
+    """The message's ``kind`` entries for ``mbs``, decoded and checked."""
+    record = msg.content.config_records.get(act.ACTIVATIONS)
+    if record is None:
+        raise Refused(f"no '{act.ACTIVATIONS}' record in a {kind} message")
+    want = {f"mb.{mb}" for mb in mbs}
+    if set(record) != want:
+        raise Refused(f"'{act.ACTIVATIONS}' holds {sorted(record)[:4]}, expected "
+                      f"{sorted(want)[:4]}")
+    out = {}
+    for mb in mbs:
+        data = record[f"mb.{mb}"]
+        if not isinstance(data, bytes):
+            raise Refused(f"'{act.ACTIVATIONS}' entry mb.{mb} is not bytes")
+        got_kind, got_mb, tensor, batch = act.decode(data, hidden, act_limit(), task)
+        if (got_kind, got_mb) != (kind, mb):
+            raise Refused(f"entry mb.{mb} holds {got_kind}{got_mb}")
+        out[mb] = (tensor, batch)
+    return out
+
+
+def act_limit() -> int:
+    """The most bytes one micro-batch's message may take (1 GiB)."""
+    return 1 << 30
+
+
+def _inputs(msg: Message, run: RunConfig, node: NodeConfig, stage: Stage,
+            ins: StageInstruction, mbs: list[int], folder: Path, hidden: int,
+            task: object) -> dict[int, tuple[Batch, torch.Tensor | None]]:
+    """Each micro-batch's ``(batch, states)``: stage 0 from its own data (the same batches for
+    a step's ``F`` and ``B``), the others from the ``F`` message, kept on disk for ``B``."""
+    if stage.first:
+        from fedcybgd.client.local_data import training_batches
+
+        batches = training_batches(run, node, run.seed)
+        skipped = itertools.islice(batches, mbs[0], mbs[-1] + 1)
+        return {mb: (batch, None) for mb, batch in zip(mbs, skipped, strict=True)}
+    if ins.kind == "F":
+        record = msg.content.config_records.get(act.ACTIVATIONS)
+        decoded = _decoded(msg, "F", mbs, hidden, task)
+        if run.pipeline_schedule in BACKPROP:  # kept for the backward's recomputation
+            assert record is not None
+            for mb in mbs:
+                data = record[f"mb.{mb}"]
+                assert isinstance(data, bytes)
+                (folder / f"input-{mb}.bin").write_bytes(data)
+        out: dict[int, tuple[Batch, torch.Tensor | None]] = {}
+        for mb, (states, batch) in decoded.items():
+            assert batch is not None  # an F message's entries carry their batch
+            out[mb] = (batch, states)
+        return out
+    kept: dict[int, tuple[Batch, torch.Tensor | None]] = {}
+    for mb in mbs:
+        path = folder / f"input-{mb}.bin"
+        if not path.exists():
+            raise Refused(f"a backward of micro-batch {mb} before its forward on this node")
+        _, _, states, batch = act.decode(path.read_bytes(), hidden, act_limit(), task)
+        assert batch is not None
+        kept[mb] = (batch, states)
+    return kept
