@@ -290,3 +290,35 @@ def test_a_stage_refuses_a_bad_instruction_by_name(tmp_path):
         status = reply.content.config_records[activations.PIPELINE]
         assert status["status"] == "refused" and reason in str(status["reason"]), status
     assert list(tmp_path.rglob("*.safetensors")) == []  # nothing kept from a refused message
+
+
+@pytest.mark.slow
+def test_pipeline_on_a_superlink_with_supernodes(tmp_path):
+    """Real runtime: a SuperLink and two SuperNodes, the run submitted as `flwr run` does;
+    each message a fresh ClientApp process (state between them on the node's disk)."""
+    import json
+
+    from fedcybgd.deploy.commands import merge_config
+    from fedcybgd.deploy.local import LocalDeployment
+
+    out = tmp_path / "out"
+    dep = LocalDeployment(tmp_path / "state", out / "logs", threads_per_process=1)
+    try:
+        dep.start_superlink()
+        dep.start_supernodes(2)
+        dep.wait_nodes(2)
+        config = {**FLOWER, "pipeline-schedule": "1f1b", "num-server-rounds": 1,
+                  "eval-examples": 16}
+        run_id = dep.submit(merge_config(config, f"output-dir='{out}'"))
+        status = dep.wait_run(run_id, timeout=400)
+        dep.save_run_log(run_id)
+        assert status == "finished:completed", (out / "logs").glob("*")
+    finally:
+        dep.stop()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["stages"] == 2
+    assert len(set(summary["nodes"])) == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1]
+    assert rows[1]["bytes_up"] > 0 and rows[1]["train_loss"] > 0
+    assert rows[-1]["eval_loss"] == summary["final_eval_loss"]
