@@ -80,6 +80,11 @@ class RunConfig:
     pipeline_schedule: str = setting("zerolock", choices=PIPELINE_SCHEDULES, doc=(
         "`zerolock` (each chunk its local objective, nothing travels down), `gpipe` or `1f1b` "
         "(backprop across the cut; a stage recomputes its forward for the backward)"))
+    pipeline_checkpoint_every: int = setting(0, ge=0, doc=(
+        "`strategy = \"pipeline\"`: every this many steps each stage uploads its chunk and "
+        "AdamW state (3 x the chunk) for the server to keep; a failed stage is restored on a "
+        "spare node from the last one, replaying the steps since; 0: never, a failed stage is "
+        "rebuilt from the pretrained chunk by replaying every step"))
     micro_batches: int = setting(4, ge=1, doc=(
         "`strategy = \"pipeline\"`: micro-batches of `batch-size` examples per optimizer step "
         "(one server round)"))

@@ -237,14 +237,14 @@ FLOWER = {"model": "tiny-llama", "strategy": "pipeline", "pipeline-stages": 2,
           "lr": 1e-3, "eval-examples": 32, "partitioner": "iid"}
 
 
-def _reference(model, config: dict, schedule: str) -> tuple[float, list[float]]:
+def _reference(model, config: dict, schedule: str, nodes: int) -> tuple[float, list[float]]:
     """The same training in one process on node 0's batches: final eval loss, step losses."""
     from fedcybgd.client.local_data import training_batches
     from fedcybgd.config import NodeConfig
     from fedcybgd.server.common import Evaluator
 
     run = RunConfig.from_run_config({**config, "pipeline-schedule": schedule})
-    node = NodeConfig.from_node_config({"partition-id": 0, "num-partitions": 2})
+    node = NodeConfig.from_node_config({"partition-id": 0, "num-partitions": nodes})
     steps = run.num_server_rounds
     batches = list(itertools.islice(training_batches(run, node, run.seed), M * steps))
     stages = [Stage(copy.deepcopy(model), StageConfig(k, 2, schedule, run.lr),
@@ -257,13 +257,28 @@ def _reference(model, config: dict, schedule: str) -> tuple[float, list[float]]:
     return Evaluator(run, LayerStack(final))().loss, per_step
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "zerolock"])
-def test_flower_pipeline_trains_as_the_stages_do_in_one_process(model, tmp_path, schedule):
+RECOVERY = {**FLOWER, "pipeline-schedule": "gpipe", "num-server-rounds": 3,
+            "round-timeout": 1.0}
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """A gpipe run on three nodes (two stages, one spare) without a failure."""
     from fedcybgd.harness.loopback import run_in_process as flower_run
 
-    summary, rows = flower_run({**FLOWER, "pipeline-schedule": schedule}, 2, tmp_path)
+    return flower_run(RECOVERY, 3, tmp_path_factory.mktemp("clean"))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zerolock"])
+def test_flower_pipeline_trains_as_the_stages_do_in_one_process(model, tmp_path, clean_run,
+                                                                schedule):
+    from fedcybgd.harness.loopback import run_in_process as flower_run
+
+    config = RECOVERY if schedule == "gpipe" else {**FLOWER, "pipeline-schedule": schedule}
+    summary, rows = (clean_run if schedule == "gpipe" else
+                     flower_run(config, 2, tmp_path))
     assert summary["status"] == "completed", summary
-    want_loss, want_steps = _reference(model, FLOWER, schedule)
+    want_loss, want_steps = _reference(model, config, schedule, 3 if schedule == "gpipe" else 2)
     # the ServerApp's messages carry the same activations (gradients) the stages exchange in
     # one process, so the model it assembles and evaluates is the same one
     assert summary["final_eval_loss"] == pytest.approx(want_loss, rel=1e-5)
@@ -322,3 +337,57 @@ def test_pipeline_on_a_superlink_with_supernodes(tmp_path):
     assert [r["round"] for r in rows] == [0, 1]
     assert rows[1]["bytes_up"] > 0 and rows[1]["train_loss"] > 0
     assert rows[-1]["eval_loss"] == summary["final_eval_loss"]
+
+
+class _DyingGrid:
+    """A loopback grid on which ``node`` stops answering after its ``after``-th message."""
+
+    @staticmethod
+    def make(config: dict, nodes: int, root, node: int, after: int):
+        from fedcybgd.client.app import app as client_app
+        from fedcybgd.harness.loopback import LoopbackGrid
+
+        class Grid(LoopbackGrid):
+            seen = 0
+
+            def push_messages(self, messages):
+                messages = list(messages)
+                for message in messages:
+                    if message.metadata.dst_node_id == node:
+                        Grid.seen += 1
+                        if Grid.seen > after:
+                            self.silent.add(node)
+                return super().push_messages(messages)
+
+        return Grid(client_app, nodes, {**config, "output-dir": str(root / "run")},
+                    node_config=lambda i: {"cache-dir": str(root / f"cache-{i}")})
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_a_vanished_stage_is_rebuilt_on_a_spare_node(tmp_path, clean_run, every):
+    from fedcybgd.server.pipeline import run_pipeline_server
+
+    config = {**RECOVERY, "pipeline-checkpoint-every": every}
+    clean = clean_run[0]
+    # stage 1 is node 1002: it answers step 1's F and B and step 2's F, then goes silent
+    grid = _DyingGrid.make(config, 3, tmp_path / "dying", node=1002, after=3)
+    summary = run_pipeline_server(grid, RunConfig.from_run_config(grid.contexts[1001].run_config))
+    assert summary["status"] == "completed", summary
+    (recovery,) = summary["recoveries"]
+    assert (recovery["stage"], recovery["failed_node"], recovery["spare_node"]) == (1, 1002, 1003)
+    assert "round-timeout" in recovery["reason"]
+    assert recovery["checkpoint_step"] == (1 if every else 0)
+    # lost work: step 1's two messages without a checkpoint, step 2's forward with one
+    assert recovery["replayed"] == (1 if every else 3)
+    # the spare replayed what stage 1 had been sent: the same model as a run without failure
+    assert summary["final_eval_loss"] == pytest.approx(clean["final_eval_loss"], rel=1e-6)
+
+
+def test_with_no_spare_the_run_fails_naming_the_stage(tmp_path):
+    from fedcybgd.server.pipeline import run_pipeline_server
+
+    config = {**FLOWER, "num-server-rounds": 2, "round-timeout": 1.0}
+    grid = _DyingGrid.make(config, 2, tmp_path, node=1002, after=0)
+    summary = run_pipeline_server(grid, RunConfig.from_run_config(grid.contexts[1001].run_config))
+    assert summary["status"] == "failed"
+    assert "stage 1" in summary["reason"] and "no spare node" in summary["reason"]

@@ -58,9 +58,10 @@ class StageInstruction:
     """A checked ``train.pipeline`` instruction."""
 
     stage: int
-    kind: str
+    kind: str  # "F", "B", or "R": take this stage over from the state the message carries
     step: int
-    final: bool
+    final: bool  # reply with the trained chunk
+    checkpoint: bool = False  # reply with the stage's state (chunk and AdamW's)
 
 
 def read_instruction(record: ConfigRecord | None, run: RunConfig) -> StageInstruction:
@@ -69,20 +70,23 @@ def read_instruction(record: ConfigRecord | None, run: RunConfig) -> StageInstru
         raise Refused(f"no '{act.PIPELINE}' record in the message")
     values = dict(record)
     stage, kind, step, final = (values.get(k) for k in ("stage", "kind", "step", "final"))
+    checkpoint = values.get("checkpoint", False)
     if not isinstance(stage, int) or isinstance(stage, bool) or not (
             0 <= stage < run.pipeline_stages):
         raise Refused(f"instruction field 'stage' = {stage!r}: not in 0.."
                       f"{run.pipeline_stages - 1}")
-    if kind not in ("F", "B"):
-        raise Refused(f"instruction field 'kind' = {kind!r}: must be 'F' or 'B'")
+    if kind not in ("F", "B", "R"):
+        raise Refused(f"instruction field 'kind' = {kind!r}: must be 'F', 'B' or 'R'")
     if kind == "B" and run.pipeline_schedule not in BACKPROP:
         raise Refused(f"instruction field 'kind' = 'B': schedule {run.pipeline_schedule!r} "
                       "has no backward")
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
         raise Refused(f"instruction field 'step' = {step!r}: not a step number")
-    if not isinstance(final, bool):
-        raise Refused(f"instruction field 'final' = {final!r}: must be true or false")
-    return StageInstruction(stage, kind, step, final)
+    for name, flag in (("final", final), ("checkpoint", checkpoint)):
+        if not isinstance(flag, bool):
+            raise Refused(f"instruction field {name!r} = {flag!r}: must be true or false")
+    assert isinstance(final, bool) and isinstance(checkpoint, bool)
+    return StageInstruction(stage, kind, step, final, checkpoint)
 
 
 def stage_dir(node: NodeConfig, run_id: int, stage: int) -> Path:
@@ -93,7 +97,8 @@ def stage_dir(node: NodeConfig, run_id: int, stage: int) -> Path:
 
 def _reply(msg: Message, status: str, reason: str = "",
            outputs: dict[str, bytes] | None = None, metrics: dict[str, float] | None = None,
-           chunk: dict[str, torch.Tensor] | None = None) -> Message:
+           chunk: dict[str, torch.Tensor] | None = None,
+           state: dict[str, torch.Tensor] | None = None) -> Message:
     content = RecordDict({act.PIPELINE: ConfigRecord({"status": status, "reason": reason})})
     if outputs is not None:
         content[act.ACTIVATIONS] = ConfigRecord(dict(outputs))
@@ -101,6 +106,8 @@ def _reply(msg: Message, status: str, reason: str = "",
         content[act.PIPELINE_METRICS] = MetricRecord(dict(metrics))
     if chunk is not None:
         content[act.CHUNK] = ArrayRecord(chunk)  # a torch state dict
+    if state is not None:
+        content[act.STAGE_STATE] = ArrayRecord(state)
     return Message(content, reply_to=msg)
 
 
@@ -127,6 +134,8 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
     folder = stage_dir(node, context.run_id, ins.stage)
     make_dirs(folder)
     state_file = folder / "stage.safetensors"
+    if ins.kind == "R":
+        return _restore(msg, stage, folder, state_file)
     if state_file.exists():
         stage.load_state(load_file(str(state_file)))
     loaded_s = time.perf_counter() - started
@@ -168,7 +177,30 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
                "total_s": time.perf_counter() - started,
                "bytes_out": float(sum(len(v) for v in outputs.values()))}
     return _reply(msg, STATUS_OK, "", outputs, metrics,
-                  stage.chunk_state() if ins.final else None)
+                  stage.chunk_state() if ins.final else None,
+                  stage.state() if ins.checkpoint else None)
+
+
+def _restore(msg: Message, stage: Stage, folder: Path, state_file: Path) -> Message:
+    """``R``: this node becomes the stage, from the state the message carries (a checkpoint
+    the server kept) or, without one, from the pretrained chunk with a fresh AdamW. What the
+    node held of the stage before is dropped."""
+    record = msg.content.array_records.get(act.STAGE_STATE)
+    if record is not None:
+        try:
+            tensors = dict(record.to_torch_state_dict())
+        except (ValueError, TypeError) as err:
+            raise Refused(f"'{act.STAGE_STATE}' is not a set of tensors: {err}") from err
+        try:
+            stage.load_state(tensors)
+        except ValueError as err:
+            raise Refused(str(err)) from err
+    for stale in folder.glob("input-*.bin"):
+        stale.unlink()
+    tmp = folder / "stage.safetensors.tmp"
+    save_file(stage.state(), str(tmp))
+    tmp.replace(state_file)
+    return _reply(msg, STATUS_OK, "", {}, {"loss": math.nan})
 
 
 def _decoded(msg: Message, kind: str, mbs: list[int], hidden: int,

@@ -28,6 +28,7 @@ from fedcybgd.data.prompts import Batch
 PIPELINE = "pipeline"  # ConfigRecord: the instruction (stage, kind, step, final) / the status
 ACTIVATIONS = "activations"  # ConfigRecord: "mb.<i>" -> this module's bytes for micro-batch i
 CHUNK = "chunk"  # ArrayRecord: the stage's trained tensors, in the reply to its last message
+STAGE_STATE = "stage-state"  # ArrayRecord: a stage's chunk and AdamW state (checkpoint, restore)
 PIPELINE_METRICS = "pipeline-metrics"  # MetricRecord: losses, seconds, memory of the message
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

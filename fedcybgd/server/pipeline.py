@@ -14,8 +14,20 @@ forward (the stage steps on it), so the steps do not overlap.
 Every row of ``metrics.jsonl`` is one step: the last stage's loss (under ``zerolock`` its local
 objective is the true loss), each stage's seconds, the bytes each way. The last messages'
 replies carry the trained chunks; the server puts them into the model and evaluates it (and
-the untrained one, round 0), and writes ``summary.json``. A refused or failed message ends
-the run ``failed`` with the stage's reason.
+the untrained one, round 0), and writes ``summary.json``.
+
+Failure recovery: a stage whose message fails (the node's error, a refusal, or no reply within
+``round-timeout``: a SuperLink answers a vanished node's message with an error once its
+heartbeats stop) is taken over by a spare node (a connected node that is not a stage, lowest
+id first). The server keeps, per stage, what it sent the stage since the stage's last
+checkpoint (every ``pipeline-checkpoint-every`` steps the stage's reply carries its chunk and
+AdamW state, kept under ``output-dir/pipeline-checkpoints``; before the first, the pretrained
+chunk is the checkpoint). The spare gets the checkpoint (``R``), then those messages again
+(their outputs were delivered already and are dropped), then the failed message, whose output
+goes on as usual. The other stages go on meanwhile. ``summary.json`` lists every recovery:
+the stage, the nodes, the step, the steps replayed (the lost work) and the seconds it took. A
+stage 0 spare trains on its own data, so its replayed steps are not the lost ones exactly.
+With no spare left, the run ends ``failed`` naming the stage and why.
 """
 
 from __future__ import annotations
@@ -23,11 +35,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
+from safetensors.torch import load_file, save_file
 
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.layerwise import LayerStack
@@ -52,12 +67,11 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
     """Run pipeline mode (module docstring); returns the summary it writes."""
     started = time.perf_counter()
     out = resolve_output_dir(run.output_dir)
-    prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)
     if run.resume:
-        raise ConfigError("strategy = \"pipeline\" keeps no checkpoint: resume is not possible")
+        raise ConfigError("strategy = \"pipeline\" keeps no checkpoint to resume from")
+    prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)
     count = run.pipeline_stages
     require_nodes(grid, count, 120.0)
-    nodes = sorted(grid.get_node_ids())[:count]
     model = load_model(run.model)
     stack = LayerStack(model)
     if count > stack.num_layers:
@@ -67,133 +81,232 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
     writer = MetricsWriter(out)
     initial = evaluator()
     writer.write({"round": 0, "eval_loss": initial.loss, "eval_accuracy": initial.accuracy})
-    steps = run.num_server_rounds
-    ops = [[op for op in stage if op.kind in ("F", "B")] for stage in
-           plan(run.pipeline_schedule, count, 1, steps)]
-    last_op = [stage[-1] for stage in ops]
+    driver = Driver(grid, run, out, writer, started)
     failure = None
-    rows: dict[int, dict[str, Any]] = {}
     try:
-        chunks = _play(grid, run, nodes, ops, last_op, rows, writer, started)
+        driver.play()
     except StageFailed as err:
         failure = str(err)
-        chunks = {}
-    record: dict[str, Any] = {"round": steps}
+    record: dict[str, Any] = {"round": run.num_server_rounds}
     if failure is None:
-        state = {}
-        for tensors in chunks.values():
+        state: dict[str, torch.Tensor] = {}
+        for tensors in driver.chunks.values():
             state.update(tensors)
         model.load_state_dict(state, strict=False)
         final = evaluator()
         record.update(eval_loss=final.loss, eval_accuracy=final.accuracy)
+        writer.write({**driver.rows.get(run.num_server_rounds, {}), **record, "final": True})
     summary = {
         "model": run.model, "strategy": "pipeline", "schedule": run.pipeline_schedule,
-        "stages": count, "nodes": nodes, "rounds": steps,
+        "stages": count, "nodes": driver.first_nodes, "rounds": run.num_server_rounds,
         **run_status(failure, writer.records),
         "initial_eval_loss": initial.loss, "initial_eval_accuracy": initial.accuracy,
         "final_eval_loss": record.get("eval_loss"),
         "final_eval_accuracy": record.get("eval_accuracy"),
-        "bytes_down": sum(r.get("bytes_down", 0) for r in rows.values()),
-        "bytes_up": sum(r.get("bytes_up", 0) for r in rows.values()),
+        "bytes_down": sum(r.get("bytes_down", 0) for r in driver.rows.values()),
+        "bytes_up": sum(r.get("bytes_up", 0) for r in driver.rows.values()),
+        "recoveries": driver.recoveries,
         "wall_s": time.perf_counter() - started, "output_dir": str(out),
         "run_config": run.to_run_config(),
     }
-    if failure is None:
-        writer.write({**rows.get(steps, {}), **record, "final": True})
     write_summary(out, summary)
     if failure is not None:
         log.error("pipeline run failed: %s", failure)
     return summary
 
 
-def _play(grid: Grid, run: RunConfig, nodes: list[int], ops: list[list[Op]],
-          last_op: list[Op], rows: dict[int, dict[str, Any]], writer: MetricsWriter,
-          started: float) -> dict[int, dict[str, torch.Tensor]]:
-    """Send every stage its messages as their inputs arrive; the stages' final chunks."""
-    count = len(nodes)
-    cursor = [0] * count
-    busy: dict[str, tuple[int, Op, float]] = {}  # message id -> (stage, op, sent at)
-    inbox: dict[tuple[int, str, int], dict[str, bytes]] = {}  # (stage, kind, step) -> input
-    chunks: dict[int, dict[str, torch.Tensor]] = {}
-    done_steps: dict[int, set[int]] = {}
-    while any(cursor[k] < len(ops[k]) for k in range(count)) or busy:
-        for k in range(count):
-            if cursor[k] >= len(ops[k]) or any(s == k for s, _, _ in busy.values()):
+@dataclass
+class Sent:
+    """A message the server keeps for a replay: the stage's operation and its inputs."""
+
+    op: Op
+    inputs: dict[str, bytes] | None
+
+
+class Driver:
+    """Plays the schedule over the grid (module docstring)."""
+
+    def __init__(self, grid: Grid, run: RunConfig, out: Path, writer: MetricsWriter,
+                 started: float) -> None:
+        self.grid, self.run, self.writer, self.started = grid, run, writer, started
+        self.count = run.pipeline_stages
+        self.nodes = sorted(grid.get_node_ids())[:self.count]
+        self.first_nodes = list(self.nodes)
+        self.failed: set[int] = set()
+        self.ops = [[op for op in stage if op.kind in ("F", "B")] for stage in
+                    plan(run.pipeline_schedule, self.count, 1, run.num_server_rounds)]
+        self.cursor = [0] * self.count
+        self.busy: dict[str, tuple[int, Op, float]] = {}  # message id -> (stage, op, sent)
+        self.inbox: dict[tuple[int, str, int], dict[str, bytes]] = {}
+        self.sent: list[list[Sent]] = [[] for _ in range(self.count)]  # since the checkpoint
+        self.checkpoint_step = [0] * self.count
+        self.checkpoints = out / "pipeline-checkpoints"
+        self.chunks: dict[int, dict[str, torch.Tensor]] = {}
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.recoveries: list[dict[str, Any]] = []
+
+    # -- the schedule ------------------------------------------------------------------------
+    def _last_of_step(self, k: int, op: Op) -> bool:
+        return not any(o.mb == op.mb for o in self.ops[k][self.ops[k].index(op) + 1:])
+
+    def _message(self, k: int, op: Op, inputs: dict[str, bytes] | None,
+                 replay: bool = False) -> Message:
+        every = self.run.pipeline_checkpoint_every
+        last = self._last_of_step(k, op)
+        content = RecordDict({act.PIPELINE: ConfigRecord({
+            "stage": k, "kind": op.kind, "step": op.mb,
+            "final": op == self.ops[k][-1] and not replay,
+            "checkpoint": bool(every) and last and (op.mb + 1) % every == 0 and not replay})})
+        if inputs is not None:
+            content[act.ACTIVATIONS] = ConfigRecord(dict(inputs))
+        return Message(content, dst_node_id=self.nodes[k], message_type=MESSAGE_TYPE)
+
+    def _row(self, step: int) -> dict[str, Any]:
+        return self.rows.setdefault(step + 1, {"round": step + 1, "bytes_down": 0,
+                                               "bytes_up": 0, "stage_s": [0.0] * self.count})
+
+    def _send(self, k: int, op: Op, inputs: dict[str, bytes] | None) -> None:
+        msg = self._message(k, op, inputs)
+        self._row(op.mb)["bytes_down"] += message_bytes(msg)
+        (mid,) = self.grid.push_messages([msg])
+        self.busy[mid] = (k, op, time.perf_counter())
+        self.sent[k].append(Sent(op, inputs))
+
+    def play(self) -> None:
+        """Every stage's messages, each sent as soon as its input is there and its stage free."""
+        while any(c < len(o) for c, o in zip(self.cursor, self.ops, strict=True)) or self.busy:
+            for k in range(self.count):
+                if self.cursor[k] >= len(self.ops[k]) or any(
+                        s == k for s, _, _ in self.busy.values()):
+                    continue
+                op = self.ops[k][self.cursor[k]]
+                needs = k > 0 if op.kind == "F" else k < self.count - 1
+                if needs and (k, op.kind, op.mb) not in self.inbox:
+                    continue
+                self._send(k, op, self.inbox.pop((k, op.kind, op.mb)) if needs else None)
+                self.cursor[k] += 1
+            replies = list(self.grid.pull_messages(list(self.busy)))
+            if not replies:
+                self._check_timeouts()
+                time.sleep(POLL_S)
                 continue
-            op = ops[k][cursor[k]]
-            needs = (k > 0 if op.kind == "F" else k < count - 1)
-            if needs and (k, op.kind, op.mb) not in inbox:
-                continue
-            content = RecordDict({act.PIPELINE: ConfigRecord(
-                {"stage": k, "kind": op.kind, "step": op.mb, "final": op == last_op[k]})})
-            if needs:
-                content[act.ACTIVATIONS] = ConfigRecord(inbox.pop((k, op.kind, op.mb)))  # type: ignore[arg-type]
-            msg = Message(content, dst_node_id=nodes[k], message_type=MESSAGE_TYPE)
-            size = message_bytes(msg)
-            (mid,) = grid.push_messages([msg])
-            busy[mid] = (k, op, time.perf_counter())
-            row = rows.setdefault(op.mb + 1, {"round": op.mb + 1, "bytes_down": 0,
-                                              "bytes_up": 0, "stage_s": [0.0] * count})
-            row["bytes_down"] += size
-            cursor[k] += 1
-        replies = list(grid.pull_messages(list(busy)))
-        if not replies:
-            _check_timeouts(busy, run.round_timeout)
+            for reply in replies:
+                k, op, sent = self.busy.pop(reply.metadata.reply_to_message_id)
+                try:
+                    self._take(reply, k, op, sent)
+                except StageFailed as err:
+                    self._recover(k, op, str(err))
+                    continue
+                self._close_step(op.mb)
+
+    def _close_step(self, step: int) -> None:
+        """Write the row of ``step`` once every stage is done with it (not the last: the
+        runner writes it with the final evaluation)."""
+        if step + 1 >= self.run.num_server_rounds or self.writer.has_round(step + 1):
+            return
+        for k in range(self.count):
+            if any(op.mb == step for op in self.ops[k][self.cursor[k]:]) or any(
+                    s == k and op.mb == step for s, op, _ in self.busy.values()):
+                return
+        row = self._row(step)
+        row["round_s"] = time.perf_counter() - self.started
+        self.writer.write(row)
+
+    def _check_timeouts(self) -> None:
+        now = time.perf_counter()
+        for mid, (k, op, sent) in list(self.busy.items()):
+            if now - sent > self.run.round_timeout:
+                del self.busy[mid]
+                self._recover(k, op, f"stage {k}: no reply to {op.kind} of step {op.mb + 1} "
+                                     f"in {self.run.round_timeout:g} s (round-timeout)")
+
+    # -- replies -----------------------------------------------------------------------------
+    def _check(self, reply: Message, k: int, op: Op) -> None:
+        where = f"stage {k} (node {self.nodes[k]}), {op.kind} of step {op.mb + 1}"
+        if reply.has_error():
+            raise StageFailed(f"{where}: the node failed ({reply.error.reason})")
+        status = reply.content.config_records.get(act.PIPELINE)
+        if status is None or status.get("status") != "ok":
+            reason = str(status.get("reason")) if status is not None else "no status"
+            raise StageFailed(f"{where}: refused ({reason})")
+
+    def _take(self, reply: Message, k: int, op: Op, sent: float) -> None:
+        """Check a stage's reply; route its outputs to the neighbour; keep what it carries."""
+        self._check(reply, k, op)
+        row = self._row(op.mb)
+        row["bytes_up"] += message_bytes(reply)
+        row["stage_s"][k] += time.perf_counter() - sent
+        metrics = reply.content.metric_records.get(act.PIPELINE_METRICS)
+        if metrics is not None and k == self.count - 1:
+            loss = float(metrics["loss"])  # type: ignore[arg-type]
+            if math.isfinite(loss):
+                row["train_loss"] = loss
+        target = k + 1 if op.kind == "F" else k - 1
+        if 0 <= target < self.count:
+            outputs = reply.content.config_records.get(act.ACTIVATIONS)
+            if outputs is None:
+                raise StageFailed(f"stage {k}, {op.kind} of step {op.mb + 1}: the reply "
+                                  "carries no activations")
+            self.inbox[(target, op.kind, op.mb)] = dict(outputs)  # type: ignore[arg-type]
+        chunk = reply.content.array_records.get(act.CHUNK)
+        if chunk is not None:
+            self.chunks[k] = dict(chunk.to_torch_state_dict())
+        state = reply.content.array_records.get(act.STAGE_STATE)
+        if state is not None:
+            self._keep_checkpoint(k, op, dict(state.to_torch_state_dict()))
+
+    def _keep_checkpoint(self, k: int, op: Op, state: dict[str, torch.Tensor]) -> None:
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        path = self.checkpoints / f"stage-{k}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file(state, str(tmp), metadata={"step": str(op.mb + 1)})
+        tmp.replace(path)
+        self.checkpoint_step[k] = op.mb + 1
+        self.sent[k] = [s for s in self.sent[k] if s.op.mb > op.mb]
+
+    # -- recovery ----------------------------------------------------------------------------
+    def _spare(self) -> int | None:
+        in_use = set(self.nodes) | self.failed
+        free = sorted(n for n in self.grid.get_node_ids() if n not in in_use)
+        return free[0] if free else None
+
+    def _recover(self, k: int, op: Op, reason: str) -> None:
+        """Move stage ``k`` to a spare node (module docstring); ``StageFailed`` if none."""
+        began = time.perf_counter()
+        self.failed.add(self.nodes[k])
+        spare = self._spare()
+        if spare is None:
+            raise StageFailed(f"{reason}; no spare node to take stage {k} over")
+        log.warning("%s; stage %d moves to node %d from the checkpoint of step %d", reason, k,
+                    spare, self.checkpoint_step[k])
+        failed_node, self.nodes[k] = self.nodes[k], spare
+        restore = RecordDict({act.PIPELINE: ConfigRecord(
+            {"stage": k, "kind": "R", "step": self.checkpoint_step[k], "final": False,
+             "checkpoint": False})})
+        path = self.checkpoints / f"stage-{k}.safetensors"
+        if self.checkpoint_step[k] and path.exists():
+            restore[act.STAGE_STATE] = ArrayRecord(load_file(str(path)))
+        self._call(k, Message(restore, dst_node_id=spare, message_type=MESSAGE_TYPE),
+                   Op("R", self.checkpoint_step[k]))
+        redo = self.sent[k]
+        assert redo and redo[-1].op == op  # the failed message was the stage's latest
+        for entry in redo[:-1]:  # their outputs went on already
+            self._call(k, self._message(k, entry.op, entry.inputs, replay=True), entry.op)
+        self.sent[k] = redo[:-1]
+        self._send(k, op, redo[-1].inputs)  # this one's output goes on as usual
+        self.recoveries.append({
+            "stage": k, "failed_node": failed_node, "spare_node": spare, "step": op.mb + 1,
+            "checkpoint_step": self.checkpoint_step[k], "replayed": len(redo) - 1,
+            "recovery_s": time.perf_counter() - began, "reason": reason})
+
+    def _call(self, k: int, msg: Message, op: Op) -> Message:
+        """Send ``msg`` and wait for its reply; a failure here fails the run."""
+        (mid,) = self.grid.push_messages([msg])
+        deadline = time.perf_counter() + self.run.round_timeout
+        while time.perf_counter() < deadline:
+            for reply in self.grid.pull_messages([mid]):
+                self._check(reply, k, op)
+                return reply
             time.sleep(POLL_S)
-            continue
-        for reply in replies:
-            k, op, sent = busy.pop(reply.metadata.reply_to_message_id)
-            row = rows[op.mb + 1]
-            row["bytes_up"] += message_bytes(reply)
-            _take(reply, k, op, count, inbox, chunks, row, sent)
-            done_steps.setdefault(op.mb, set()).add(k)
-            if op.mb + 1 not in (r["round"] for r in writer.records) and _step_done(
-                    op.mb, ops, cursor, busy, count):
-                row["round_s"] = time.perf_counter() - started
-                if op.mb + 1 < run.num_server_rounds:
-                    writer.write(row)
-    return chunks
-
-
-def _step_done(step: int, ops: list[list[Op]], cursor: list[int],
-               busy: dict[str, tuple[int, Op, float]], count: int) -> bool:
-    """Whether every stage has finished all its messages of ``step``."""
-    for k in range(count):
-        pending = [op for op in ops[k][cursor[k]:] if op.mb == step]
-        if pending or any(s == k and op.mb == step for s, op, _ in busy.values()):
-            return False
-    return True
-
-
-def _check_timeouts(busy: dict[str, tuple[int, Op, float]], timeout: float) -> None:
-    now = time.perf_counter()
-    for k, op, sent in busy.values():
-        if now - sent > timeout:
-            raise StageFailed(f"stage {k}: no reply to {op.kind} of step {op.mb + 1} in "
-                              f"{timeout:.0f} s (round-timeout)")
-
-
-def _take(reply: Message, k: int, op: Op, count: int,
-          inbox: dict[tuple[int, str, int], dict[str, bytes]],
-          chunks: dict[int, dict[str, torch.Tensor]], row: dict[str, Any], sent: float) -> None:
-    """Check a stage's reply; route its outputs to the neighbour; keep its metrics."""
-    where = f"stage {k}, {op.kind} of step {op.mb + 1}"
-    if reply.has_error():
-        raise StageFailed(f"{where}: the node failed ({reply.error.reason})")
-    status = reply.content.config_records.get(act.PIPELINE)
-    if status is None or status.get("status") != "ok":
-        reason = str(status.get("reason")) if status is not None else "no status"
-        raise StageFailed(f"{where}: refused ({reason})")
-    row["stage_s"][k] += time.perf_counter() - sent
-    metrics = reply.content.metric_records.get(act.PIPELINE_METRICS)
-    if metrics is not None and k == count - 1 and math.isfinite(float(metrics["loss"])):  # type: ignore[arg-type]
-        row["train_loss"] = float(metrics["loss"])  # type: ignore[arg-type]
-    outputs = reply.content.config_records.get(act.ACTIVATIONS)
-    target = k + 1 if op.kind == "F" else k - 1
-    if 0 <= target < count:
-        if outputs is None:
-            raise StageFailed(f"{where}: the reply carries no activations")
-        inbox[(target, op.kind, op.mb)] = {key: v for key, v in outputs.items()}  # type: ignore[misc]
-    record = reply.content.array_records.get(act.CHUNK)
-    if record is not None:
-        chunks[k] = dict(record.to_torch_state_dict())
+        raise StageFailed(f"stage {k} (node {self.nodes[k]}): no reply to {op.kind} of step "
+                          f"{op.mb + 1} while recovering, in {self.run.round_timeout:g} s")
