@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 
 import pytest
 import torch
@@ -308,10 +309,12 @@ def test_a_stage_refuses_a_bad_instruction_by_name(tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_on_a_superlink_with_supernodes(tmp_path):
-    """Real runtime: a SuperLink and two SuperNodes, the run submitted as `flwr run` does;
-    each message a fresh ClientApp process (state between them on the node's disk)."""
+def test_pipeline_on_a_superlink_survives_a_killed_supernode(tmp_path):
+    """Real runtime: a SuperLink and three SuperNodes, the run submitted as `flwr run` does,
+    each message a fresh ClientApp process. Stage 1's SuperNode is killed (SIGKILL) while it
+    works on its first message; the third node takes the stage over and the run completes."""
     import json
+    import re
 
     from fedcybgd.deploy.commands import merge_config
     from fedcybgd.deploy.local import LocalDeployment
@@ -320,22 +323,35 @@ def test_pipeline_on_a_superlink_with_supernodes(tmp_path):
     dep = LocalDeployment(tmp_path / "state", out / "logs", threads_per_process=1)
     try:
         dep.start_superlink()
-        dep.start_supernodes(2)
-        dep.wait_nodes(2)
-        config = {**FLOWER, "pipeline-schedule": "1f1b", "num-server-rounds": 1,
-                  "eval-examples": 16}
+        dep.start_supernodes(3)
+        dep.wait_nodes(3)
+        procs = {n: p for n, p in dep.procs.items() if n.startswith("supernode")}
+        ids = {}
+        for name, proc in procs.items():
+            match = re.search(r"SuperNode ID: (\d+)", proc.log.read_text())
+            assert match, proc.log.read_text()[-2000:]
+            ids[name] = int(match.group(1))
+        victim = sorted(ids, key=ids.__getitem__)[1]  # stage 1: the second-lowest id
+        config = {**FLOWER, "pipeline-schedule": "1f1b", "num-server-rounds": 2,
+                  "eval-examples": 16, "round-timeout": 30.0}
         run_id = dep.submit(merge_config(config, f"output-dir='{out}'"))
+        deadline = time.monotonic() + 300
+        while "Start `flwr-clientapp` process" not in procs[victim].log.read_text():
+            assert time.monotonic() < deadline, "stage 1 never received a message"
+            time.sleep(0.2)
+        dep.kill_process(victim)
         status = dep.wait_run(run_id, timeout=400)
         dep.save_run_log(run_id)
-        assert status == "finished:completed", (out / "logs").glob("*")
+        assert status == "finished:completed", status
     finally:
         dep.stop()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["stages"] == 2
-    assert len(set(summary["nodes"])) == 2
+    (recovery,) = summary["recoveries"]
+    assert recovery["stage"] == 1 and recovery["failed_node"] == ids[victim]
+    assert recovery["spare_node"] == max(ids.values())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [0, 1]
-    assert rows[1]["bytes_up"] > 0 and rows[1]["train_loss"] > 0
+    assert [r["round"] for r in rows] == [0, 1, 2]
     assert rows[-1]["eval_loss"] == summary["final_eval_loss"]
 
 
