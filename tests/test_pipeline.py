@@ -12,13 +12,14 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from fedcybgd.client.pipeline import Stage, StageConfig, stage_layers
+from fedcybgd.client.pipeline import Stage, StageConfig
 from fedcybgd.config import RunConfig
 from fedcybgd.harness.pipeline import PipelineError, PipelineSpec, run_in_process, run_pipeline
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model, load_tokenizer
 from fedcybgd.protocol import activations
 from fedcybgd.protocol.activations import ActivationError
+from fedcybgd.protocol.pipeline import stage_layers
 from fedcybgd.strategies.pipeline import SCHEDULES, Op, in_flight, plan, simulate
 from fedcybgd.tasks import shares
 from fedcybgd.tasks.base import build_task
@@ -298,6 +299,7 @@ def test_a_stage_refuses_a_bad_instruction_by_name(tmp_path):
     bad = [({"stage": 5, "kind": "F", "step": 0, "final": False}, "'stage' = 5"),
            ({"stage": 0, "kind": "B", "step": 0, "final": False}, "has no backward"),
            ({"stage": 0, "kind": "F", "step": -1, "final": False}, "'step' = -1"),
+           ({"stage": 0, "kind": "F", "step": 2, "final": False}, "(num-server-rounds)"),
            ({"stage": 1, "kind": "F", "step": 0, "final": False}, "no 'activations' record")]
     for fields, reason in bad:
         msg = Message(RecordDict({activations.PIPELINE: ConfigRecord(fields)}), dst_node_id=3,
@@ -407,3 +409,34 @@ def test_with_no_spare_the_run_fails_naming_the_stage(tmp_path):
     summary = run_pipeline_server(grid, RunConfig.from_run_config(grid.contexts[1001].run_config))
     assert summary["status"] == "failed"
     assert "stage 1" in summary["reason"] and "no spare node" in summary["reason"]
+
+
+def test_a_stage_cannot_write_another_stages_layers(tmp_path):
+    from flwr.app import ArrayRecord
+
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.harness.loopback import LoopbackGrid
+    from fedcybgd.server.pipeline import run_pipeline_server
+
+    class Tampering(LoopbackGrid):
+        """Node 1002 (stage 1) slips a tensor of layer 0 into its trained chunk."""
+
+        def pull_messages(self, message_ids):
+            replies = list(super().pull_messages(message_ids))
+            for reply in replies:
+                chunk = reply.content.array_records.get(activations.CHUNK)
+                if chunk is not None and reply.metadata.src_node_id == 1002:
+                    tensors = dict(chunk.to_torch_state_dict())
+                    name = "model.layers.0.self_attn.q_proj.weight"
+                    tensors[name] = torch.zeros(model_shape[name])
+                    reply.content[activations.CHUNK] = ArrayRecord(tensors)
+            return replies
+
+    model_shape = {n: tuple(p.shape) for n, p in load_model("tiny-llama").named_parameters()}
+    config = {**FLOWER, "num-server-rounds": 1, "output-dir": str(tmp_path / "run")}
+    grid = Tampering(client_app, 2, config,
+                     node_config=lambda i: {"cache-dir": str(tmp_path / f"cache-{i}")})
+    summary = run_pipeline_server(grid, RunConfig.from_run_config(config))
+    assert summary["status"] == "failed"
+    assert "stage 1" in summary["reason"] and "not the stage's" in summary["reason"]
+    assert "model.layers.0.self_attn.q_proj.weight" in summary["reason"]

@@ -1,9 +1,10 @@
 """A pipeline stage: one device's contiguous chunk of decoder layers, trained with the others.
 
-The model's decoder layers ``0..L-1`` are cut into K chunks (:func:`stage_layers`, the cut of
-``BlockMap``'s layer blocks: equal sizes, the remainder to the lowest). Stage k trains its
-chunk's layers; embeddings, final norm and LM head stay frozen on every schedule, so the
-schedules train the same parameters. The operations (``fedcybgd.strategies.pipeline``):
+The model's decoder layers ``0..L-1`` are cut into K chunks
+(:func:`fedcybgd.protocol.pipeline.stage_layers`: equal sizes, the remainder to the lowest).
+Stage k trains its chunk's layers; embeddings, final norm and LM head stay frozen on every
+schedule, so the schedules train the same parameters. The operations
+(``fedcybgd.strategies.pipeline``):
 
 * :meth:`Stage.forward` (``F``): the chunk on one micro-batch. Stage 0 starts from the
   embeddings; stage k > 0 from the states stage k-1 sent. Every stage rebuilds the layers'
@@ -34,19 +35,12 @@ from torch import nn
 
 from fedcybgd.choices import PIPELINE_SCHEDULES
 from fedcybgd.client.updates.local_heads import LocalHead
-from fedcybgd.client.updates.zerolock.chunks import split_layers
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.layerwise import Hidden, LayerStack
+from fedcybgd.protocol.pipeline import stage_layers
 from fedcybgd.tasks.objective import batch_loss, scored_logits
 
 BACKPROP = ("gpipe", "1f1b")
-
-
-def stage_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """``[a, b)`` decoder layers of each of ``stages`` stages."""
-    if not 1 <= stages <= num_layers:
-        raise ValueError(f"stages must be in 1..{num_layers} (the decoder layers), got {stages}")
-    return split_layers(0, num_layers - 1, stages)
 
 
 @dataclass(frozen=True)
@@ -133,6 +127,8 @@ class Stage:
         own = self.chunk_state()
         names = {id(p): n for n, p in self.stack.model.named_parameters()}
         for name, value in tensors.items():
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"stage state: {name!r} holds non-finite values")
             if name.startswith("adam."):
                 parts = name.split(".")
                 if (len(parts) != 3 or not parts[1].isdigit()

@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 STATUS_OK = "ok"
 STATUS_REFUSED = "refused"
-MAX_STEP = 10**9
 
 
 class Refused(ValueError):
@@ -80,8 +79,10 @@ def read_instruction(record: ConfigRecord | None, run: RunConfig) -> StageInstru
     if kind == "B" and run.pipeline_schedule not in BACKPROP:
         raise Refused(f"instruction field 'kind' = 'B': schedule {run.pipeline_schedule!r} "
                       "has no backward")
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
-        raise Refused(f"instruction field 'step' = {step!r}: not a step number")
+    if not isinstance(step, int) or isinstance(step, bool) or not (
+            0 <= step < run.num_server_rounds):
+        raise Refused(f"instruction field 'step' = {step!r}: not in 0.."
+                      f"{run.num_server_rounds - 1} (num-server-rounds)")
     for name, flag in (("final", final), ("checkpoint", checkpoint)):
         if not isinstance(flag, bool):
             raise Refused(f"instruction field {name!r} = {flag!r}: must be true or false")
@@ -157,7 +158,7 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
         if run.pipeline_schedule not in BACKPROP:
             stage.step()
     else:
-        grads = {} if stage.last else _decoded(msg, "B", mbs, hidden, task)
+        grads = {} if stage.last else _decoded(msg, "B", mbs, hidden, task, run)
         for mb in reversed(mbs):
             batch, states = inputs[mb]
             stage.forward(mb, batch, states)
@@ -203,9 +204,10 @@ def _restore(msg: Message, stage: Stage, folder: Path, state_file: Path) -> Mess
     return _reply(msg, STATUS_OK, "", {}, {"loss": math.nan})
 
 
-def _decoded(msg: Message, kind: str, mbs: list[int], hidden: int,
-             task: object) -> dict[int, tuple[torch.Tensor, Batch | None]]:
-    """The message's ``kind`` entries for ``mbs``, decoded and checked."""
+def _decoded(msg: Message, kind: str, mbs: list[int], hidden: int, task: object,
+             run: RunConfig) -> dict[int, tuple[torch.Tensor, Batch | None]]:
+    """The message's ``kind`` entries for ``mbs``, decoded and checked (at most
+    ``batch-size`` rows of ``max-seq-len`` tokens each)."""
     record = msg.content.config_records.get(act.ACTIVATIONS)
     if record is None:
         raise Refused(f"no '{act.ACTIVATIONS}' record in a {kind} message")
@@ -218,16 +220,22 @@ def _decoded(msg: Message, kind: str, mbs: list[int], hidden: int,
         data = record[f"mb.{mb}"]
         if not isinstance(data, bytes):
             raise Refused(f"'{act.ACTIVATIONS}' entry mb.{mb} is not bytes")
-        got_kind, got_mb, tensor, batch = act.decode(data, hidden, act_limit(), task)
+        got_kind, got_mb, tensor, batch = act.decode(data, hidden, act_limit(run), task)
         if (got_kind, got_mb) != (kind, mb):
             raise Refused(f"entry mb.{mb} holds {got_kind}{got_mb}")
+        if tensor.shape[0] > run.batch_size or tensor.shape[1] > run.max_seq_len:
+            raise Refused(f"entry mb.{mb} has shape {tuple(tensor.shape)}: more than "
+                          f"batch-size = {run.batch_size} rows of max-seq-len = "
+                          f"{run.max_seq_len} tokens")
         out[mb] = (tensor, batch)
     return out
 
 
-def act_limit() -> int:
-    """The most bytes one micro-batch's message may take (1 GiB)."""
-    return 1 << 30
+def act_limit(run: RunConfig) -> int:
+    """The most bytes one micro-batch's message may take: fp32 states (or gradients) of
+    ``batch-size x max-seq-len`` tokens of up to 16,384 dimensions, and the batch's tensors."""
+    tokens = run.batch_size * run.max_seq_len
+    return tokens * 16_384 * 4 + tokens * 64 + (1 << 20)
 
 
 def _inputs(msg: Message, run: RunConfig, node: NodeConfig, stage: Stage,
@@ -243,7 +251,7 @@ def _inputs(msg: Message, run: RunConfig, node: NodeConfig, stage: Stage,
         return {mb: (batch, None) for mb, batch in zip(mbs, skipped, strict=True)}
     if ins.kind == "F":
         record = msg.content.config_records.get(act.ACTIVATIONS)
-        decoded = _decoded(msg, "F", mbs, hidden, task)
+        decoded = _decoded(msg, "F", mbs, hidden, task, run)
         if run.pipeline_schedule in BACKPROP:  # kept for the backward's recomputation
             assert record is not None
             for mb in mbs:
@@ -260,7 +268,7 @@ def _inputs(msg: Message, run: RunConfig, node: NodeConfig, stage: Stage,
         path = folder / f"input-{mb}.bin"
         if not path.exists():
             raise Refused(f"a backward of micro-batch {mb} before its forward on this node")
-        _, _, states, batch = act.decode(path.read_bytes(), hidden, act_limit(), task)
+        _, _, states, batch = act.decode(path.read_bytes(), hidden, act_limit(run), task)
         assert batch is not None
         kept[mb] = (batch, states)
     return kept

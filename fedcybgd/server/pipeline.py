@@ -49,6 +49,7 @@ from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model
 from fedcybgd.protocol import activations as act
 from fedcybgd.protocol.message_size import message_bytes
+from fedcybgd.protocol.pipeline import stage_layers
 from fedcybgd.server.common import Evaluator, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_status, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
@@ -81,7 +82,7 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
     writer = MetricsWriter(out)
     initial = evaluator()
     writer.write({"round": 0, "eval_loss": initial.loss, "eval_accuracy": initial.accuracy})
-    driver = Driver(grid, run, out, writer, started)
+    driver = Driver(grid, run, out, writer, started, model)
     failure = None
     try:
         driver.play()
@@ -115,6 +116,15 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
     return summary
 
 
+def own_tensors(model: torch.nn.Module, stages: int) -> list[dict[str, tuple[int, ...]]]:
+    """Per stage: the name and shape of every tensor of its chunk."""
+    stack = LayerStack(model)  # type: ignore[arg-type]
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [{names[id(p)]: tuple(p.shape) for i in range(a, b)
+             for p in stack.layers[i].parameters()}
+            for a, b in stage_layers(stack.num_layers, stages)]
+
+
 @dataclass
 class Sent:
     """A message the server keeps for a replay: the stage's operation and its inputs."""
@@ -127,7 +137,7 @@ class Driver:
     """Plays the schedule over the grid (module docstring)."""
 
     def __init__(self, grid: Grid, run: RunConfig, out: Path, writer: MetricsWriter,
-                 started: float) -> None:
+                 started: float, model: torch.nn.Module) -> None:
         self.grid, self.run, self.writer, self.started = grid, run, writer, started
         self.count = run.pipeline_stages
         self.nodes = sorted(grid.get_node_ids())[:self.count]
@@ -144,6 +154,7 @@ class Driver:
         self.chunks: dict[int, dict[str, torch.Tensor]] = {}
         self.rows: dict[int, dict[str, Any]] = {}
         self.recoveries: list[dict[str, Any]] = []
+        self.own = own_tensors(model, self.count)
 
     # -- the schedule ------------------------------------------------------------------------
     def _last_of_step(self, k: int, op: Op) -> bool:
@@ -241,19 +252,41 @@ class Driver:
             loss = float(metrics["loss"])  # type: ignore[arg-type]
             if math.isfinite(loss):
                 row["train_loss"] = loss
+        where = f"stage {k} (node {self.nodes[k]}), {op.kind} of step {op.mb + 1}"
         target = k + 1 if op.kind == "F" else k - 1
         if 0 <= target < self.count:
             outputs = reply.content.config_records.get(act.ACTIVATIONS)
-            if outputs is None:
-                raise StageFailed(f"stage {k}, {op.kind} of step {op.mb + 1}: the reply "
-                                  "carries no activations")
+            m = self.run.micro_batches
+            want = {f"mb.{mb}" for mb in range(op.mb * m, (op.mb + 1) * m)}
+            if outputs is None or set(outputs) != want or not all(
+                    isinstance(v, bytes) for v in outputs.values()):
+                got = "none" if outputs is None else sorted(outputs)[:4]
+                raise StageFailed(f"{where}: the reply's activations are {got}, expected "
+                                  f"bytes for {sorted(want)[:4]}")
             self.inbox[(target, op.kind, op.mb)] = dict(outputs)  # type: ignore[arg-type]
         chunk = reply.content.array_records.get(act.CHUNK)
         if chunk is not None:
-            self.chunks[k] = dict(chunk.to_torch_state_dict())
+            self.chunks[k] = self._checked(where, k, dict(chunk.to_torch_state_dict()))
         state = reply.content.array_records.get(act.STAGE_STATE)
         if state is not None:
             self._keep_checkpoint(k, op, dict(state.to_torch_state_dict()))
+
+    def _checked(self, where: str, k: int,
+                 tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A stage's trained chunk, checked: exactly its layers' tensors, in their shapes, finite
+        (a stage cannot write another stage's layers or break the model's)."""
+        own = self.own[k]
+        if set(tensors) != set(own):
+            extra = sorted(set(tensors) - set(own))[:3]
+            missing = sorted(set(own) - set(tensors))[:3]
+            raise StageFailed(f"{where}: the chunk's tensors are not the stage's (unexpected "
+                              f"{extra}, missing {missing})")
+        for name, value in tensors.items():
+            if tuple(value.shape) != own[name] or not bool(torch.isfinite(value).all()):
+                raise StageFailed(f"{where}: chunk tensor {name!r} has shape "
+                                  f"{tuple(value.shape)} (expected {own[name]}) or non-finite "
+                                  "values")
+        return tensors
 
     def _keep_checkpoint(self, k: int, op: Op, state: dict[str, torch.Tensor]) -> None:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
