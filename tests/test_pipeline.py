@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -440,3 +441,9 @@ def test_a_stage_cannot_write_another_stages_layers(tmp_path):
     assert summary["status"] == "failed"
     assert "stage 1" in summary["reason"] and "not the stage's" in summary["reason"]
     assert "model.layers.0.self_attn.q_proj.weight" in summary["reason"]
+
+
+def test_nothing_of_a_finished_stage_stays_on_the_nodes(clean_run):
+    summary, _ = clean_run
+    root = Path(summary["output_dir"]).parent
+    assert list(root.glob("cache-*/pipeline/run-*/stage-*/*")) == []

@@ -15,10 +15,10 @@ stage (``micro-batches`` micro-batches):
   graph survives to its backward: this is GPipe with re-materialization.
 
 Between messages the stage keeps its chunk, AdamW's state and the ``F`` inputs a backward
-will need under the node's cache folder (``pipeline/run-<id>/stage-<k>``); nothing of it
-leaves the node except the chunk, once, in the reply to the stage's last message
-(``final``). Every value the server sends is checked; a bad one gets a ``refused`` reply naming
-it and changes nothing.
+will need under the node's cache folder (``pipeline/run-<id>/stage-<k>``), removed after the
+stage's last message (``final``), whose reply carries the trained chunk; a checkpoint
+(``checkpoint``) reply carries the chunk and AdamW's state. Every value the server sends is
+checked; a bad one gets a ``refused`` reply naming it and changes nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,9 +170,12 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
         for mb in mbs:
             (folder / f"input-{mb}.bin").unlink(missing_ok=True)
     work_s = time.perf_counter() - work
-    tmp = folder / "stage.safetensors.tmp"
-    save_file(stage.state(), str(tmp))
-    tmp.replace(state_file)
+    if ins.final:  # the stage's last message: nothing of it stays on the node
+        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        tmp = folder / "stage.safetensors.tmp"
+        save_file(stage.state(), str(tmp))
+        tmp.replace(state_file)
     losses = [v for mb, v in stage.losses]
     metrics = {"loss": sum(losses) / len(losses) if losses else math.nan,
                "load_s": loaded_s, "work_s": work_s,

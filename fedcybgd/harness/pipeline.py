@@ -22,10 +22,9 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -92,17 +91,10 @@ class PipelineResult:
     wall_s: float
     eval_loss: float | None = None
     eval_accuracy: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def micro_batches(self) -> int:
         return self.spec.micro_batches * self.spec.steps
-
-    def to_json(self) -> dict[str, Any]:
-        return {"spec": asdict(self.spec), "wall_s": self.wall_s, "eval_loss": self.eval_loss,
-                "eval_accuracy": self.eval_accuracy,
-                "stages": [{**asdict(s), "training_mb": s.training_mb} for s in self.stages],
-                **self.extra}
 
 
 def _rss_mb() -> float:
@@ -389,12 +381,6 @@ def project(result: PipelineResult, link_mbit_s: float) -> dict[str, float]:
     return {"makespan_s": projection.makespan_s,
             "micro_batches_per_s": result.micro_batches / projection.makespan_s,
             "busiest_stage_idle_share": min(projection.idle_s) / projection.makespan_s}
-
-
-def mean_loss(result: PipelineResult, stage: int | None = None) -> float:
-    """Mean loss the last (or ``stage``) stage recorded over the run."""
-    report = result.stages[-1 if stage is None else stage]
-    return statistics.fmean(v for _, v in report.losses)
 
 
 def run_in_process(stages: list[Any], batches: list[Any], micro_batches: int,
