@@ -80,6 +80,11 @@ class RunConfig:
     pipeline_schedule: str = setting("zerolock", choices=PIPELINE_SCHEDULES, doc=(
         "`zerolock` (each chunk its local objective, nothing travels down), `gpipe` or `1f1b` "
         "(backprop across the cut; a stage recomputes its forward for the backward)"))
+    pipeline_aux_layers: int = setting(0, ge=0, doc=(
+        "`pipeline-schedule = \"zerolock\"`: frozen decoder layers above a stage's chunk that "
+        "its local head runs before the final norm + LM head (gradient through their "
+        "activations only; the last stage's head is the true loss); 8 closed the learning gap "
+        "to backprop pipelines in docs/results.md, at 7-11% more memory"))
     pipeline_checkpoint_every: int = setting(0, ge=0, doc=(
         "`strategy = \"pipeline\"`: every this many steps each stage uploads its chunk and "
         "AdamW state (3 x the chunk) for the server to keep; a failed stage is restored on a "

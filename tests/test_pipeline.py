@@ -447,3 +447,15 @@ def test_nothing_of_a_finished_stage_stays_on_the_nodes(clean_run):
     summary, _ = clean_run
     root = Path(summary["output_dir"]).parent
     assert list(root.glob("cache-*/pipeline/run-*/stage-*/*")) == []
+
+
+def test_zerolock_aux_layers_shape_the_lower_head_and_stay_frozen(model, batches):
+    plain = _stages(model, "zerolock", 2)
+    run_in_process(plain, batches, M, step=False)
+    aux = [Stage(copy.deepcopy(model), StageConfig(k, 2, "zerolock", 1e-3, aux_layers=1))
+           for k in range(2)]
+    run_in_process(aux, batches, M, step=False)
+    assert _close(aux[0].gradients(), plain[0].gradients()) > 1e-3  # another local objective
+    assert _close(aux[1].gradients(), plain[1].gradients()) == 0.0  # the top: the true loss
+    above = aux[0].stack.layers[aux[0].layers[1]]  # the first layer above stage 0's chunk
+    assert all(p.grad is None for p in above.parameters())

@@ -132,7 +132,7 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
     model = load_model(run.model)
     hidden = int(model.config.hidden_size)
     stage = Stage(model, StageConfig(ins.stage, run.pipeline_stages, run.pipeline_schedule,
-                                     run.lr, run.weight_decay), task)
+                                     run.lr, run.weight_decay, run.pipeline_aux_layers), task)
     folder = stage_dir(node, context.run_id, ins.stage)
     make_dirs(folder)
     state_file = folder / "stage.safetensors"
