@@ -30,3 +30,4 @@ EARLY_STOP_METRICS: tuple[str, ...] = ("loss", "metric")  # early-stop-metric
 DP_MODES: tuple[str, ...] = ("off", "central", "local", "example")  # dp
 WANDB_MODES: tuple[str, ...] = ("offline", "online")  # wandb-mode
 PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zerolock")  # pipeline schedule
+ACTIVATION_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # pipeline-activations

@@ -23,6 +23,7 @@ from typing import Any
 
 from fedcybgd import protocol, rules
 from fedcybgd.choices import (
+    ACTIVATION_DTYPES,
     AUTO_TASK,
     DAMPINGS,
     DP_MODES,
@@ -85,6 +86,9 @@ class RunConfig:
         "its local head runs before the final norm + LM head (gradient through their "
         "activations only; the last stage's head is the true loss); 8 closed the learning gap "
         "to backprop pipelines in docs/results.md, at 7-11% more memory"))
+    pipeline_activations: str = setting("float32", choices=ACTIVATION_DTYPES, doc=(
+        "`strategy = \"pipeline\"`: the type activations (and their gradients) travel in; "
+        "`bfloat16`/`float16` halve the traffic and round what the next stage receives"))
     pipeline_checkpoint_every: int = setting(0, ge=0, doc=(
         "`strategy = \"pipeline\"`: every this many steps each stage uploads its chunk and "
         "AdamW state (3 x the chunk) for the server to keep; a failed stage is restored on a "

@@ -459,3 +459,26 @@ def test_zerolock_aux_layers_shape_the_lower_head_and_stay_frozen(model, batches
     assert _close(aux[1].gradients(), plain[1].gradients()) == 0.0  # the top: the true loss
     above = aux[0].stack.layers[aux[0].layers[1]]  # the first layer above stage 0's chunk
     assert all(p.grad is None for p in above.parameters())
+
+
+def test_a_stage_sends_activations_in_the_configured_type(tmp_path):
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from fedcybgd.client.pipeline_round import handle
+
+    sizes = {}
+    for dtype in ("float32", "bfloat16"):
+        context = Context(run_id=1, node_id=1, node_config={"cache-dir": str(tmp_path / dtype)},
+                          state=RecordDict(),
+                          run_config={**FLOWER, "pipeline-activations": dtype})
+        msg = Message(RecordDict({activations.PIPELINE: ConfigRecord(
+            {"stage": 0, "kind": "F", "step": 0, "final": False})}), dst_node_id=1,
+            message_type="train.pipeline")
+        reply = handle(msg, context)
+        record = reply.content.config_records[activations.ACTIVATIONS]
+        assert sorted(record) == [f"mb.{i}" for i in range(M)]
+        sizes[dtype] = sum(len(v) for v in record.values())
+        _, _, states, _ = activations.decode(record["mb.0"], 64, 1 << 24)
+        assert torch.equal(states, states.to(getattr(torch, dtype)).float())
+    # the states dominate the message: half as many bytes, less the token ids and targets
+    assert sizes["bfloat16"] < 0.6 * sizes["float32"]

@@ -155,7 +155,7 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
             else:
                 stage.local_update(mb)
             if not stage.last:
-                outputs[f"mb.{mb}"] = act.encode("F", mb, out, batch)
+                outputs[f"mb.{mb}"] = act.encode("F", mb, out, batch, run.pipeline_activations)
         if run.pipeline_schedule not in BACKPROP:
             stage.step()
     else:
@@ -165,7 +165,7 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
             stage.forward(mb, batch, states)
             back = stage.backward(mb, None if stage.last else grads[mb][0])
             if back is not None:
-                outputs[f"mb.{mb}"] = act.encode("B", mb, back)
+                outputs[f"mb.{mb}"] = act.encode("B", mb, back, None, run.pipeline_activations)
         stage.step()
         for mb in mbs:
             (folder / f"input-{mb}.bin").unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from fedcybgd.choices import ACTIVATION_DTYPES
 from fedcybgd.data.prompts import Batch
 
 # Record names of pipeline mode's messages (``train.pipeline``).
@@ -31,7 +32,7 @@ CHUNK = "chunk"  # ArrayRecord: the stage's trained tensors, in the reply to its
 STAGE_STATE = "stage-state"  # ArrayRecord: a stage's chunk and AdamW state (checkpoint, restore)
 PIPELINE_METRICS = "pipeline-metrics"  # MetricRecord: losses, seconds, memory of the message
 
-FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLOAT_DTYPES = {name: getattr(torch, name) for name in ACTIVATION_DTYPES}
 # Batch fields that travel with the activations (None fields are left out).
 BATCH_KEYS = ("input_ids", "attention_mask", "last_index", "target_ids", "labels",
               "class_token_ids", "class_log_prior", "score_rows", "score_positions")
