@@ -2,7 +2,9 @@
 
 ``make demo`` (``fedcybgd demo``, the module ``fedcybgd.cli.demo``) and ``make deploy-local``
 (``fedcybgd deploy-local``, ``fedcybgd.deploy.local``) as a user runs them: back to back, with
-data that cannot be read, and interrupted with Ctrl-C.
+data that cannot be read, and interrupted with Ctrl-C. The demo run twice into one folder is
+tests/test_reproducible.py's Simulation Engine test (the rerun replaces the outputs and gives
+the same metrics).
 """
 
 from __future__ import annotations
@@ -217,23 +219,3 @@ def test_ctrl_c_stops_deploy_local_and_everything_it_started(tmp_path):
         assert name in names, names
     assert left == [], [p.cmdline() for p in left]
     assert code == 130 and "interrupted" in rest, rest[-3000:]
-
-
-@pytest.mark.slow
-def test_the_demo_runs_twice_back_to_back(tmp_path):
-    # Prepare
-    home = tmp_path / "flwr-home"
-    command = [sys.executable, "-m", "fedcybgd.cli.demo", "--nodes", "2", "--output-dir",
-               str(tmp_path / "out"), "--run-config", f"{TINY} num-server-rounds=1"]
-    # Execute: the same command twice into the same folder
-    try:
-        runs = [subprocess.run(command, cwd=ROOT, env=demo_env(home), capture_output=True,
-                               text=True, timeout=600, check=False) for _ in range(2)]
-    finally:
-        stop_local_superlink(home)
-    # Assert: both completed; the second replaced the first's outputs (one run's rows)
-    for done in runs:
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert "outputs:" in done.stdout.splitlines()[-1]
-    rows = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == 2  # rounds 0 and 1 of the second run

@@ -365,29 +365,33 @@ def flwr_home(private_flower: Path) -> Iterator[Path]:
 
 
 @pytest.mark.slow
-def test_flwr_run_simulation_completes_and_a_rerun_gives_the_same_metrics(tmp_path, flwr_home):
+def test_flwr_run_simulation_completes_and_a_rerun_gives_the_same_metrics(
+        tmp_path, flwr_home, capsys):
     """The real app through `flwr run` on Flower's Simulation Engine (Ray), as `make demo` runs
-    it: the run completes with every output, and the same command again gives the same run."""
+    it: the run completes with every output, and the same command again, into the same folder,
+    replaces the first run's outputs and gives the same run."""
     overrides = ("model='tiny-llama' layers-per-block=1 num-server-rounds=3 clients-per-round=2 "
                  "local-steps=2 batch-size=4 max-seq-len=48 eval-examples=16 eval-every=1 "
                  "lr=0.001 seed=5 eval-cache=false")
-    runs = []
-    for name in ("first", "second"):
-        out = tmp_path / name
+    out = tmp_path / "out"
+    runs, said = [], []
+    for _ in range(2):
         # Execute: `flwr run . local` on 4 simulated SuperNodes (new random node ids each time)
         code = demo.main(["--nodes", "4", "--output-dir", str(out), "--run-config", overrides])
         assert code == 0
+        said.append(capsys.readouterr().out)
         key_of, checksums = checkpoint_keys(out)
         assert sorted(key_of.values()) == ["0", "1", "2", "3"]
         runs.append((key_of, checksums, read_records(out)))
-    # Assert: the first run completed with its outputs; Flower gave the second other node ids,
-    # yet every metric is the same
+    # Assert: each run completed with its outputs (the second's replaced the first's: one run's
+    # rows); Flower gave the second other node ids, yet every metric is the same
     (keys_a, sums_a, records_a), (keys_b, sums_b, records_b) = runs
-    assert [r["round"] for r in records_a] == [0, 1, 2, 3]
+    assert all("outputs:" in text.splitlines()[-1] for text in said), said
+    assert [r["round"] for r in records_a] == [r["round"] for r in records_b] == [0, 1, 2, 3]
     assert all(r["bytes_up"] > 0 and r["blocks"] for r in records_a[1:])
-    summary = json.loads((tmp_path / "first" / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == 3
-    assert (tmp_path / "first" / "final" / "model.safetensors").exists()
+    assert (out / "final" / "model.safetensors").exists()
     assert set(keys_a).isdisjoint(keys_b)
     assert_same_run(comparable(records_a, keys_a), comparable(records_b, keys_b))
     assert sums_a == sums_b

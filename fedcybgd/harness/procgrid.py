@@ -14,8 +14,10 @@ import contextlib
 import importlib
 import json
 import multiprocessing as mp
+import os
 import resource
 import struct
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -112,7 +114,12 @@ def _serve(conn: Connection, app_ref: str, contexts_json: str, threads: int) -> 
     while True:
         inbox = [conn.recv_bytes()]
         if not inbox[0]:
-            return
+            # Every reply has been sent and every file the ClientApp writes is written before
+            # its reply; skip the interpreter's teardown (torch's alone costs about a second).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            conn.close()
+            os._exit(0)
         # Locals of one message (its reply included) die before the next is received, so no
         # message's memory is counted in another's peak.
         conn.send_bytes(_handle(inbox, client_app, contexts))
