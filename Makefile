@@ -54,9 +54,11 @@ venv-defaults:
 demo: install
 	$(BIN)/fedcybgd demo
 
-# Two workers (pytest-xdist), each test file on one of them (its module fixtures built once);
+# Three workers (pytest-xdist) on a 2-core machine, each test file on one of them (its module
+# fixtures built once): many tests wait with a core idle (Flower's 60 s heartbeat expiry after
+# a killed SuperNode, its polling between messages), and a third worker fills that time.
 # TEST_WORKERS=0 runs in this process alone.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install
 	$(BIN)/python -m pytest -q -m "not containers" $(PYTEST_WORKERS)

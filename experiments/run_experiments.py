@@ -175,7 +175,9 @@ def probe_inference(model: str, batch_size: int, max_seq_len: int, threads: int,
     code = (
         "import json; from experiments.run_experiments import _inference_peak; "
         f"print(json.dumps(_inference_peak({model!r}, {batch_size}, {max_seq_len}, "
-        f"{threads}, {steps})))"
+        f"{threads}, {steps}))); "
+        # printed and flushed: skip the interpreter's teardown (about a second with torch)
+        "import os, sys; sys.stdout.flush(); os._exit(0)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, check=True)

@@ -71,8 +71,10 @@ def test_a_tiny_llama_round_trips_exactly_at_f32_and_within_q8_0s_tolerance(tmp_
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["tiny-qwen2", "tiny-mistral"])
 def test_other_families_round_trip(family, tmp_path):
+    # each family's tensor names and layout exactly (f32) and through a quantized type; f16 is
+    # the same writer path for every family (SmolLM2's test below)
     folder = _folder(family, tmp_path)
-    for kind in ("f32", "f16", "q8_0"):
+    for kind in ("f32", "q8_0"):
         error, _ = _round_trip(folder, kind, tmp_path, check_tokenizer=kind == "f32")
         assert error <= TOLERANCE[kind], (kind, error)
 
