@@ -56,10 +56,12 @@ demo: install
 
 # Three workers (pytest-xdist) on a 2-core machine, each test file on one of them (its module
 # fixtures built once): many tests wait with a core idle (Flower's 60 s heartbeat expiry after
-# a killed SuperNode, its polling between messages), and a third worker fills that time.
+# a killed SuperNode, its polling between messages), and a third worker fills that time. Files
+# start longest first (tests/conftest.py orders them by tests/file_durations.json; xdist's own
+# reordering, by number of tests, is turned off).
 # TEST_WORKERS=0 runs in this process alone.
 TEST_WORKERS ?= 3
-PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: install
 	$(BIN)/python -m pytest -q -m "not containers" $(PYTEST_WORKERS)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
 
@@ -27,16 +29,41 @@ from typing import Any
 import pytest
 from flwr.supercore.task_identity import TaskIdentity
 
+# Seconds each test file took in a recorded `make test` (3 workers on 2 cores). Under
+# `--dist loadfile --no-loadscope-reorder` files start in collection order, so the longest go
+# first and no worker is left with a long file at the end while the others have nothing to do.
+# A file missing from the record starts first. Refresh the record with
+#     FEDCYBGD_RECORD_DURATIONS=tests/file_durations.json make test
+FILE_DURATIONS = Path(__file__).with_name("file_durations.json")
+_recorded: dict[str, float] = {}
+
+
+def _test_file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with the most whole-run (``slow``) tests first, each file's tests kept together
-    and in order: under ``--dist loadfile`` the longest files start early, so no worker is left
-    with a long file at the end while the other has nothing to do."""
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + \
-            int(item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # stable: order within
+    """The longest files first by the recorded durations, each file's tests kept together and
+    in order."""
+    known = json.loads(FILE_DURATIONS.read_text()) if FILE_DURATIONS.is_file() else {}
+    items.sort(key=lambda item: -known.get(_test_file(item.nodeid), math.inf))  # stable
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up each file's time (setup, call and teardown); under xdist the controller sees every
+    worker's reports."""
+    if os.environ.get("FEDCYBGD_RECORD_DURATIONS"):
+        name = _test_file(report.nodeid)
+        _recorded[name] = _recorded.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With FEDCYBGD_RECORD_DURATIONS set, the controller writes the record (workers do not)."""
+    target = os.environ.get("FEDCYBGD_RECORD_DURATIONS")
+    if target and _recorded and not os.environ.get("PYTEST_XDIST_WORKER"):
+        ordered = dict(sorted(((k, round(v, 1)) for k, v in _recorded.items()),
+                              key=lambda kv: -kv[1]))
+        Path(target).write_text(json.dumps(ordered, indent=1) + "\n")
 
 
 @pytest.fixture(autouse=True)
