@@ -87,17 +87,18 @@ def test_first_order_sft_steps_lower_the_response_loss(smollm2):
                    for t in reviews["text"]],
         "response": ["positive" if y else "negative" for y in reviews["label"]]}))
     fixed = list(itertools.islice(shares.batches(frame, tokenizer, 8, 128, seed=0, task=task), 4))
-    before = task.evaluate(stack, tokenizer, frame, 16, 128)
+    scored = frame.head(16)  # half the training rows: enough to see the loss fall
+    before = task.evaluate(stack, tokenizer, scored, 16, 128)
     start = blocks.get(model, "layer.29")
     train = TrainTask(model=model, stack=stack, blocks=blocks, block="layer.29",
-                      batches=itertools.cycle(fixed), steps=8, lr=1e-4, weight_decay=0.0, seed=0)
+                      batches=itertools.cycle(fixed), steps=4, lr=1e-4, weight_decay=0.0, seed=0)
     # Execute
     outcome = get_rule("fo").train(train)
-    after = task.evaluate(stack, tokenizer, frame, 16, 128)
+    after = task.evaluate(stack, tokenizer, scored, 16, 128)
     blocks.set(model, "layer.29", start)  # leave the shared fixture as it was
     # Assert: the loss on the response tokens falls; generations are scored
-    assert outcome.steps == 8 and outcome.skipped_steps == 0
-    assert after.loss < before.loss - 0.05
+    assert outcome.steps == 4 and outcome.skipped_steps == 0
+    assert after.loss < before.loss - 0.05, (before.loss, after.loss)
     assert set(after.metrics) == {"exact_match", "token_f1", "perplexity"}
     assert after.metrics["perplexity"] < before.metrics["perplexity"]
 
