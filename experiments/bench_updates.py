@@ -89,7 +89,7 @@ VARIANT_SETS = {
 # Where a zeroth-order step's time goes (TrainOutcome metrics, seconds a step): the frozen
 # prefix, the two forwards, drawing z once (the step cache), the perturb/restore/update passes,
 # and the round's bookkeeping (the block's checksums before and after, the log's encoding: once
-# a round, so here, at one step a round, once a step).
+# a round, shared by `--round-steps` steps; at the default of one step a round, once a step).
 ZO_PROFILE = ("prefix_s", "zo_forward_s", "z_s", "perturb_s", "seedlog_s")
 PRECISIONS = {"bf16": ("bfloat16", "none"), "int8": ("bfloat16", "int8")}
 
@@ -152,7 +152,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     batches = list(
         __import__("itertools").islice(
             shares.batches(frame, tokenizer, args.batch, args.seq, seed=0, task=task),
-            args.steps + 1,
+            (args.steps + 1) * args.round_steps,
         )
     )
     # The modeling code transformers imports lazily is runtime too, not the model's memory.
@@ -193,7 +193,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     loaded_mb = rss_bytes() / 2**20
     # The estimate at the batches' own scored positions (how good the memory model is), and at
     # the task's bound (what a budget check uses: every position of an sft row may be scored).
-    scored = max(b.num_scored for b in batches[1:])  # the peak comes with the largest
+    scored = max(b.num_scored for b in batches[args.round_steps:])  # the peak: the largest
     bound = (task or shares.default_task()).max_scored_tokens(args.batch, args.seq)
     estimate, estimate_bound = (
         (estimate_peak_mb(shape, blocks, rule_name, block, args.batch, args.seq,
@@ -203,6 +203,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     profile: dict[str, float] = {}
+
+    def round_fn(index: int) -> None:
+        """Round ``index``: ``--round-steps`` steps, in one call of the rule as a node makes
+        (its once-a-round work, such as the block's checksums, shared by the round's steps)."""
+        first = index * args.round_steps
+        if rule_name in ("inference", "full"):
+            for i in range(first, first + args.round_steps):
+                step_fn(i)
+            return
+        task = TrainTask(model=model, stack=stack, blocks=blocks, block=block,
+                         batches=iter(batches[first:first + args.round_steps]),
+                         steps=args.round_steps, lr=1e-6, weight_decay=0.0,
+                         seed=index, options=dict(options),
+                         state_dir=Path(args.state_dir) if args.state_dir else None)
+        rule = get_rule(rule_name)
+        rule.train(task)
+        times = getattr(rule, "last_times", {})  # a zeroth-order rule's split of the round
+        if index > 0:  # the warm-up round is not profiled
+            for key in ZO_PROFILE:
+                if key in times:
+                    profile[key] = profile.get(key, 0.0) + times[key] / timed_steps
 
     def step_fn(batch_index: int) -> None:
         batch = batches[batch_index]
@@ -220,34 +241,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             batch_loss(scored_logits(stack, hidden.states, batch), batch).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            return
-        task = TrainTask(model=model, stack=stack, blocks=blocks, block=block,
-                         batches=iter([batch]), steps=1, lr=1e-6, weight_decay=0.0,
-                         seed=batch_index, options=dict(options),
-                         state_dir=Path(args.state_dir) if args.state_dir else None)
-        rule = get_rule(rule_name)
-        rule.train(task)
-        times = getattr(rule, "last_times", {})  # a zeroth-order rule's split of the round
-        if batch_index > 0:  # the warm-up step is not profiled
-            for key in ZO_PROFILE:
-                if key in times:
-                    profile[key] = profile.get(key, 0.0) + times[key] / args.steps
 
     optimizer = (
         torch.optim.AdamW(model.parameters(), lr=1e-6) if rule_name == "full" else None
     )
-    step_fn(0)  # warm-up: allocator, optimizer state, lazy inits
+    timed_steps = args.steps * args.round_steps
+    round_fn(0)  # warm-up: allocator, optimizer state, lazy inits
     with PeakMemory() as mem:
         started = time.perf_counter()
         for i in range(1, args.steps + 1):
-            step_fn(i)
+            round_fn(i)
         elapsed = time.perf_counter() - started
     return {
         "variant": args.variant,
         "rule": rule_name,
         "block": "all layers" if whole else block,
         "where": args.where,
-        "step_s": elapsed / args.steps,
+        "step_s": elapsed / timed_steps,
+        "round_steps": args.round_steps,
         "peak_rss_mb": mem.peak_mb,
         "loaded_rss_mb": loaded_mb,
         "peak_above_loaded_mb": mem.peak_mb - loaded_mb,
@@ -262,9 +273,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "scored_tokens_bound": bound,
         "batch": args.batch,
         "seq": args.seq,
-        "tokens": int(sum(int(b.attention_mask.sum()) for b in batches[1:]) / args.steps),
+        "tokens": int(sum(int(b.attention_mask.sum())
+                          for b in batches[args.round_steps:]) / timed_steps),
         "task": args.task,
-        "scored_tokens": int(sum(b.num_scored for b in batches[1:]) / args.steps),
+        "scored_tokens": int(sum(b.num_scored for b in batches[args.round_steps:]) / timed_steps),
         "profile_s": profile,
     }
 
@@ -281,7 +293,11 @@ def main() -> None:
     parser.add_argument("--layers-per-block", type=int, default=1)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed rounds (after a warm-up one)")
+    parser.add_argument("--round-steps", type=int, default=1,
+                        help="steps a round, in one call of the rule (the app's local-steps is "
+                             "5): its once-a-round work is shared by them; s/step = a timed "
+                             "round's time / round-steps")
     parser.add_argument("--task", default="classification",
                         help="the loss: classification (one label token per row), sft (every "
                              "response token), or both, comma-separated: each configuration "
@@ -327,7 +343,8 @@ def main() -> None:
                     sys.executable, __file__, "--one", "--variant", variant, "--where", where,
                     "--model", args.model, "--layers-per-block", str(args.layers_per_block),
                     "--batch", str(args.batch), "--seq", str(args.seq),
-                    "--steps", str(args.steps), "--threads", str(args.threads), "--task", task,
+                    "--steps", str(args.steps), "--round-steps", str(args.round_steps),
+                    "--threads", str(args.threads), "--task", task,
                     "--state-dir", str(RESULTS / ".state" / f"{variant}-{where}-{task}"),
                 ]))
     rows: list[dict[str, Any]] = []
