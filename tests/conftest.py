@@ -5,14 +5,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 
+# Where the environment sets PYTHONDONTWRITEBYTECODE (CI's machines do), every process a test
+# starts (SuperLink, SuperNodes, a ClientApp per message, the harness's client) would compile
+# the package's modules again: about 0.45 s a process, hundreds of processes. The tests let
+# Python keep its bytecode (__pycache__ folders, git-ignored), as it does by default (this
+# process too: below the imports).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Round-0 evaluations the tests cache stay in a folder of this session (subprocesses inherit
 # it), not in the user's ~/.cache/fedcybgd/evals.
 os.environ.setdefault("FEDCYBGD_EVAL_CACHE", tempfile.mkdtemp(prefix="fedcybgd-evals-"))
-# Under pytest-xdist (make test: one worker per core) torch's intra-op threads, one per core
+# Under pytest-xdist (make test: three workers on two cores) torch's intra-op threads, one per core
 # by default in each worker and in every process a test starts, would make the workers fight
 # over the same cores: one thread each.
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -28,6 +35,8 @@ from typing import Any
 
 import pytest
 from flwr.supercore.task_identity import TaskIdentity
+
+sys.dont_write_bytecode = False
 
 # Seconds each test file took in a recorded `make test` (3 workers on 2 cores). Under
 # `--dist loadfile --no-loadscope-reorder` files start in collection order, so the longest go
