@@ -151,24 +151,33 @@ def test_lr_zero_leaves_weights_bit_identical(batches, rule_name, block, layers_
 )
 def test_the_step_cache_trains_the_same_weights_and_log_as_the_sparse_restore(
         batches, rule_name, block, layers_per_block, dtype):
-    # Prepare: the same round twice, z drawn once a step (cache) and three times (no cache)
-    def train(cache_mb: float) -> tuple[dict[str, torch.Tensor], Any, dict[str, float]]:
+    # Prepare: the same round three times, z drawn three times a step (no cache) and once a
+    # step (cache), the cache's units drawn one after another and on three threads at once
+    def train(cache_mb: float, threads: int = 1
+              ) -> tuple[dict[str, torch.Tensor], Any, dict[str, float]]:
         task = make_task(batches, block, layers_per_block, steps=3, lr=1e-2, weight_decay=0.1,
                          dtype=dtype, **{"lezo-density": 0.5, "zo-step-cache-mb": cache_mb})
         rule = get_rule(rule_name)
-        outcome = rule.train(task)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outcome = rule.train(task)
+        finally:
+            torch.set_num_threads(before)
         return snapshot(task.model), outcome, rule.last_times
 
     # Execute
     lean, lean_outcome, lean_times = train(0.0)
     cached, cached_outcome, cached_times = train(256.0)
+    threaded, threaded_outcome, _ = train(256.0, threads=3)
 
     # Assert: bit for bit the same weights and step log; the cached round drew z up front (its
     # time is counted) and patched nothing; the other drew none up front
     start = _tiny(dtype).state_dict()
     assert any(not bit_equal(lean[n], start[n]) for n in lean)  # it trained
     assert all(bit_equal(lean[n], cached[n]) for n in lean)
-    assert lean_outcome.step_log == cached_outcome.step_log
+    assert all(bit_equal(lean[n], threaded[n]) for n in lean)
+    assert lean_outcome.step_log == cached_outcome.step_log == threaded_outcome.step_log
     assert cached_times["z_s"] > 0 and lean_times["z_s"] < 1e-3
     assert cached_outcome.metrics["restore_patch_frac"] == 0
     # the reply's metrics keep their keys (z drawing counted in perturb_s)
@@ -299,6 +308,29 @@ def test_replay_reproduces_the_clients_block(batches, block, layers_per_block, d
     trained = task.blocks.get(task.model, block)
     assert len(log.steps) == 3
     assert any(not torch.equal(start[n], trained[n]) for n in start)
+    assert all(bit_equal(replayed[n], trained[n]) for n in trained)
+
+
+def test_replay_on_several_threads_gives_the_clients_block(batches):
+    # Prepare: a log whose steps each chose two units (of four)
+    task = make_task(batches, "layer.0-3", 4, steps=3, lr=1e-2, weight_decay=0.1,
+                     **{"lezo-density": 0.5})
+    start = task.blocks.get(task.model, "layer.0-3")
+    rule = get_rule("lezo")
+    rule.train(task)
+    layout = zeroth_order.unit_layout(task.blocks, "layer.0-3")
+
+    # Execute: the units of a step replayed side by side on three threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        replayed = zeroth_order.replay(start, rule.last_log, layout)
+    finally:
+        torch.set_num_threads(before)
+
+    # Assert
+    trained = task.blocks.get(task.model, "layer.0-3")
+    assert all(len(step.units) == 2 for step in rule.last_log.steps)
     assert all(bit_equal(replayed[n], trained[n]) for n in trained)
 
 
@@ -468,7 +500,12 @@ def test_z_is_the_same_with_or_without_a_reused_buffer():
     reused = [z.clone() for _, _, z in zeroth_order.unit_z_chunks(11, numels, out=buffer)]
     whole = zeroth_order.unit_z(11, [(n,) for n in numels])
 
+    into = zeroth_order.unit_z_into(11, numels, torch.empty(sum(numels)))
+
     # Assert
     assert [z.numel() for z in fresh] == [5, zeroth_order.Z_CHUNK, 17, 300]
     assert all(torch.equal(a, b) for a, b in zip(fresh, reused, strict=True))
-    assert torch.equal(torch.cat(fresh), torch.cat(whole))
+    assert torch.equal(torch.cat(fresh), torch.cat([z.reshape(-1) for z in whole]))
+    assert torch.equal(torch.cat(fresh), into)
+    with pytest.raises(ValueError, match="flat CPU fp32"):
+        zeroth_order.unit_z_into(11, numels, torch.empty(sum(numels) - 1))

@@ -37,7 +37,9 @@ import json
 import math
 import re
 import struct
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +143,14 @@ def decays(shape: Sequence[int] | torch.Size) -> bool:
 
 
 # ----------------------------------------------------------------------------------- z
+def z_spans(numels: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """The chunks z is drawn in: ``(tensor position, offset, size)`` over ``numels`` in order,
+    each at most ``Z_CHUNK`` long (one ``torch.randn`` call each)."""
+    for pos, numel in enumerate(numels):
+        for offset in range(0, numel, Z_CHUNK):
+            yield pos, offset, min(Z_CHUNK, numel - offset)
+
+
 def unit_z_chunks(
     seed: int, numels: Sequence[int], out: torch.Tensor | None = None
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -152,22 +162,37 @@ def unit_z_chunks(
     it, overwritten by the next one: no allocation per chunk.
     """
     generator = torch.Generator().manual_seed(seed)
-    for pos, numel in enumerate(numels):
-        for offset in range(0, numel, Z_CHUNK):
-            size = min(Z_CHUNK, numel - offset)
-            if out is None:
-                yield pos, offset, torch.randn(size, generator=generator, dtype=torch.float32)
-            else:
-                yield pos, offset, torch.randn(size, generator=generator, out=out[:size])
+    for pos, offset, size in z_spans(numels):
+        if out is None:
+            yield pos, offset, torch.randn(size, generator=generator, dtype=torch.float32)
+        else:
+            yield pos, offset, torch.randn(size, generator=generator, out=out[:size])
+
+
+def unit_z_into(seed: int, numels: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+    """The whole z of one unit drawn straight into ``out`` (flat CPU fp32 of ``sum(numels)``
+    elements, the tensors end to end): the values of :func:`unit_z_chunks`, by the same calls.
+
+    Units' generators are independent, so several units can be drawn at once on threads
+    (``torch.randn`` releases the GIL) with the same result."""
+    if out.dtype != torch.float32 or out.device.type != "cpu" or out.dim() != 1 \
+            or out.numel() != sum(numels):
+        raise ValueError(f"unit_z_into needs a flat CPU fp32 tensor of {sum(numels)} elements, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    generator = torch.Generator().manual_seed(seed)
+    at = 0
+    for _, _, size in z_spans(numels):
+        torch.randn(size, generator=generator, out=out[at:at + size])
+        at += size
+    return out
 
 
 def unit_z(seed: int, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """The whole z of one unit, one fp32 tensor per shape (for tests and tools)."""
     numels = [math.prod(shape) for shape in shapes]
-    flats = [torch.empty(n, dtype=torch.float32) for n in numels]
-    for pos, offset, z in unit_z_chunks(seed, numels):
-        flats[pos][offset:offset + z.numel()] = z
-    return [flat.view(*shape) for flat, shape in zip(flats, shapes, strict=True)]
+    flat = unit_z_into(seed, numels, torch.empty(sum(numels), dtype=torch.float32))
+    return [part.view(*shape) for part, shape in
+            zip(flat.split(numels), shapes, strict=True)]
 
 
 def apply_update(
@@ -385,23 +410,39 @@ def replay(
         for name, t in block_tensors.items()
     }
     size = min(Z_CHUNK, max((t.numel() for t in masters.values()), default=1))
-    buffer = torch.empty(size, dtype=torch.float32)
-    work: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-    for step in log.steps:
-        for unit in step.units:
-            unit_names = layout[unit]
-            numels = [masters[name].numel() for name in unit_names]
-            for pos, offset, z in unit_z_chunks(unit_seed(step.seed, unit), numels, out=buffer):
-                name = unit_names[pos]
-                n = z.numel()
-                theta = masters[name][offset:offset + n]
-                if theta.device not in work:
-                    work[theta.device] = (torch.empty(size, device=theta.device),
-                                          torch.empty(size, device=theta.device))
-                scratch = work[theta.device]
-                decay = decays(block_tensors[name].shape)
-                apply_update(theta, z.to(theta.device), step.g, step.lr, log.weight_decay, decay,
-                             work=(scratch[0][:n], scratch[1][:n]))
+    local = threading.local()  # each thread's z buffer and update scratch
+
+    def update(step: SeedStep, unit: int) -> None:
+        if not hasattr(local, "buffer"):
+            local.buffer = torch.empty(size, dtype=torch.float32)
+            local.work = {}
+        unit_names = layout[unit]
+        numels = [masters[name].numel() for name in unit_names]
+        for pos, offset, z in unit_z_chunks(unit_seed(step.seed, unit), numels,
+                                            out=local.buffer):
+            name = unit_names[pos]
+            n = z.numel()
+            theta = masters[name][offset:offset + n]
+            if theta.device not in local.work:
+                local.work[theta.device] = (torch.empty(size, device=theta.device),
+                                            torch.empty(size, device=theta.device))
+            scratch = local.work[theta.device]
+            apply_update(theta, z.to(theta.device), step.g, step.lr, log.weight_decay,
+                         decays(block_tensors[name].shape), work=(scratch[0][:n], scratch[1][:n]))
+
+    # A step's units are disjoint tensors with generators of their own: on the CPU they are
+    # replayed side by side, one per torch thread (the same values as one after another).
+    widest = max((len(step.units) for step in log.steps), default=1)
+    workers = min(torch.get_num_threads(), widest) if torch.device(device).type == "cpu" else 1
+    if workers <= 1:
+        for step in log.steps:
+            for unit in step.units:
+                update(step, unit)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for step in log.steps:
+                for _ in pool.map(functools.partial(update, step), step.units):
+                    pass  # re-raises a unit's error
     out = {
         name: masters[name].view(block_tensors[name].shape).to("cpu", block_tensors[name].dtype)
         for name in block_tensors

@@ -14,7 +14,8 @@ z of a unit comes from the unit's own generator (``zeroth_order.unit_z_chunks``)
 
 **The step cache** (``zo-step-cache-mb``, 64 MB by default). When the chosen units' z and the
 starting values of their fp32 tensors fit in it (8 bytes a perturbed element, 4 for fp16/bf16
-weights, whose master copy already holds the start), z is drawn once a step into it, the
+weights, whose master copy already holds the start), z is drawn once a step straight into it
+(the chosen units at once, one per torch thread: each unit has its own generator), the
 perturbations are computed from the kept start, and the restore is a copy: no element needs
 saving. Otherwise (e.g. LeZO-0.25 on a whole SmolLM2: 216 MB) z is drawn three times a step
 (perturb, swap sign, restore+update) and never stored, and the restore is the sparse one below.
@@ -71,6 +72,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -301,6 +303,28 @@ class _Slot:
         x.copy_(theta)
 
 
+def _draw_units(draws: list[tuple[int, list[int], torch.Tensor]]) -> None:
+    """Each unit's z (``(seed, numels, flat target)``) drawn into its target, units spread over
+    torch's threads: each unit has its own generator, so the values do not depend on which
+    thread draws which unit. A target off the CPU is drawn on the CPU and copied over."""
+
+    def draw(job: tuple[int, list[int], torch.Tensor]) -> None:
+        seed, numels, target = job
+        if target.device.type == "cpu":
+            zeroth_order.unit_z_into(seed, numels, target)
+        else:
+            target.copy_(zeroth_order.unit_z_into(seed, numels, torch.empty(target.numel())))
+
+    workers = min(torch.get_num_threads(), len(draws))
+    if workers <= 1:
+        for job in draws:
+            draw(job)
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for _ in pool.map(draw, draws):  # re-raises a draw's error
+            pass
+
+
 class _Block:
     """The block's units and the chunked passes over the chosen ones."""
 
@@ -339,17 +363,21 @@ class _Block:
         if self._start.numel() < start_numel:
             self._start = torch.empty(start_numel, dtype=torch.float32, device=self.device)
         self.cached = []
+        draws: list[tuple[int, list[int], torch.Tensor]] = []  # per unit: seed, numels, z
         at_z = at_start = 0
-        for slot, offset, z in self._chunks(seed_of_step, chosen):
-            n = z.numel()
-            cached_z = self._z[at_z:at_z + n]
-            cached_z.copy_(z)
-            at_z += n
-            start = None
-            if slot.master is None:
-                start = self._start[at_start:at_start + n]
-                at_start += n
-            self.cached.append((slot, offset, cached_z, start))
+        for unit in chosen:
+            unit_slots = self.units[unit]
+            numels = [slot.numel for slot in unit_slots]
+            draws.append((zeroth_order.unit_seed(seed_of_step, unit), numels,
+                          self._z[at_z:at_z + sum(numels)]))
+            for pos, offset, n in zeroth_order.z_spans(numels):
+                start = None
+                if unit_slots[pos].master is None:
+                    start = self._start[at_start:at_start + n]
+                    at_start += n
+                self.cached.append((unit_slots[pos], offset, self._z[at_z:at_z + n], start))
+                at_z += n
+        _draw_units(draws)
 
     def _chunks(
         self, seed_of_step: int, chosen: tuple[int, ...]
