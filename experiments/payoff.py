@@ -17,6 +17,12 @@ compete with their final quality. The untrained model (round 0) competes at ever
 costs nothing, and a method that has not beaten it has not paid off. A winner is *clear* when
 its worst seed beats the runner-up's best seed; otherwise the difference is inside the seed
 spread.
+
+With evaluations along the way (``eval-every``), the report adds each task's learning curve: per
+evaluation point (training examples seen, and the client-rounds they are), every method's
+accuracy over seeds, who is ahead and by how much against the seed spread; then the best
+full-parameter method against the best LoRA one at each point, and the crossing point: the
+first evaluation from which one of the two stays ahead to the end (and from which it is clear).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Point:
     loss: float
     mb: float  # payloads both ways, cumulative
     client_s: float  # the round's slowest client training time, cumulative
+    examples: int | None = None  # training examples seen in all (None: no config saved)
 
 
 @dataclass(frozen=True)
@@ -54,14 +61,27 @@ class Run:
     points: tuple[Point, ...]
     peak_mb: float
     client_rounds: int
+    lora: bool = False  # trains LoRA adapters, not the model's own weights
 
     @property
     def final(self) -> Point:
         return self.points[-1]
 
 
+def examples_per_round(config: dict[str, Any]) -> int | None:
+    """Training examples a round of this run config sees (None where the config is not
+    saved): clients a round x local steps x batch."""
+    keys = ("clients-per-round", "local-steps", "batch-size")
+    if not all(k in config for k in keys):
+        return None
+    return int(config["clients-per-round"]) * int(config["local-steps"]) * int(
+        config["batch-size"])
+
+
 def curve(result: dict[str, Any]) -> Run:
     """A run of ``results.json`` as a :class:`Run`."""
+    config = result.get("config", {})
+    per_round = examples_per_round(config)
     sent = seconds = 0.0
     points = []
     for rec in result["records"]:
@@ -69,11 +89,13 @@ def curve(result: dict[str, Any]) -> Run:
         seconds += rec.get("client_train_s", 0.0)
         if rec.get("eval_accuracy") is not None:
             points.append(Point(int(rec["round"]), float(rec["eval_accuracy"]),
-                                float(rec["eval_loss"]), sent, seconds))
+                                float(rec["eval_loss"]), sent, seconds,
+                                None if per_round is None else int(rec["round"]) * per_round))
     if not points:
         raise ValueError(f"run {result['id']} has no evaluation")
     return Run(result["method"], int(result["seed"]), tuple(points),
-               float(result["client_process_peak_mb"]), int(result["client_rounds"]))
+               float(result["client_process_peak_mb"]), int(result["client_rounds"]),
+               config.get("fedavg-params") == "lora")
 
 
 def groups(results: dict[str, dict[str, Any]]) -> dict[tuple[str, str], dict[str, list[Run]]]:
@@ -198,6 +220,102 @@ def method_table(methods: dict[str, list[Run]], bounds: dict[str, list[Run]]) ->
     return rows
 
 
+def _at(runs: list[Run], examples: int) -> Score | None:
+    """A method's evaluation at ``examples`` seen, over its seeds (None where a seed has none
+    there)."""
+    points = [next((p for p in r.points if p.examples == examples), None) for r in runs]
+    if any(p is None for p in points):
+        return None
+    return Score(runs[0].method, tuple(p for p in points if p is not None))
+
+
+def _standing(best: Score, second: Score) -> str:
+    """Whether ``best``'s lead over ``second`` exceeds the seed spread."""
+    if min(len(best.values), len(second.values)) < 2:
+        return "one seed"
+    return "clear" if min(best.values) > max(second.values) else "inside the spread"
+
+
+def learning_curve(methods: dict[str, list[Run]], bounds: dict[str, list[Run]]) -> list[str]:
+    """Accuracy at each evaluation point, who is ahead, and full-parameter against LoRA with
+    the crossing point. Empty where the runs have one evaluation after round 0, or no saved
+    config to count their examples."""
+    runs = [r for table in (methods, bounds) for rs in table.values() for r in rs]
+    if any(p.examples is None for r in runs for p in r.points):
+        return []
+    seen = sorted({p.examples for rs in methods.values() for r in rs for p in r.points
+                   if p.examples})
+    if len(seen) < 2:
+        return []
+    fed = next(r for rs in methods.values() for r in rs)
+    per_client_round = (fed.points[-1].examples or 0) // max(1, fed.client_rounds)
+    names = list(methods) + [f"bound: {m}" for m in bounds]
+    lines = ["### Learning curve", "",
+             "Accuracy mean [min-max over seeds] after each number of training examples (and "
+             "the client-rounds they are); the leader among the federated methods, its margin "
+             "over the runner-up and whether its worst seed beats the runner-up's best.", "",
+             f"| client-rounds (examples) | {' | '.join(names)} | ahead | margin | "
+             "against the seeds |", "|" + "---|" * (len(names) + 4)]
+    full_vs_lora: list[tuple[int, Score, Score]] = []
+    for examples in seen:
+        scores = {m: _at(rs, examples) for m, rs in methods.items()}
+        scores.update({f"bound: {m}": _at(rs, examples) for m, rs in bounds.items()})
+        cells = [f"{s.mean:.3f} [{min(s.values):.3f}-{max(s.values):.3f}]" if s else "-"
+                 for s in scores.values()]
+        ranked = sorted((s for m, s in scores.items() if s and not m.startswith("bound: ")),
+                        key=lambda s: (-s.mean, s.loss))
+        lead = (f"{ranked[0].method} | {(ranked[0].mean - ranked[1].mean) * 100:+.1f} points | "
+                f"{_standing(ranked[0], ranked[1])}" if len(ranked) > 1 else " | | ")
+        rounds = examples / per_client_round if per_client_round else 0
+        lines.append(f"| {rounds:g} ({examples:,}) | {' | '.join(cells)} | {lead} |")
+        full = [s for s in ranked if not methods[s.method][0].lora]
+        lora = [s for s in ranked if methods[s.method][0].lora]
+        if full and lora:
+            full_vs_lora.append((examples, full[0], lora[0]))
+    if full_vs_lora:
+        lines += ["", *crossing(full_vs_lora, per_client_round)]
+    return lines
+
+
+def crossing(pairs: list[tuple[int, Score, Score]], per_client_round: int) -> list[str]:
+    """The best full-parameter method against the best LoRA one at each evaluation, and the
+    point from which one of them stays ahead (and clear) to the last evaluation."""
+    def rounds(examples: int) -> str:
+        return f"{examples / per_client_round:g}" if per_client_round else f"{examples:,} ex."
+
+    lines = ["| client-rounds | best full-parameter | best LoRA | full - LoRA | "
+             "against the seeds |", "|---|---|---|---|---|"]
+    for examples, full, lora in pairs:
+        lead, other = (full, lora) if full.mean >= lora.mean else (lora, full)
+        lines.append(f"| {rounds(examples)} | {full.method} {full.mean:.3f} | "
+                     f"{lora.method} {lora.mean:.3f} | {(full.mean - lora.mean) * 100:+.1f} "
+                     f"points | {_standing(lead, other)} |")
+    ahead = ["full" if f.mean > lo.mean else "lora" if lo.mean > f.mean else "tie"
+             for _, f, lo in pairs]
+    last = ahead[-1]
+    start = len(ahead)
+    while start > 0 and ahead[start - 1] == last:
+        start -= 1
+    who = {"full": "full-parameter training", "lora": "LoRA", "tie": "neither"}[last]
+    if last == "tie":
+        text = "At the last evaluation the two are tied."
+    elif start == 0:
+        text = f"{who.capitalize()} is ahead at every evaluation: no crossing."
+    else:
+        text = (f"Crossing: {who} is ahead from {rounds(pairs[start][0])} client-rounds on, "
+                f"to the last evaluation.")
+    clear = [(_standing(f, lo) == "clear" and f.mean > lo.mean) if last == "full" else
+             (_standing(lo, f) == "clear" and lo.mean > f.mean) for _, f, lo in pairs]
+    first_clear = len(clear)
+    while first_clear > 0 and clear[first_clear - 1]:
+        first_clear -= 1
+    if last != "tie":
+        text += (f" Clear of the seed spread from {rounds(pairs[first_clear][0])} "
+                 "client-rounds on." if first_clear < len(clear) else
+                 " Not clear of the seed spread at the last evaluation.")
+    return [*lines, "", text]
+
+
 def report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     """``payoff.md``: per task and partition, the methods and the four comparisons."""
     grouped = groups(results)
@@ -219,13 +337,16 @@ def report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
                 continue
             lines += [f"## {task or 'task'} / {part}", "", *method_table(methods, bounds), "",
                       *comparisons(methods), ""]
+            curve_lines = learning_curve(methods, bounds)
+            lines += [*curve_lines, ""] if curve_lines else []
     return "\n".join(lines)
 
 
 def plot(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
-    """Per task and partition: accuracy vs cumulative MB, vs client peak MB and vs cumulative
-    client compute seconds; a curve per method (mean over seeds, the band their range),
-    bounds as dashed lines."""
+    """Per task and partition: accuracy vs cumulative MB, vs client peak MB, vs cumulative
+    client compute seconds and (where the runs saved their config) vs training examples seen;
+    a curve per method (mean over seeds, the band their range), bounds as dashed lines (or,
+    against examples, their own curves)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,10 +359,18 @@ def plot(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     for (task, part), methods in sorted(grouped.items()):
         if part == CENTRAL:
             continue
-        fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+        bounds = grouped.get((task, CENTRAL), {})
+        by_examples = all(p.examples is not None for table in (methods, bounds)
+                          for runs in table.values() for r in runs for p in r.points)
+        fig, axes = plt.subplots(1, 4 if by_examples else 3,
+                                 figsize=(22 if by_examples else 17, 5))
+        curves: list[tuple[Any, Callable[[Point], float]]] = [
+            (axes[0], lambda p: p.mb), (axes[2], lambda p: p.client_s)]
+        if by_examples:
+            curves.append((axes[3], lambda p: float(p.examples or 0)))
         for m, runs in methods.items():
             count = min(len(r.points) for r in runs)
-            for ax, cost in ((axes[0], lambda p: p.mb), (axes[2], lambda p: p.client_s)):
+            for ax, cost in curves:
                 xs = [mean(cost(r.points[i]) for r in runs) for i in range(count)]
                 ys = [[r.points[i].accuracy for r in runs] for i in range(count)]
                 ax.plot(xs, [mean(y) for y in ys], "o-", color=colour[m], label=m)
@@ -252,14 +381,19 @@ def plot(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
             axes[1].errorbar([peak], [mean(finals)], color=colour[m], fmt="o", capsize=4,
                              yerr=[[mean(finals) - min(finals)], [max(finals) - mean(finals)]],
                              label=m)
-        for m, runs in grouped.get((task, CENTRAL), {}).items():
-            for ax in axes:
+        for m, runs in bounds.items():
+            for ax in axes[:3]:
                 ax.axhline(mean(r.final.accuracy for r in runs), color=colour[m],
                            linestyle="--", label=f"bound: {m}")
-        for ax, xlabel in zip(axes, ("cumulative MB on the wire (payloads, down + up)",
-                                     "client peak RSS (MB)",
-                                     "cumulative client compute (s, slowest client a round)"),
-                              strict=True):
+            if by_examples:
+                count = min(len(r.points) for r in runs)
+                axes[3].plot([float(runs[0].points[i].examples or 0) for i in range(count)],
+                             [mean(r.points[i].accuracy for r in runs) for i in range(count)],
+                             "s--", color=colour[m], label=f"bound: {m}")
+        xlabels = ["cumulative MB on the wire (payloads, down + up)", "client peak RSS (MB)",
+                   "cumulative client compute (s, slowest client a round)",
+                   "training examples seen (all nodes)"]
+        for ax, xlabel in zip(axes, xlabels, strict=False):
             ax.set_xlabel(xlabel)
             ax.set_ylabel("eval accuracy")
             ax.grid(alpha=0.3)

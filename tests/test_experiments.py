@@ -196,6 +196,61 @@ def test_payoff_calls_overlapping_seeds_inside_the_spread():
     assert "| a 0.800 [0.780-0.820]" in rows[2] and "+1.0 points | inside the spread |" in rows[2]
 
 
+def test_payoff_learning_curve_names_the_leader_and_the_crossing_point(tmp_path):
+    # Prepare: evaluations every 6 rounds of 2 nodes x 5 steps x batch 8 (80 examples a round,
+    # 40 a client-round); LoRA leads at 12 and 24 client-rounds, full-parameter from 36 on,
+    # clear of the seeds only at 48; a bound evaluated every 480 examples
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    fed = {"clients-per-round": 2, "local-steps": 5, "batch-size": 8}
+    central = {"clients-per-round": 1, "local-steps": 60, "batch-size": 8}
+    runs = {}
+    for seed, jitter in enumerate((-0.01, 0.0, 0.01)):
+        full = [0.0, 0.40, 0.45, 0.55, 0.65]
+        lora = [0.0, 0.50, 0.52, 0.53, 0.54]
+        for name, accs, params in (("fo", full, "full"), ("lora", lora, "lora")):
+            r = payoff_run(name, seed, [a + jitter if a else a for a in accs], [0] * 5,
+                           [0] * 5, 1000.0)
+            for i, rec in enumerate(r["records"]):
+                rec["round"] = 6 * i
+            r.update(client_rounds=48, config={**fed, "fedavg-params": params})
+            runs[r["id"]] = r
+        b = payoff_run("central-full", seed, [0.0, 0.5, 0.6, 0.7, 0.75], [0] * 5, [0] * 5,
+                       2000.0, "central")
+        b.update(client_rounds=4, config={**central, "fedavg-params": "full"})
+        runs[b["id"]] = b
+
+    # Execute
+    grouped = payoff.groups(runs)
+    lines = payoff.learning_curve(grouped[("t", "dirichlet")], grouped[("t", "central")])
+    text = payoff.report(runs, {"profile": "x"})
+    plots = payoff.plot(runs, tmp_path)
+
+    # Assert
+    table = "\n".join(lines)
+    assert "| 12 (480) | 0.400 [0.390-0.410] | 0.500 [0.490-0.510] | 0.500 [0.500-0.500] " \
+           "| lora | +10.0 points | clear |" in table
+    assert "| 36 (1,440) | 0.550 [0.540-0.560] | 0.530 [0.520-0.540] | 0.700 [0.700-0.700] " \
+           "| fo | +2.0 points | inside the spread |" in table
+    assert "| 48 | fo 0.650 | lora 0.540 | +11.0 points | clear |" in table
+    assert ("Crossing: full-parameter training is ahead from 36 client-rounds on, to the last "
+            "evaluation. Clear of the seed spread from 48 client-rounds on.") in table
+    assert "### Learning curve" in text
+    assert [p.name for p in plots] == ["pareto_t_dirichlet.png"]
+
+
+def test_payoff_learning_curve_needs_evaluations_along_the_way():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    runs = {r["id"]: r for r in (payoff_run("a", 0, [0.5, 0.8], [0, 1], [0, 1], 1.0),)}
+    runs["a@t@dirichlet@seed0"]["config"] = {"clients-per-round": 1, "local-steps": 1,
+                                             "batch-size": 1}
+    grouped = payoff.groups(runs)
+    assert payoff.learning_curve(grouped[("t", "dirichlet")], {}) == []
+
+
 @pytest.mark.slow
 def test_payoff_smoke_profile_runs_tasks_seeds_and_bounds(tmp_path):
     # Prepare: FedCyBGD-fo and the centralized LoRA bound of the payoff smoke profile (two
