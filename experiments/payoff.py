@@ -309,7 +309,9 @@ def crossing(pairs: list[tuple[int, Score, Score]], per_client_round: int) -> li
     first_clear = len(clear)
     while first_clear > 0 and clear[first_clear - 1]:
         first_clear -= 1
-    if last != "tie":
+    if any(_standing(f, lo) == "one seed" for _, f, lo in pairs):
+        text += " One seed: no spread to judge by."
+    elif last != "tie":
         text += (f" Clear of the seed spread from {rounds(pairs[first_clear][0])} "
                  "client-rounds on." if first_clear < len(clear) else
                  " Not clear of the seed spread at the last evaluation.")
