@@ -143,6 +143,17 @@ def within(run: Run, cost: Callable[[Point], float], budget: float) -> Point:
     return reached[-1] if reached else run.points[0]
 
 
+ONE_SEED, CLEAR, INSIDE = "one seed: no spread to judge by", "clear", "inside the spread"
+
+
+def standing(best: Score, second: Score) -> str:
+    """Whether ``best``'s lead over ``second`` exceeds the seed spread: its worst seed beats
+    the other's best."""
+    if min(len(best.values), len(second.values)) < 2:
+        return ONE_SEED
+    return CLEAR if min(best.values) > max(second.values) else INSIDE
+
+
 def verdict(scores: list[Score], start: Score) -> str:
     """The winner (highest mean accuracy, then lowest mean loss), its margin over the
     runner-up and whether it exceeds the seed spread. ``start`` (the untrained model, which
@@ -155,14 +166,10 @@ def verdict(scores: list[Score], start: Score) -> str:
                 f"{start.method} {start.cell()} | | |")
     best, second = ranked[0], ranked[1]
     margin = best.mean - second.mean
-    if min(len(best.values), len(second.values)) < 2:
-        spread = "one seed: no spread to judge by"
-    elif min(best.values) > max(second.values):
-        spread = "clear"
-    elif margin == 0 and min(best.values) == max(best.values) == min(second.values):
+    spread = standing(best, second)
+    if spread == INSIDE and margin == 0 and min(best.values) == max(best.values) == min(
+            second.values):
         spread = "a tie (the loss decides the order)"
-    else:
-        spread = "inside the spread"
     return (f"{best.method} {best.cell()} | {second.method} {second.cell()} | "
             f"{margin * 100:+.1f} points | {spread} |")
 
@@ -229,13 +236,6 @@ def _at(runs: list[Run], examples: int) -> Score | None:
     return Score(runs[0].method, tuple(p for p in points if p is not None))
 
 
-def _standing(best: Score, second: Score) -> str:
-    """Whether ``best``'s lead over ``second`` exceeds the seed spread."""
-    if min(len(best.values), len(second.values)) < 2:
-        return "one seed"
-    return "clear" if min(best.values) > max(second.values) else "inside the spread"
-
-
 def learning_curve(methods: dict[str, list[Run]], bounds: dict[str, list[Run]]) -> list[str]:
     """Accuracy at each evaluation point, who is ahead, and full-parameter against LoRA with
     the crossing point. Empty where the runs have one evaluation after round 0, or no saved
@@ -265,7 +265,7 @@ def learning_curve(methods: dict[str, list[Run]], bounds: dict[str, list[Run]]) 
         ranked = sorted((s for m, s in scores.items() if s and not m.startswith("bound: ")),
                         key=lambda s: (-s.mean, s.loss))
         lead = (f"{ranked[0].method} | {(ranked[0].mean - ranked[1].mean) * 100:+.1f} points | "
-                f"{_standing(ranked[0], ranked[1])}" if len(ranked) > 1 else " | | ")
+                f"{standing(ranked[0], ranked[1])}" if len(ranked) > 1 else " | | ")
         rounds = examples / per_client_round if per_client_round else 0
         lines.append(f"| {rounds:g} ({examples:,}) | {' | '.join(cells)} | {lead} |")
         full = [s for s in ranked if not methods[s.method][0].lora]
@@ -289,7 +289,7 @@ def crossing(pairs: list[tuple[int, Score, Score]], per_client_round: int) -> li
         lead, other = (full, lora) if full.mean >= lora.mean else (lora, full)
         lines.append(f"| {rounds(examples)} | {full.method} {full.mean:.3f} | "
                      f"{lora.method} {lora.mean:.3f} | {(full.mean - lora.mean) * 100:+.1f} "
-                     f"points | {_standing(lead, other)} |")
+                     f"points | {standing(lead, other)} |")
     ahead = ["full" if f.mean > lo.mean else "lora" if lo.mean > f.mean else "tie"
              for _, f, lo in pairs]
     last = ahead[-1]
@@ -304,12 +304,12 @@ def crossing(pairs: list[tuple[int, Score, Score]], per_client_round: int) -> li
     else:
         text = (f"Crossing: {who} is ahead from {rounds(pairs[start][0])} client-rounds on, "
                 f"to the last evaluation.")
-    clear = [(_standing(f, lo) == "clear" and f.mean > lo.mean) if last == "full" else
-             (_standing(lo, f) == "clear" and lo.mean > f.mean) for _, f, lo in pairs]
+    clear = [(standing(f, lo) == CLEAR and f.mean > lo.mean) if last == "full" else
+             (standing(lo, f) == CLEAR and lo.mean > f.mean) for _, f, lo in pairs]
     first_clear = len(clear)
     while first_clear > 0 and clear[first_clear - 1]:
         first_clear -= 1
-    if any(_standing(f, lo) == "one seed" for _, f, lo in pairs):
+    if any(standing(f, lo) == ONE_SEED for _, f, lo in pairs):
         text += " One seed: no spread to judge by."
     elif last != "tie":
         text += (f" Clear of the seed spread from {rounds(pairs[first_clear][0])} "
