@@ -53,13 +53,19 @@ def rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def groups(runs: list[dict[str, Any]]) -> dict[tuple[str, float | None], list[dict[str, Any]]]:
-    """Runs by (rule, level), rules in first-seen order, no DP first, then looser to tighter."""
-    keyed: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
+Key = tuple[str, float | None, float]  # rule, level (None: no DP), learning rate
+
+
+def groups(runs: list[dict[str, Any]]) -> dict[Key, list[dict[str, Any]]]:
+    """Runs by (rule, level, learning rate), rules in first-seen order, no DP first, then looser to
+    tighter. A row never mixes rates: while a rerun at a new rate is half done, the old and the
+    new rate are separate rows, each with its own seed count."""
+    keyed: dict[Key, list[dict[str, Any]]] = {}
     rules = list(dict.fromkeys(r["rule"] for r in runs))
     for r in sorted(runs, key=lambda r: (rules.index(r["rule"]),
-                                         -math.inf if r["level"] is None else -r["level"])):
-        keyed.setdefault((r["rule"], r["level"]), []).append(r)
+                                         -math.inf if r["level"] is None else -r["level"],
+                                         r["lr"])):
+        keyed.setdefault((r["rule"], r["level"], r["lr"]), []).append(r)
     return keyed
 
 
@@ -79,12 +85,12 @@ def table(results: dict[str, Any]) -> str:
         "| client training peak MB | seeds |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for (rule, level), mine in groups(runs).items():
+    for (rule, level, lr), mine in groups(runs).items():
         name = "no DP" if level is None else f"epsilon <= {level:g}"
         noise = "-" if level is None else f"{mine[0]['noise']:g}"
         spent = "-" if level is None else spread([r["spent"] for r in mine], 2)
         lines.append(
-            f"| {rule} | {name} | {mine[0]['lr']:g} | {noise} | {spent} "
+            f"| {rule} | {name} | {lr:g} | {noise} | {spent} "
             f"| {spread([r['exact'] for r in mine])} | {spread([r['loss'] for r in mine])} "
             f"| {spread([r['peak'] for r in mine], 0)} | {len(mine)} |")
     return "\n".join(lines) + "\n"
@@ -98,33 +104,45 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     runs = rows(results)
     keyed = groups(runs)
-    rules = list(dict.fromkeys(rule for rule, _ in keyed))
+    # one curve per rule and DP learning rate, one band per rule and no-DP rate; the rate joins
+    # the label only where a rule has more than one
+    curves = list(dict.fromkeys((rule, lr) for rule, level, lr in keyed if level is not None))
+    bands = list(dict.fromkeys((rule, lr) for rule, level, lr in keyed if level is None))
+    rules = list(dict.fromkeys(rule for rule, _, _ in keyed))
+
+    def label(rule: str, lr: float, pairs: list[tuple[str, float]], what: str) -> str:
+        several = sum(r == rule for r, _ in pairs) > 1
+        return f"{rule}, {what}" + (f", lr {lr:g}" if several else "")
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((axes[0], "exact", "exact match (test)"),
-                           (axes[1], "loss", "response loss (test)")):
-        for k, rule in enumerate(rules):
-            levels = sorted(level for r, level in keyed if r == rule and level is not None)
+    for ax, key, name in ((axes[0], "exact", "exact match (test)"),
+                          (axes[1], "loss", "response loss (test)")):
+        for k, (rule, lr) in enumerate(curves):
+            levels = sorted(level for r, level, rate in keyed
+                            if r == rule and rate == lr and level is not None)
             xs, ys, lo, hi = [], [], [], []
             for level in levels:
-                values = [r[key] for r in keyed[(rule, level)]]
-                xs.append(level * (1 + 0.05 * (k - (len(rules) - 1) / 2)))  # side by side
+                values = [r[key] for r in keyed[(rule, level, lr)]]
+                xs.append(level * (1 + 0.05 * (k - (len(curves) - 1) / 2)))  # side by side
                 ys.append(statistics.fmean(values))
                 lo.append(ys[-1] - min(values))
                 hi.append(max(values) - ys[-1])
-            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", color=f"C{k}", label=f"{rule}, DP")
-            base = [r[key] for r in keyed.get((rule, None), [])]
-            if base:
-                ax.axhspan(min(base), max(base), color=f"C{k}", alpha=0.2,
-                           label=f"{rule}, no DP (seed range)")
+            first = [r for r, _ in curves].index(rule) == k  # a rule's other rates dashed
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", color=f"C{rules.index(rule)}",
+                        label=label(rule, lr, curves, "DP"), linestyle="-" if first else "--")
+        for rule, lr in bands:
+            base = [r[key] for r in keyed[(rule, None, lr)]]
+            ax.axhspan(min(base), max(base), color=f"C{rules.index(rule)}", alpha=0.2,
+                       label=label(rule, lr, bands, "no DP (seed range)"))
         if key == "loss":
             ax.axhline(statistics.fmean(r["before"] for r in runs), color="grey",
                        linestyle="--", label="untrained")
         ax.set_xscale("log")
-        ticks = sorted({level for _, level in keyed if level is not None})
+        ticks = sorted({level for _, level, _ in keyed if level is not None})
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel("epsilon target (delta 1e-5), example level")
-        ax.set_ylabel(label)
+        ax.set_ylabel(name)
         ax.legend(fontsize=7)
     fig.suptitle("SmolLM2-135M on ToMi, 8 nodes: example-level DP, seed range")
     fig.tight_layout()

@@ -346,3 +346,38 @@ def test_payoff_lets_the_untrained_model_win_when_training_lowered_accuracy():
     # Assert: doing nothing beats both, clearly; the best trained method is the runner-up
     assert ("| the untrained model 0.800 [0.800-0.800], loss 0.200 | a 0.710 [0.700-0.720], "
             "loss 0.290 | +9.0 points | clear |") in rows[2]
+
+
+def test_privacy_report_keeps_runs_at_different_rates_in_separate_rows(tmp_path):
+    # Prepare: lezo without DP (2 seeds) and at epsilon 8, one seed still at the old rate 1e-4
+    # and two rerun at 1e-2: a rerun half done
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import privacy_example_report as report
+
+    def run(seed: int, lr: float, level: float | None, loss: float) -> dict:
+        dp = {} if level is None else {"dp": "example", "dp-target-epsilon": level,
+                                        "dp-noise-multiplier": 0.52}
+        return {"seed": seed, "config": {"update-rule": "lezo", "lr": lr, **dp},
+                "summary": {"dp_epsilon": None if level is None else 6.0,
+                            "final_eval_accuracy": 0.0, "final_eval_loss": loss,
+                            "initial_eval_loss": 2.5, "client_peak_mem_mb": 1500.0}}
+
+    runs = [run(0, 3e-4, None, 2.2), run(1, 3e-4, None, 2.3), run(0, 1e-4, 8.0, 2.53),
+            run(1, 1e-2, 8.0, 2.40), run(2, 1e-2, 8.0, 2.30)]
+    (tmp_path / "results.json").write_text(json.dumps(
+        {"meta": {}, "runs": {f"r{i}": r for i, r in enumerate(runs)}}))
+
+    # Execute
+    text = report.table(json.loads((tmp_path / "results.json").read_text()))
+    report.plot(json.loads((tmp_path / "results.json").read_text()), tmp_path / "p.png")
+
+    # Assert: one row per rate, each with its own seeds; nothing averaged across rates
+    lines = [line for line in text.splitlines() if line.startswith("| lezo")]
+    assert lines == [
+        "| lezo | no DP | 0.0003 | - | - | 0.000 [0.000-0.000] | 2.250 [2.200-2.300] "
+        "| 1500 [1500-1500] | 2 |",
+        "| lezo | epsilon <= 8 | 0.0001 | 0.52 | 6.00 | 0.000 | 2.530 | 1500 | 1 |",
+        "| lezo | epsilon <= 8 | 0.01 | 0.52 | 6.00 [6.00-6.00] | 0.000 [0.000-0.000] "
+        "| 2.350 [2.300-2.400] | 1500 [1500-1500] | 2 |",
+    ]
+    assert (tmp_path / "p.png").stat().st_size > 0
