@@ -309,3 +309,40 @@ def test_zerolock_objectives_read_the_tasks_positions(tmp_path, tokenizer):
     mask = batch.attention_mask.bool().clone()
     mask[torch.arange(len(batch)), batch.last_index] = False
     assert torch.equal(lm_targets, torch.roll(batch.input_ids, -1, dims=1)[mask])
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_sft_scores_and_answers_from_one_prompt_pass_as_two_passes_would(tmp_path, tokenizer, chat):
+    # Prepare: prompts and responses of different lengths in one batch (left and right padding)
+    from fedcybgd.data.prompts import collate
+    from fedcybgd.model.layerwise import LayerStack
+    from fedcybgd.model.loading import load_model
+    from fedcybgd.tasks.sequences import sequence_nll
+    from fedcybgd.tasks.sft import generate, score_and_generate
+
+    tok = tokenizer
+    if not chat:
+        tok = load_tokenizer("tiny-llama")
+        tok.chat_template = None
+    rows = [{"prompt": "word " * (3 * i + 1), "response": "yes " * (i % 3 + 1)} for i in range(5)]
+    task = task_for(task="sft", dataset=str(write_jsonl(tmp_path / "d.jsonl", rows)))
+    items = task.examples(task.local_frame(str(tmp_path / "d.jsonl")))
+    model = load_model("tiny-llama")
+    with torch.no_grad():  # sharp attention: a token's position then changes what it sees
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+            layer.self_attn.k_proj.weight.mul_(30.0)
+    stack = LayerStack(model)
+    encode = task.encoder(tok, 128)
+    # Execute
+    scored = score_and_generate(stack, tok, encode.joined(items), max_new_tokens=6)
+    total, count = sequence_nll(stack, collate(encode(items), task=task))
+    texts = generate(stack, tok, [encode.format.prompt(m) for m in items], 6)
+    # Assert: the same loss per row, the same tokens counted, the same greedy answers
+    assert scored is not None
+    got_total, got_count, got_texts = scored
+    assert torch.equal(got_count, count)
+    torch.testing.assert_close(got_total, total, rtol=1e-4, atol=1e-4)
+    assert got_texts == texts
+    if not chat:  # (the random model answers a chat prompt with special tokens only)
+        assert len(set(texts)) > 1  # the rows' answers differ: not one answer copied to all

@@ -10,12 +10,15 @@ without gets a plain template (``User: ...\\nAssistant:`` and `` {response}<eos>
 Evaluation: response loss (mean over response tokens) and its perplexity; and greedy generation
 of up to ``max-new-tokens`` tokens from each held-out prompt, scored against the reference
 response by exact match (the ``accuracy`` of the run's records) and token F1, SQuAD-style
-(lower case, punctuation and articles dropped, whitespace collapsed).
+(lower case, punctuation and articles dropped, whitespace collapsed). Both come from one pass
+over each prompt with the model's KV cache (:func:`score_and_generate`); a model without a cache
+gets two passes (:func:`sequence_nll`, :func:`generate`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import re
@@ -27,13 +30,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 import torch
+import torch.nn.functional as F
 
 from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids, pad_token_id
 from fedcybgd.data.sources import DataError, where
 from fedcybgd.tasks.base import Task, warn_cut
 from fedcybgd.tasks.classification import check_text
 from fedcybgd.tasks.objective import EvalResult
-from fedcybgd.tasks.sequences import Joiner, sequence_nll
+from fedcybgd.tasks.sequences import Joined, Joiner, sequence_nll
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -127,8 +131,12 @@ class SFTEncoder:
         """Examples shortened so far."""
         return self.join.cut
 
+    def joined(self, items: Sequence[Any]) -> list[Joined]:
+        """Each conversation's prompt and response ids, cut to fit ``max_seq_len``."""
+        return [self.join(*self.format.split(messages)) for messages in items]
+
     def __call__(self, items: Sequence[Any]) -> EncodedExamples:
-        joined = [self.join(*self.format.split(messages)) for messages in items]
+        joined = self.joined(items)
         return EncodedExamples(
             input_ids=[j.input_ids for j in joined], labels=[-1] * len(joined),
             class_token_ids=(), pad_token_id=self.pad_token_id,
@@ -185,12 +193,17 @@ class SFTTask(Task):
         samples: list[dict[str, str]] = []
         for start in range(0, len(items), batch_size):
             part = items[start:start + batch_size]
-            total, count = sequence_nll(stack, collate(encode(part), task=self))
+            scored = score_and_generate(stack, tokenizer, encode.joined(part),
+                                        self.run.max_new_tokens)
+            if scored is None:  # a model without a KV cache: a forward each for both
+                total, count = sequence_nll(stack, collate(encode(part), task=self))
+                prompts = [encode.format.prompt(m)[-max(1, max_seq_len):] for m in part]
+                texts = generate(stack, tokenizer, prompts, self.run.max_new_tokens)
+            else:
+                total, count, texts = scored
             nll += float(total.sum())
             tokens += float(count.sum())
-            prompts = [encode.format.prompt(m)[-max(1, max_seq_len):] for m in part]
-            for messages, text in zip(part, generate(stack, tokenizer, prompts,
-                                                     self.run.max_new_tokens), strict=True):
+            for messages, text in zip(part, texts, strict=True):
                 reference = messages[-1]["content"]
                 exact += float(normalize_answer(text) == normalize_answer(reference))
                 f1 += token_f1(text, reference)
@@ -205,6 +218,104 @@ class SFTTask(Task):
         return EvalResult(loss, exact / n, n, {"exact_match": exact / n, "token_f1": f1 / n,
                                                "perplexity": math.exp(min(loss, 700.0))},
                           samples=tuple(samples))
+
+
+def _cache_name() -> str:
+    """The keyword (and output field) of a model's KV cache: ``cache`` from transformers 5.2x
+    on, ``past_key_values`` before."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = getattr(CausalLMOutputWithPast, "__dataclass_fields__", {})
+    return "cache" if "cache" in fields else "past_key_values"
+
+
+def _left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` of ``rows``, each ending at the last column."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, tokens in enumerate(rows):
+        ids[row, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, width - len(tokens):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def score_and_generate(
+    stack: LayerStack, tokenizer: PreTrainedTokenizerBase, joined: list[Joined],
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, list[str]] | None:
+    """Response loss and greedy answer of each conversation from one pass over its prompt.
+
+    The prompts (left-padded) are run once with the model's KV cache; from that cache the
+    reference response is scored (teacher forced: ``([B], [B])`` summed negative log-likelihood
+    and token count, as :func:`sequence_nll` gives) and, from a copy of it, up to
+    ``max_new_tokens`` tokens are decoded greedily, stopping at the tokenizer's end-of-sequence
+    token (as :func:`generate`). ``None`` when the model keeps no KV cache (the caller then runs
+    the two passes apart).
+    """
+    model: Any = stack.model
+    device = next(model.parameters()).device
+    pad = pad_token_id(tokenizer)
+    prompts = [j.input_ids[: j.positions[0] + 1] for j in joined]
+    ids, mask = _left_padded(prompts, pad)
+    length = mask.sum(1)  # each prompt's own length: the next position
+    rows = len(joined)
+    name = _cache_name()
+    was_training = model.training
+    model.eval()
+    try:
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                    position_ids=(mask.cumsum(1) - 1).clamp(min=0).to(device),
+                    use_cache=True, logits_to_keep=1)
+        cache = getattr(out, name, None)
+        if cache is None:
+            return None
+        first = out.logits[:, -1, :].float()  # predicts each response's first token
+        decode_cache = copy.deepcopy(cache)
+
+        # the reference responses, teacher forced after the prompts (right-padded)
+        span = max(len(j.targets) for j in joined)
+        targets = torch.full((rows, span), pad, dtype=torch.long)
+        scored = torch.zeros((rows, span), dtype=torch.long)
+        for row, j in enumerate(joined):
+            targets[row, : len(j.targets)] = torch.tensor(j.targets, dtype=torch.long)
+            scored[row, : len(j.targets)] = 1
+        logits = first[:, None, :]
+        if span > 1:
+            rest = model(input_ids=targets[:, :-1].to(device),
+                         attention_mask=torch.cat([mask, scored[:, :-1]], 1).to(device),
+                         position_ids=(length[:, None] + torch.arange(span - 1)).to(device),
+                         use_cache=True, **{name: cache})
+            logits = torch.cat([logits, rest.logits.float()], 1)
+        nll = F.cross_entropy(logits.reshape(rows * span, -1), targets.to(device).reshape(-1),
+                              reduction="none").view(rows, span).double().cpu()
+        total = (nll * scored).sum(1)
+        count = scored.sum(1).double()
+
+        # greedy decoding from the prompts' cache
+        eos = tokenizer.eos_token_id
+        done = torch.zeros(rows, dtype=torch.bool)
+        attend = mask
+        token = first.argmax(-1).cpu()
+        answer = []
+        for step in range(max_new_tokens):
+            token = torch.where(done, torch.full_like(token, pad), token)
+            answer.append(token)
+            if eos is not None:
+                done |= token == int(eos)
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            attend = torch.cat([attend, torch.ones((rows, 1), dtype=torch.long)], 1)
+            nxt = model(input_ids=token[:, None].to(device), attention_mask=attend.to(device),
+                        position_ids=(length + step)[:, None].to(device),
+                        use_cache=True, **{name: decode_cache})
+            token = nxt.logits[:, -1, :].float().argmax(-1).cpu()
+    finally:
+        model.train(was_training)
+    generated = torch.stack(answer, 1)
+    texts = [str(tokenizer.decode(row, skip_special_tokens=True)).strip() for row in generated]
+    return total, count, texts
 
 
 @torch.no_grad()
