@@ -25,6 +25,13 @@ def tokenizer():
     return load_tokenizer("tiny-llama")
 
 
+def plain_template_tokenizer():
+    """The tiny tokenizer without its chat template (the plain ``User:/Assistant:`` one)."""
+    tok = load_tokenizer("tiny-llama")
+    tok.chat_template = None
+    return tok
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
@@ -153,10 +160,7 @@ def test_rotten_tomatoes_is_the_default_classification_task(tokenizer):
 @pytest.mark.parametrize("chat", [True, False])
 def test_sft_scores_only_the_response_tokens(tmp_path, tokenizer, chat):
     # Prepare: with the tokenizer's chat template, and a copy without one (plain template)
-    tok = tokenizer
-    if not chat:
-        tok = load_tokenizer("tiny-llama")
-        tok.chat_template = None
+    tok = tokenizer if chat else plain_template_tokenizer()
     path = write_jsonl(tmp_path / "d.jsonl", sft_rows(20))
     task = task_for(task="sft", dataset=str(path))
     frame = task.split("train").head(3)
@@ -320,10 +324,7 @@ def test_sft_scores_and_answers_from_one_prompt_pass_as_two_passes_would(tmp_pat
     from fedcybgd.tasks.sequences import sequence_nll
     from fedcybgd.tasks.sft import generate, score_and_generate
 
-    tok = tokenizer
-    if not chat:
-        tok = load_tokenizer("tiny-llama")
-        tok.chat_template = None
+    tok = tokenizer if chat else plain_template_tokenizer()
     rows = [{"prompt": "word " * (3 * i + 1), "response": "yes " * (i % 3 + 1)} for i in range(5)]
     task = task_for(task="sft", dataset=str(write_jsonl(tmp_path / "d.jsonl", rows)))
     items = task.examples(task.local_frame(str(tmp_path / "d.jsonl")))

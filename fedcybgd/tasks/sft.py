@@ -251,8 +251,9 @@ def score_and_generate(
     reference response is scored (teacher forced: ``([B], [B])`` summed negative log-likelihood
     and token count, as :func:`sequence_nll` gives) and, from a copy of it, up to
     ``max_new_tokens`` tokens are decoded greedily, stopping at the tokenizer's end-of-sequence
-    token (as :func:`generate`). ``None`` when the model keeps no KV cache (the caller then runs
-    the two passes apart).
+    token (as :func:`generate`). The prompt is the one the loss sees: when a conversation is
+    longer than ``max-seq-len``, cut to leave its response room. ``None`` when the model keeps no
+    KV cache (the caller then runs the two passes apart).
     """
     model: Any = stack.model
     device = next(model.parameters()).device
@@ -327,12 +328,8 @@ def generate(stack: LayerStack, tokenizer: PreTrainedTokenizerBase, prompts: lis
     on left-padded prompts; stops at the tokenizer's end-of-sequence token.
     """
     model: Any = stack.model
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id(tokenizer), dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt):] = 1
+    ids, mask = _left_padded(prompts, pad_token_id(tokenizer))
+    width = ids.shape[1]
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
