@@ -43,18 +43,16 @@ def main() -> None:
     import torch
 
     from fedcybgd.config import RunConfig
-    from fedcybgd.data.prompts import collate
     from fedcybgd.model.layerwise import LayerStack
     from fedcybgd.model.loading import load_model, load_tokenizer
     from fedcybgd.tasks.base import build_task
-    from fedcybgd.tasks.sequences import sequence_nll
-    from fedcybgd.tasks.sft import generate, normalize_answer, score_and_generate
+    from fedcybgd.tasks.sft import SFTTask, normalize_answer, score_and_generate
 
     torch.set_num_threads(args.threads)
     run = RunConfig.from_run_config({"model": args.model, "dataset": args.dataset,
                                      "max-new-tokens": args.max_new_tokens})
     task = build_task(run)
-    if task.name != "sft":
+    if not isinstance(task, SFTTask):
         raise SystemExit(f"--dataset {args.dataset}: an sft task is needed, got {task.name}")
     tokenizer = load_tokenizer(args.model)
     stack = LayerStack(load_model(args.model))
@@ -79,9 +77,8 @@ def main() -> None:
                     raise SystemExit(f"{args.model} keeps no KV cache: nothing to compare")
                 total, count, texts = scored
             else:
-                total, count = sequence_nll(stack, collate(encode(part), task=task))
-                prompts = [encode.format.prompt(m)[-args.max_seq_len:] for m in part]
-                texts = generate(stack, tokenizer, prompts, args.max_new_tokens)
+                total, count, texts = task.score_and_generate_apart(
+                    stack, tokenizer, encode, part, args.max_seq_len)
             seconds[way] += time.perf_counter() - began
             nll[way] += float(total.sum())
             answers[way] = texts

@@ -318,15 +318,14 @@ def test_zerolock_objectives_read_the_tasks_positions(tmp_path, tokenizer):
 @pytest.mark.parametrize("chat", [True, False])
 def test_sft_scores_and_answers_from_one_prompt_pass_as_two_passes_would(tmp_path, tokenizer, chat):
     # Prepare: prompts and responses of different lengths in one batch (left and right padding)
-    from fedcybgd.data.prompts import collate
     from fedcybgd.model.layerwise import LayerStack
     from fedcybgd.model.loading import load_model
-    from fedcybgd.tasks.sequences import sequence_nll
-    from fedcybgd.tasks.sft import generate, score_and_generate
+    from fedcybgd.tasks.sft import score_and_generate
 
     tok = tokenizer if chat else plain_template_tokenizer()
     rows = [{"prompt": "word " * (3 * i + 1), "response": "yes " * (i % 3 + 1)} for i in range(5)]
-    task = task_for(task="sft", dataset=str(write_jsonl(tmp_path / "d.jsonl", rows)))
+    task = task_for(task="sft", dataset=str(write_jsonl(tmp_path / "d.jsonl", rows)),
+                    max_new_tokens=6)
     items = task.examples(task.local_frame(str(tmp_path / "d.jsonl")))
     model = load_model("tiny-llama")
     with torch.no_grad():  # sharp attention: a token's position then changes what it sees
@@ -337,8 +336,7 @@ def test_sft_scores_and_answers_from_one_prompt_pass_as_two_passes_would(tmp_pat
     encode = task.encoder(tok, 128)
     # Execute
     scored = score_and_generate(stack, tok, encode.joined(items), max_new_tokens=6)
-    total, count = sequence_nll(stack, collate(encode(items), task=task))
-    texts = generate(stack, tok, [encode.format.prompt(m) for m in items], 6)
+    total, count, texts = task.score_and_generate_apart(stack, tok, encode, items, 128)
     # Assert: the same loss per row, the same tokens counted, the same greedy answers
     assert scored is not None
     got_total, got_count, got_texts = scored

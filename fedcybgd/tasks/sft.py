@@ -196,11 +196,9 @@ class SFTTask(Task):
             scored = score_and_generate(stack, tokenizer, encode.joined(part),
                                         self.run.max_new_tokens)
             if scored is None:  # a model without a KV cache: a forward each for both
-                total, count = sequence_nll(stack, collate(encode(part), task=self))
-                prompts = [encode.format.prompt(m)[-max(1, max_seq_len):] for m in part]
-                texts = generate(stack, tokenizer, prompts, self.run.max_new_tokens)
-            else:
-                total, count, texts = scored
+                scored = self.score_and_generate_apart(stack, tokenizer, encode, part,
+                                                       max_seq_len)
+            total, count, texts = scored
             nll += float(total.sum())
             tokens += float(count.sum())
             for messages, text in zip(part, texts, strict=True):
@@ -218,6 +216,16 @@ class SFTTask(Task):
         return EvalResult(loss, exact / n, n, {"exact_match": exact / n, "token_f1": f1 / n,
                                                "perplexity": math.exp(min(loss, 700.0))},
                           samples=tuple(samples))
+
+    def score_and_generate_apart(
+        self, stack: LayerStack, tokenizer: PreTrainedTokenizerBase, encode: SFTEncoder,
+        part: list[Any], max_seq_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """What :func:`score_and_generate` gives, in two passes over each prompt: a forward for
+        the response loss (:func:`sequence_nll`) and ``model.generate`` for the answer."""
+        total, count = sequence_nll(stack, collate(encode(part), task=self))
+        prompts = [encode.format.prompt(m)[-max(1, max_seq_len):] for m in part]
+        return total, count, generate(stack, tokenizer, prompts, self.run.max_new_tokens)
 
 
 def _cache_name() -> str:
