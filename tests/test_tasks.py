@@ -315,11 +315,23 @@ def test_zerolock_objectives_read_the_tasks_positions(tmp_path, tokenizer):
     assert torch.equal(lm_targets, torch.roll(batch.input_ids, -1, dims=1)[mask])
 
 
+def sharp_attention_stack():
+    """The tiny random model with its attention sharpened: a token's position then changes
+    what it sees (with the stock init, attention is nearly uniform and hides position bugs)."""
+    from fedcybgd.model.layerwise import LayerStack
+    from fedcybgd.model.loading import load_model
+
+    model = load_model("tiny-llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+            layer.self_attn.k_proj.weight.mul_(30.0)
+    return LayerStack(model)
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_sft_scores_and_answers_from_one_prompt_pass_as_two_passes_would(tmp_path, tokenizer, chat):
     # Prepare: prompts and responses of different lengths in one batch (left and right padding)
-    from fedcybgd.model.layerwise import LayerStack
-    from fedcybgd.model.loading import load_model
     from fedcybgd.tasks.sft import score_and_generate
 
     tok = tokenizer if chat else plain_template_tokenizer()
@@ -327,16 +339,11 @@ def test_sft_scores_and_answers_from_one_prompt_pass_as_two_passes_would(tmp_pat
     task = task_for(task="sft", dataset=str(write_jsonl(tmp_path / "d.jsonl", rows)),
                     max_new_tokens=6)
     items = task.examples(task.local_frame(str(tmp_path / "d.jsonl")))
-    model = load_model("tiny-llama")
-    with torch.no_grad():  # sharp attention: a token's position then changes what it sees
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(30.0)
-            layer.self_attn.k_proj.weight.mul_(30.0)
-    stack = LayerStack(model)
+    stack = sharp_attention_stack()
     encode = task.encoder(tok, 128)
     # Execute
     scored = score_and_generate(stack, tok, encode.joined(items), max_new_tokens=6)
-    total, count, texts = task.score_and_generate_apart(stack, tok, encode, items, 128)
+    total, count, texts = task.score_and_generate_apart(stack, tok, encode, encode.joined(items))
     # Assert: the same loss per row, the same tokens counted, the same greedy answers
     assert scored is not None
     got_total, got_count, got_texts = scored
@@ -345,3 +352,30 @@ def test_sft_scores_and_answers_from_one_prompt_pass_as_two_passes_would(tmp_pat
     assert got_texts == texts
     if not chat:  # (the random model answers a chat prompt with special tokens only)
         assert len(set(texts)) > 1  # the rows' answers differ: not one answer copied to all
+
+
+def test_sft_evaluation_in_batches_by_length_gives_each_row_its_own_answer(tmp_path):
+    # Prepare: prompts longest first, so batches by length take the rows out of file order
+    from fedcybgd.tasks.sft import SAMPLES, score_and_generate
+
+    tok = plain_template_tokenizer()
+    words = ["red", "blue", "cat", "house", "river", "seven"]
+    rows = [{"prompt": f"{words[i]} " * (20 - 3 * i), "response": "yes"} for i in range(6)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    task = task_for(task="sft", dataset=str(path), max_new_tokens=6)
+    frame = task.local_frame(str(path))
+    stack = sharp_attention_stack()
+    encode = task.encoder(tok, 128)
+    alone = [score_and_generate(stack, tok, [j], max_new_tokens=6)
+             for j in encode.joined(task.examples(frame))]
+    # Execute
+    result = task.evaluate(stack, tok, frame, batch_size=4, max_seq_len=128)
+    # Assert: the kept answers are the first rows' own (each decoded alone), and the loss is
+    # the token-weighted mean of the rows' own losses
+    assert all(a is not None for a in alone)
+    own = [a[2][0] for a in alone if a is not None]
+    assert len(set(own[:SAMPLES])) > 1  # the rows' answers differ: a mix-up would show
+    assert [s["answer"] for s in result.samples] == own[:SAMPLES]
+    total = sum(float(a[0].sum()) for a in alone if a is not None)
+    count = sum(float(a[1].sum()) for a in alone if a is not None)
+    assert result.loss == pytest.approx(total / count, rel=1e-4)

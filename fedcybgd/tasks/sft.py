@@ -136,7 +136,10 @@ class SFTEncoder:
         return [self.join(*self.format.split(messages)) for messages in items]
 
     def __call__(self, items: Sequence[Any]) -> EncodedExamples:
-        joined = self.joined(items)
+        return self.encoded(self.joined(items))
+
+    def encoded(self, joined: Sequence[Joined]) -> EncodedExamples:
+        """Joined conversations as a batch's examples."""
         return EncodedExamples(
             input_ids=[j.input_ids for j in joined], labels=[-1] * len(joined),
             class_token_ids=(), pad_token_id=self.pad_token_id,
@@ -188,26 +191,31 @@ class SFTTask(Task):
         """Response loss and perplexity; exact match and token F1 of greedy generations."""
         encode = self.encoder(tokenizer, max_seq_len)
         items = self.examples(frame)
+        joined = encode.joined(items)
+        # batches of prompts of about one length: a batch is padded to its longest prompt
+        order = sorted(range(len(items)), key=lambda i: joined[i].positions[0])
+        answers = [""] * len(items)
         nll = tokens = 0.0
-        exact = f1 = 0.0
-        samples: list[dict[str, str]] = []
         for start in range(0, len(items), batch_size):
-            part = items[start:start + batch_size]
-            scored = score_and_generate(stack, tokenizer, encode.joined(part),
-                                        self.run.max_new_tokens)
+            rows = order[start:start + batch_size]
+            part = [joined[i] for i in rows]
+            scored = score_and_generate(stack, tokenizer, part, self.run.max_new_tokens)
             if scored is None:  # a model without a KV cache: a forward each for both
-                scored = self.score_and_generate_apart(stack, tokenizer, encode, part,
-                                                       max_seq_len)
+                scored = self.score_and_generate_apart(stack, tokenizer, encode, part)
             total, count, texts = scored
             nll += float(total.sum())
             tokens += float(count.sum())
-            for messages, text in zip(part, texts, strict=True):
-                reference = messages[-1]["content"]
-                exact += float(normalize_answer(text) == normalize_answer(reference))
-                f1 += token_f1(text, reference)
-                if len(samples) < SAMPLES:
-                    samples.append({"prompt": str(messages[-2]["content"]) if len(messages) > 1
-                                    else "", "reference": str(reference), "answer": text})
+            for i, text in zip(rows, texts, strict=True):
+                answers[i] = text
+        exact = f1 = 0.0
+        samples: list[dict[str, str]] = []
+        for messages, text in zip(items, answers, strict=True):
+            reference = messages[-1]["content"]
+            exact += float(normalize_answer(text) == normalize_answer(reference))
+            f1 += token_f1(text, reference)
+            if len(samples) < SAMPLES:
+                samples.append({"prompt": str(messages[-2]["content"]) if len(messages) > 1
+                                else "", "reference": str(reference), "answer": text})
         warn_cut("evaluation", encode.cut, len(items), max_seq_len,
                  f"{encode.join.prompts_cut} prompts cut from the left, "
                  f"{encode.join.continuations_cut} responses cut at the end")
@@ -219,12 +227,12 @@ class SFTTask(Task):
 
     def score_and_generate_apart(
         self, stack: LayerStack, tokenizer: PreTrainedTokenizerBase, encode: SFTEncoder,
-        part: list[Any], max_seq_len: int,
+        joined: list[Joined],
     ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """What :func:`score_and_generate` gives, in two passes over each prompt: a forward for
         the response loss (:func:`sequence_nll`) and ``model.generate`` for the answer."""
-        total, count = sequence_nll(stack, collate(encode(part), task=self))
-        prompts = [encode.format.prompt(m)[-max(1, max_seq_len):] for m in part]
+        total, count = sequence_nll(stack, collate(encode.encoded(joined), task=self))
+        prompts = [j.input_ids[: j.positions[0] + 1] for j in joined]
         return total, count, generate(stack, tokenizer, prompts, self.run.max_new_tokens)
 
 
