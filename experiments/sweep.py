@@ -190,6 +190,46 @@ def seed_spread(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def along_the_way(results: dict[str, dict[str, Any]], partition: str) -> list[str]:
+    """Where the runs were evaluated along the way: one row per setting on ``partition``, a
+    column per evaluation (client-rounds so far), the mean eval ``loss / accuracy`` over seeds;
+    each method's lowest loss at a point marked. Empty where no run has an evaluation between
+    its first and last round."""
+    curves: dict[tuple[str, str], dict[int, list[tuple[float, float]]]] = {}
+    for r in results.values():
+        if r["partition"] != partition:
+            continue
+        for done, row in client_rounds(r["records"]):
+            curves.setdefault((r["method"], r["setting"]), {}).setdefault(done, []).append(
+                (float(row["eval_loss"]), float(row["eval_accuracy"])))
+    points = sorted({done for curve in curves.values() for done in curve if done > 0})
+    if len(points) < 2:
+        return []
+    mean = {key: {done: (statistics.fmean(v[0] for v in values),
+                         statistics.fmean(v[1] for v in values))
+                  for done, values in curve.items()} for key, curve in curves.items()}
+    best: dict[tuple[str, int], float] = {}
+    for (method, _), curve in mean.items():
+        for done, (loss, _) in curve.items():
+            best[method, done] = min(loss, best.get((method, done), loss))
+    rows = ["| method | setting | " + " | ".join(f"{d} client-rounds" for d in points) + " |",
+            "|" + "---|" * (len(points) + 2)]
+    for (method, setting), curve in mean.items():
+        cells = []
+        for done in points:
+            if done not in curve:
+                cells.append("-")
+                continue
+            loss, accuracy = curve[done]
+            mark = " **best**" if loss == best[method, done] else ""
+            cells.append(f"{loss:.3f} / {accuracy:.3f}{mark}")
+        rows.append(f"| {method} | {setting} | " + " | ".join(cells) + " |")
+    return [f"### {partition}: along the way", "",
+            "Mean eval loss / accuracy at each evaluation; each method's lowest loss there "
+            "marked (with a constant rate, the best setting for a run of that length; a "
+            "decaying one was decayed over the whole run).", "", *rows, ""]
+
+
 def report(sweep: dict[str, Any], results: dict[str, dict[str, Any]],
            meta: dict[str, Any]) -> str:
     """The Markdown table: one row per setting, a column per partition and seed, the mean per
@@ -233,6 +273,7 @@ def report(sweep: dict[str, Any], results: dict[str, dict[str, Any]],
         "",
         *rows,
         "",
+        *[line for p in partitions for line in along_the_way(results, p)],
         *(["## Seed spread", "", *spread_lines, ""] if (spread_lines := seed_spread(results))
           else []),
     ])

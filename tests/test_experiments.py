@@ -381,3 +381,28 @@ def test_privacy_report_keeps_runs_at_different_rates_in_separate_rows(tmp_path)
         "| 2.350 [2.300-2.400] | 1500 [1500-1500] | 2 |",
     ]
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_sweep_report_marks_each_methods_best_rate_at_every_evaluation(monkeypatch):
+    # Prepare: two rates of one method whose order flips along the way (the high rate ahead
+    # early, the low one at the end), evaluated after 2 and 4 client-rounds
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import sweep
+
+    def run(setting: str, losses: list[float]) -> dict:
+        records = [{"round": 0, "clients": [], "eval_loss": 2.0, "eval_accuracy": 0.0}]
+        for i, loss in enumerate(losses, start=1):
+            records.append({"round": i, "clients": ["a", "b"], "eval_loss": loss,
+                            "eval_accuracy": 1.0 - loss})
+        return {"method": "fo", "setting": setting, "partition": "iid", "seed": 0,
+                "records": records}
+
+    results = {"high": run("lr=1e-4", [0.5, 0.4]), "low": run("lr=1e-5", [0.9, 0.3])}
+    # Execute
+    lines = sweep.along_the_way(results, "iid")
+    # Assert: a column per evaluation after round 0; the best marked per column
+    table = [line for line in lines if line.startswith("| fo |")]
+    assert "2 client-rounds | 4 client-rounds" in "\n".join(lines)
+    assert table == ["| fo | lr=1e-4 | 0.500 / 0.500 **best** | 0.400 / 0.600 |",
+                     "| fo | lr=1e-5 | 0.900 / 0.100 | 0.300 / 0.700 **best** |"]
+    assert sweep.along_the_way(results, "dirichlet") == []  # nothing run there
