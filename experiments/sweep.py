@@ -224,7 +224,7 @@ def along_the_way(results: dict[str, dict[str, Any]], partition: str) -> list[st
             mark = " **best**" if loss == best[method, done] else ""
             cells.append(f"{loss:.3f} / {accuracy:.3f}{mark}")
         rows.append(f"| {method} | {setting} | " + " | ".join(cells) + " |")
-    return [f"### {partition}: along the way", "",
+    return [f"## {partition}: along the way", "",
             "Mean eval loss / accuracy at each evaluation; each method's lowest loss there "
             "marked (with a constant rate, the best setting for a run of that length; a "
             "decaying one was decayed over the whole run).", "", *rows, ""]
