@@ -20,8 +20,9 @@ averaged over seeds (on a few hundred examples the loss separates settings more 
 accuracy, which one shift of the class bias can swing by 20 points).
 
 Writes ``experiments/results/<sweep>/``: ``results.json`` (every run's config, per-round records
-and summary; saved after each run), ``table.md`` (every setting, the best per method marked)
-and ``curves.png`` (eval loss and accuracy against client-rounds, each method's best).
+and summary; saved after each run), ``table.md`` (every setting, the best per method marked;
+where runs are evaluated along the way, every setting at each evaluation, the best per method and
+point marked) and ``curves.png`` (eval loss and accuracy against client-rounds, each method's best).
 """
 
 from __future__ import annotations

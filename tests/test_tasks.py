@@ -373,9 +373,9 @@ def test_sft_evaluation_in_batches_by_length_gives_each_row_its_own_answer(tmp_p
     # Assert: the kept answers are the first rows' own (each decoded alone), and the loss is
     # the token-weighted mean of the rows' own losses
     assert all(a is not None for a in alone)
-    own = [a[2][0] for a in alone if a is not None]
+    own = [a[2][0] for a in alone]
     assert len(set(own[:SAMPLES])) > 1  # the rows' answers differ: a mix-up would show
     assert [s["answer"] for s in result.samples] == own[:SAMPLES]
-    total = sum(float(a[0].sum()) for a in alone if a is not None)
-    count = sum(float(a[1].sum()) for a in alone if a is not None)
+    total = sum(float(a[0].sum()) for a in alone)
+    count = sum(float(a[1].sum()) for a in alone)
     assert result.loss == pytest.approx(total / count, rel=1e-4)
