@@ -402,7 +402,18 @@ def test_sweep_report_marks_each_methods_best_rate_at_every_evaluation(monkeypat
     lines = sweep.along_the_way(results, "iid")
     # Assert: a column per evaluation after round 0; the best marked per column
     table = [line for line in lines if line.startswith("| fo |")]
-    assert "2 client-rounds | 4 client-rounds" in "\n".join(lines)
-    assert table == ["| fo | lr=1e-4 | 0.500 / 0.500 **best** | 0.400 / 0.600 |",
-                     "| fo | lr=1e-5 | 0.900 / 0.100 | 0.300 / 0.700 **best** |"]
+    assert "2 client-rounds | 4 client-rounds | second half (4) |" in "\n".join(lines)
+    assert table == [
+        "| fo | lr=1e-4 | 0.500 / 0.500 **best** | 0.400 / 0.600 | 0.400 / 0.600 |",
+        "| fo | lr=1e-5 | 0.900 / 0.100 | 0.300 / 0.700 **best** | 0.300 / 0.700 **best** |"]
     assert sweep.along_the_way(results, "dirichlet") == []  # nothing run there
+
+    # A longer curve whose last point flatters the rate that is worse over the second half:
+    # the second-half column (evaluations after 4 of 8 client-rounds) marks the steadier one
+    results = {"steady": run("lr=1e-4", [0.9, 0.5, 0.2, 0.25]),
+               "lucky": run("lr=3e-4", [0.9, 0.5, 0.4, 0.2])}
+    lines = sweep.along_the_way(results, "iid")
+    table = [line for line in lines if line.startswith("| fo |")]
+    assert "| second half (6, 8) |" in "\n".join(lines)
+    assert table[0].endswith("| 0.250 / 0.750 | 0.225 / 0.775 **best** |")
+    assert table[1].endswith("| 0.200 / 0.800 **best** | 0.300 / 0.700 |")
