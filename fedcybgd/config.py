@@ -202,7 +202,8 @@ class RunConfig:
         "weight decay, for every rule"))
     lr_schedule: str = setting("constant", choices=LR_SCHEDULES, doc=(
         "the clients' rate over the rounds after the warm-up: `constant`, or `cosine` / `linear` "
-        "decay to 0.1 x `lr` at the last round; the server sends each round's rate"))
+        "decay to 0.1 x `lr` at the last round; the server sends each round's rate (FedCyBGD and the "
+        "FedAvg baselines)"))
     warmup_rounds: int = setting(0, ge=0, doc=(
         "rounds over which the clients' rate rises linearly to `lr`"))
     logit_adjust: bool = setting(True, doc=(
@@ -440,6 +441,11 @@ class RunConfig:
             # below 1 it would refuse about half of the honest updates
             raise ConfigError(f"outlier-factor must be 0 (off) or >= 1, got {self.outlier_factor}")
         self._check_dp()
+        if self.strategy == "pipeline" and (self.lr_schedule != "constant"
+                                            or self.warmup_rounds):
+            raise ConfigError("lr-schedule / warmup-rounds: the pipeline's stages train at "
+                              "the constant `lr`; set lr-schedule = 'constant' and "
+                              "warmup-rounds = 0, or use strategy 'fedcybgd' or 'fedavg'")
         if self.early_stop_patience or self.early_stop_target:
             if not self.eval_every:
                 raise ConfigError("early-stop-patience / early-stop-target need evaluations "

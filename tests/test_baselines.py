@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, Context, Message, MetricRecord
+from flwr.app import Array, Context, Message, MessageType, MetricRecord
 from flwr.clientapp import ClientApp
 from safetensors.torch import load_file
 
@@ -190,6 +190,58 @@ def test_fedavg_in_which_every_upload_is_bad_fails(fedavg_config, tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["status"] == "failed" and "malformed 2" in summary["reason"]
     assert not (tmp_path / "out" / "final").exists()
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_fedavg_clients_train_at_the_rate_the_server_schedules(fedavg_config, tmp_path,
+                                                                schedule):
+    # Prepare: 3 rounds, the rate decayed by cosine to 0.1 x lr at the last (or constant)
+    config = dict(fedavg_config, **{"num-server-rounds": 3, "lr-schedule": schedule,
+                                    "eval-every": 3})
+    grid = LoopbackGrid(client_app, 4, config)  # keeps the messages it carried
+    # Execute
+    run_fedavg(grid, RunConfig.from_run_config(config))
+    # Assert: every node of a round got that round's rate in its instruction
+    rates: dict[int, list[float]] = {}
+    for m in grid.sent:
+        if m.metadata.message_type != MessageType.TRAIN:
+            continue  # the node-key queries
+        cfg = m.content.config_records["config"]
+        rates.setdefault(int(cfg["server-round"]), []).append(float(cfg["lr"]))
+    expected = [1e-3, 1e-3, 1e-3] if schedule == "constant" else [1e-3, 0.55e-3, 1e-4]
+    assert sorted(rates) == [1, 2, 3]
+    assert all(len(rates[r]) == 2 for r in rates)  # 2 nodes a round
+    assert [max(rates[r]) for r in (1, 2, 3)] == pytest.approx(expected)
+    assert [min(rates[r]) for r in (1, 2, 3)] == pytest.approx(expected)
+
+
+def test_fedavg_client_trains_at_the_instructions_rate_not_its_run_configs(fedavg_config):
+    # Prepare: one round's message asking lr 1e-2 of a node whose run config says 1e-3, and
+    # the same round at the run config's rate
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fedcybgd.baselines import ARRAYS, build_baseline, to_record
+
+    arrays = to_record(build_baseline(RunConfig.from_run_config(fedavg_config)).get())
+
+    def trained(config: dict[str, Any]) -> dict[str, np.ndarray]:
+        grid = LoopbackGrid(client_app, 1, fedavg_config)
+        message = Message(RecordDict({ARRAYS: arrays, "config": ConfigRecord(config)}),
+                          dst_node_id=grid.node_ids[0], message_type=MessageType.TRAIN,
+                          group_id="1")
+        (reply,) = grid.send_and_receive([message])
+        assert not reply.has_error()
+        return {k: v.numpy() for k, v in reply.content.array_records[ARRAYS].items()}
+
+    # Execute
+    scheduled = trained({"server-round": 1, "lr": 1e-2})
+    again = trained({"server-round": 1, "lr": 1e-2})
+    own = trained({"server-round": 1})
+    stated = trained({"server-round": 1, "lr": 1e-3})
+    # Assert: the instruction's rate is the one trained at (deterministic per round)
+    assert all(np.array_equal(scheduled[k], again[k]) for k in scheduled)
+    assert any(not np.array_equal(scheduled[k], own[k]) for k in scheduled)
+    assert all(np.array_equal(own[k], stated[k]) for k in own)
 
 
 def test_client_rejects_arrays_that_do_not_match_its_model(fedavg_config):

@@ -315,3 +315,30 @@ def test_a_fedavg_round_beyond_the_nodes_limits_is_not_trained(tiny_run_config, 
     reason = str(reply.error.reason)
     assert "run-config 'lr' = 0.5" in reason
     assert "max-lr = 0.1" in reason
+
+
+@pytest.mark.parametrize("lr,fragment", [
+    (0.5, "instruction field 'lr' = 0.5 is beyond this node's limit max-lr = 0.1"),
+    ("fast", "instruction field 'lr'"),
+    (-1e-3, "instruction field 'lr'"),
+])
+def test_a_fedavg_round_at_a_rate_beyond_or_malformed_is_not_trained(tiny_run_config, lr,
+                                                                     fragment):
+    # Prepare: a FedAvg round whose run config's rate is fine but whose instruction (the
+    # server's schedule) asks a rate beyond the node's limit, or not a rate at all
+    from flwr.app import MessageType, RecordDict
+
+    from fedcybgd.baselines import ARRAYS, build_baseline, to_record
+
+    config = dict(tiny_run_config, **{"strategy": "fedavg", "fedavg-params": "full",
+                                      "lr": 1e-3})
+    grid = LoopbackGrid(client_app, 1, config, node_config=lambda i: {"max-lr": 0.1})
+    arrays = to_record(build_baseline(RunConfig.from_run_config(config)).get())
+    message = Message(RecordDict({ARRAYS: arrays, "config": ConfigRecord(
+        {"server-round": 1, "lr": lr})}), dst_node_id=grid.node_ids[0],
+        message_type=MessageType.TRAIN, group_id="1")
+    # Execute
+    (reply,) = grid.send_and_receive([message])
+    # Assert: Flower's error reply, naming the field
+    assert reply.has_error()
+    assert fragment in str(reply.error.reason)

@@ -459,3 +459,12 @@ def test_flwr_run_with_rule_options_and_no_dependency_installation(tmp_path: Pat
     superlink_log = (flwr_home / "local-superlink" / "superlink.log")
     if superlink_log.exists():
         assert "Installing application dependencies" not in superlink_log.read_text()
+
+
+@pytest.mark.parametrize("extra", [{"lr-schedule": "cosine"}, {"warmup-rounds": 2}])
+def test_a_schedule_the_pipeline_would_not_follow_is_refused(extra):
+    # the pipeline's stages train at the constant lr: a schedule there would be ignored
+    with pytest.raises(ConfigError, match="lr-schedule / warmup-rounds"):
+        RunConfig.from_run_config({"strategy": "pipeline", **extra})
+    for strategy in ("fedcybgd", "fedavg"):  # both send each round's rate
+        assert RunConfig.from_run_config({"strategy": strategy, **extra}).strategy == strategy

@@ -28,6 +28,7 @@ from fedcybgd.baselines import (  # build_full, build_lora: re-exported for earl
     to_record,
 )
 from fedcybgd.client import limits
+from fedcybgd.client.instruction import read_lr
 from fedcybgd.client.local_data import training_batches
 from fedcybgd.client.updates.fo import block_loss
 from fedcybgd.config import NodeConfig, RunConfig
@@ -58,10 +59,10 @@ def train_fedavg(msg: Message, context: Context) -> Message:
     """
     run = RunConfig.from_run_config(context.run_config)
     node = NodeConfig.from_node_config(context.node_config)
-    limits.check_training(run, node)
+    cfg = msg.content.config_records.get(CONFIG, ConfigRecord())
+    lr = limits.check_training(run, node, read_lr(cfg))  # the server's schedule, else `lr`
     limits.check_download_bytes({ARRAYS: msg.content.array_records.get(ARRAYS, ArrayRecord())},
                                 node)
-    cfg = msg.content.config_records.get(CONFIG, ConfigRecord())
     server_round = int(cfg.get("server-round", 0))  # type: ignore[arg-type]
     bm = _client_model(run)
     # Pop the arrays so the message stops holding a second copy of the model once loaded.
@@ -73,7 +74,7 @@ def train_fedavg(msg: Message, context: Context) -> Message:
     for p in params:
         p.requires_grad_(True)
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(params, lr=run.lr, weight_decay=run.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=run.weight_decay)
     bm.model.train(False)  # no dropout, as for the FedCyBGD rules
     losses: list[float] = []
     seen = 0

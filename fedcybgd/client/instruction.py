@@ -87,6 +87,17 @@ def _positive(cfg: Mapping[str, Any], key: str) -> float | None:
     return float(value)
 
 
+def read_lr(cfg: Mapping[str, Any]) -> float | None:
+    """The round's learning rate in ``cfg`` (the server's schedule), ``None`` where absent.
+
+    Raises
+    ------
+    Refusal
+        The field is not a finite number > 0.
+    """
+    return _field(protocol.LR, lambda: _positive(cfg, protocol.LR))
+
+
 def read_instruction(cfg: Mapping[str, Any] | None) -> Instruction:
     """The instruction in ``cfg`` (its :data:`~fedcybgd.protocol.CONFIG` record).
 
@@ -112,7 +123,7 @@ def read_instruction(cfg: Mapping[str, Any] | None) -> Instruction:
             _text(cfg, protocol.EXPECT, MAX_JSON))),
         upload_codec=upload_codec,
         local_steps=_field(protocol.LOCAL_STEPS, lambda: _positive_int(cfg, protocol.LOCAL_STEPS)),
-        lr=_field(protocol.LR, lambda: _positive(cfg, protocol.LR)),
+        lr=read_lr(cfg),
         dp_clip=_field(protocol.DP_CLIP, lambda: _positive(cfg, protocol.DP_CLIP)),
         class_prior=_field(protocol.CLASS_PRIOR, lambda: protocol.class_prior(cfg)),
         keep_pending=cfg.get(protocol.SELF_SYNC) is True,

@@ -15,7 +15,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
+from fedcybgd import protocol
 from fedcybgd.baselines import (
     ARRAYS,
     METRICS,
@@ -58,6 +59,7 @@ from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.server.trackers import Trackers
 from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict
+from fedcybgd.strategies.lr_schedule import build_lr_schedule
 from fedcybgd.strategies.node_keys import NodeKeys
 from fedcybgd.strategies.record import RoundRecord
 from fedcybgd.strategies.replies import (
@@ -96,6 +98,10 @@ class CheckedFedAvg(FedAvg):
     class_prior, classes
         The class shares the nodes' training aims at (as :class:`~fedcybgd.strategies.fedcybgd.
         FedCyBGD`'s), sent in every round's config.
+    client_lr : callable, optional
+        ``round -> learning rate`` (:func:`~fedcybgd.strategies.lr_schedule.build_lr_schedule`),
+        sent in every round's config as FedCyBGD sends it; ``None``: the nodes use their run
+        config's ``lr``.
     **kwargs
         Passed to :class:`flwr.serverapp.strategy.FedAvg`.
     """
@@ -103,9 +109,10 @@ class CheckedFedAvg(FedAvg):
     def __init__(self, reference: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  max_examples: float = math.inf, seed: int = 0,
                  class_prior: ClassPriorSpec | None = None, classes: int = 0,
-                 **kwargs: Any) -> None:
+                 client_lr: Callable[[int], float] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reference = reference
+        self.client_lr = client_lr
         self.max_examples = max_examples
         self.seed = seed
         self.class_prior, self.classes = class_prior, classes
@@ -130,6 +137,8 @@ class CheckedFedAvg(FedAvg):
             config = with_class_prior(config, self.class_prior, self.classes,
                                       self.node_keys.class_counts)
         config["server-round"] = server_round
+        if self.client_lr is not None:
+            config[protocol.LR] = float(self.client_lr(server_round))
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         messages = list(self._construct_messages(record, nodes, MessageType.TRAIN))
         self.last_sent_bytes = payload_bytes(arrays) * len(messages)
@@ -339,6 +348,8 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         seed=run.seed,
         class_prior=prior,
         classes=classes,
+        client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
+                                    run.warmup_rounds),
     )
     # With DP the budget may allow fewer rounds than asked (FedAvgPrivacy.rounds_within)
     privacy = FedAvgPrivacy.of(run, population)
