@@ -202,8 +202,8 @@ class RunConfig:
         "weight decay, for every rule"))
     lr_schedule: str = setting("constant", choices=LR_SCHEDULES, doc=(
         "the clients' rate over the rounds after the warm-up: `constant`, or `cosine` / `linear` "
-        "decay to 0.1 x `lr` at the last round; the server sends each round's rate (FedCyBGD and the "
-        "FedAvg baselines)"))
+        "decay to 0.1 x `lr` at the last round; the server sends each round's rate (FedCyBGD "
+        "and the FedAvg baselines)"))
     warmup_rounds: int = setting(0, ge=0, doc=(
         "rounds over which the clients' rate rises linearly to `lr`"))
     logit_adjust: bool = setting(True, doc=(

@@ -51,7 +51,8 @@ def _client_model(run: RunConfig) -> BaselineModel:
 
 
 def train_fedavg(msg: Message, context: Context) -> Message:
-    """Train the exchanged tensors for ``local-steps`` AdamW steps; reply FedAvg-style.
+    """Train the exchanged tensors for ``local-steps`` AdamW steps at the round's rate (the
+    instruction's ``lr``, the server's schedule; absent: the run config's); reply FedAvg-style.
 
     Beyond one of the node's limits (:mod:`fedcybgd.client.limits`) the round is not trained:
     the :class:`~fedcybgd.client.limits.Refusal` naming it becomes Flower's error reply, which
