@@ -35,6 +35,8 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from provenance import commands_line
+
 MB = 2**20
 CENTRAL = "central"
 UNTRAINED = "the untrained model"
@@ -322,7 +324,7 @@ def report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     """``payoff.md``: per task and partition, the methods and the four comparisons."""
     grouped = groups(results)
     lines = [f"# The payoff: profile `{meta.get('profile', '?')}`", "",
-             f"Command: `{meta.get('command', '?')}`  ",
+             f"{commands_line(meta)}  ",
              f"Machine: {meta.get('machine', '?')}; finished {meta.get('time', '?')}.  ",
              f"Runs: {len(results)}, {sum(r['wall_s'] for r in results.values()) / 60:.1f} min "
              "of wall time together.", "",

@@ -274,6 +274,8 @@ def targets(results: dict[str, dict[str, Any]], inference_mb: float) -> list[str
 
 def table(results: dict[str, dict[str, Any]], inference_mb: float, meta: dict[str, Any]) -> str:
     """The Markdown report of a profile's results."""
+    from provenance import commands_line  # beside this script (not on the probe's path)
+
     head = ("| run | final acc | best acc (after round 0) | final loss | MB down | MB up | "
             "MB total | client peak MB | training peak MB | s/round |")
     rows = [head, "|" + "---|" * 10]
@@ -291,7 +293,7 @@ def table(results: dict[str, dict[str, Any]], inference_mb: float, meta: dict[st
     return "\n".join([
         f"# Results: profile `{meta['profile']}`",
         "",
-        f"Command: `{meta['command']}`  ",
+        f"{commands_line(meta)}  ",
         f"Machine: {meta['machine']}; finished {meta['time']}.  ",
         f"Before training: accuracy {initial['initial_eval_accuracy']:.3f}, "
         f"loss {initial['initial_eval_loss']:.3f} "
@@ -406,6 +408,7 @@ def main() -> None:
     parser.add_argument("--results", default=str(HERE / "results"))
     parser.add_argument("--work", default=str(ROOT / "outputs" / "experiments"))
     args = parser.parse_args()
+    from provenance import with_command
 
     profile = load_profile(args.profile)
     settings = profile["profile"]
@@ -419,10 +422,11 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = saved.get("runs", {})
     only = {m.strip() for m in args.only.split(",") if m.strip()} or None
     plan = planned_runs(profile, only)
-    meta = saved.get("meta", {}) if args.report_only else {
+    earlier = saved.get("meta", {})
+    meta = earlier if args.report_only else {
         "profile": profile["name"],
-        "command": "make experiments" if profile["name"] == "quick" and not only
-        else " ".join(["python", *sys.argv]),
+        "commands": with_command(earlier, "make experiments" if profile["name"] == "quick"
+                                 and not only else " ".join(["python", *sys.argv])),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
                    f"{platform.python_version()}",
         "time": "",

@@ -39,6 +39,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from provenance import commands_line, with_command
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
@@ -270,7 +272,7 @@ def report(sweep: dict[str, Any], results: dict[str, dict[str, Any]],
     return "\n".join([
         f"# Sweep `{sweep['name']}`",
         "",
-        f"Command: `{meta['command']}`  ",
+        f"{commands_line(meta)}  ",
         f"Machine: {meta['machine']}; finished {meta['time']}.  ",
         f"Every run: {per_round} client-rounds ({base['num-server-rounds']} rounds x "
         f"{base['clients-per-round']} nodes of {sweep['sweep']['nodes']}), "
@@ -352,8 +354,10 @@ def main() -> None:
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
     results: dict[str, dict[str, Any]] = saved.get("runs", {})
     only = {m.strip() for m in args.only.split(",") if m.strip()} or None
-    meta = saved.get("meta", {}) if args.report_only else {
-        "sweep": sweep["name"], "command": " ".join(["python", *sys.argv]),
+    earlier = saved.get("meta", {})
+    meta = earlier if args.report_only else {
+        "sweep": sweep["name"],
+        "commands": with_command(earlier, " ".join(["python", *sys.argv])),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
                    f"{platform.python_version()}, torch {torch.__version__}",
         "time": ""}

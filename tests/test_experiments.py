@@ -97,12 +97,17 @@ def test_sweep_runs_every_setting_and_marks_each_methods_best(tmp_path):
     common = ["--sweep", "sweep-smoke", "--results", str(tmp_path / "results"),
               "--work", str(tmp_path / "work")]
 
-    # Execute
-    done = subprocess.run([sys.executable, "experiments/sweep.py", *common], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    # Execute: in two pieces, LoRA first, then the rest resumed
+    first = subprocess.run([sys.executable, "experiments/sweep.py", *common, "--only",
+                            "fedavg-lora"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = subprocess.run([sys.executable, "experiments/sweep.py", *common, "--resume"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
 
     # Assert
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("done before, kept") == 1
     out = tmp_path / "results" / "sweep-smoke"
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert len(runs) == 2 * 2 * 2 + 1
@@ -120,6 +125,10 @@ def test_sweep_runs_every_setting_and_marks_each_methods_best(tmp_path):
     assert row.split("|")[-3].strip().endswith("**best**")  # the dirichlet mean column
     assert "best on dirichlet: " in done.stdout and best in done.stdout
     assert (out / "curves.png").stat().st_size > 1000
+    # the header names both pieces' commands, in order
+    header = next(line for line in table.splitlines() if line.startswith("Commands: "))
+    assert header.index("--only fedavg-lora") < header.index("--resume")
+    assert header.count("`python experiments/sweep.py") == 2
     # the report is rebuilt from results.json alone, identically
     again = subprocess.run([sys.executable, "experiments/sweep.py", *common, "--report-only"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -417,3 +426,21 @@ def test_sweep_report_marks_each_methods_best_rate_at_every_evaluation(monkeypat
     assert "| second half (6, 8) |" in "\n".join(lines)
     assert table[0].endswith("| 0.250 / 0.750 | 0.225 / 0.775 **best** |")
     assert table[1].endswith("| 0.200 / 0.800 **best** | 0.300 / 0.700 |")
+
+
+def test_a_results_files_commands_accumulate_once_each_in_the_order_first_run():
+    # Prepare: a results file written before the list (one command), then two more invocations
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from provenance import commands_line, with_command
+
+    meta = {"command": "python a.py --only x"}
+
+    # Execute
+    meta = {"commands": with_command(meta, "python a.py --only y")}
+    meta = {"commands": with_command(meta, "python a.py --only x")}  # run again: kept once
+
+    # Assert
+    assert meta["commands"] == ["python a.py --only x", "python a.py --only y"]
+    assert commands_line(meta) == "Commands: `python a.py --only x`, then `python a.py --only y`"
+    assert commands_line({"command": "make experiments"}) == "Command: `make experiments`"
+    assert commands_line({}) == "Command: `?`"
