@@ -302,7 +302,7 @@ def crossing(pairs: list[tuple[int, Score, Score]], per_client_round: int) -> li
     if last == "tie":
         text = "At the last evaluation the two are tied."
     elif start == 0:
-        text = f"{who.capitalize()} is ahead at every evaluation: no crossing."
+        text = f"{who[0].upper()}{who[1:]} is ahead at every evaluation: no crossing."
     else:
         text = (f"Crossing: {who} is ahead from {rounds(pairs[start][0])} client-rounds on, "
                 f"to the last evaluation.")

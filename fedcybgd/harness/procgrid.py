@@ -18,6 +18,7 @@ import os
 import resource
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -97,8 +98,20 @@ def _handle(inbox: list[bytes], client_app: Any, contexts: dict[int, Context]) -
     return _frame(stats, out)
 
 
+def _exit_with(parent: int, every: float = 1.0) -> None:
+    """End the child once the process that spawned it is gone (killed, not closed).
+
+    Without this a child busy with a message trains on until it tries to reply, minutes of CPU
+    for nobody on a long message.
+    """
+    while os.getppid() == parent:
+        time.sleep(every)
+    os._exit(1)
+
+
 def _serve(conn: Connection, app_ref: str, contexts_json: str, threads: int) -> None:
     """The child: run the ClientApp for each framed message until an empty frame arrives."""
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     if threads:
         import torch
 
