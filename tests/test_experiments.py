@@ -444,3 +444,18 @@ def test_a_results_files_commands_accumulate_once_each_in_the_order_first_run():
     assert commands_line(meta) == "Commands: `python a.py --only x`, then `python a.py --only y`"
     assert commands_line({"command": "make experiments"}) == "Command: `make experiments`"
     assert commands_line({}) == "Command: `?`"
+
+
+def test_payoff_crossing_names_lora_when_it_leads_throughout():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    def score(method: str, accs: tuple[float, ...]) -> payoff.Score:
+        return payoff.Score(method, tuple(payoff.Point(12, a, 0.1, 0.0, 0.0, 480)
+                                          for a in accs))
+
+    pairs = [(480 * k, score("fo", (0.40 + k / 10, 0.41 + k / 10)),
+              score("lora", (0.50 + k / 10, 0.52 + k / 10))) for k in (1, 2)]
+    text = payoff.crossing(pairs, 40)[-1]
+    assert text == ("LoRA is ahead at every evaluation: no crossing. Clear of the seed spread "
+                    "from 12 client-rounds on.")
