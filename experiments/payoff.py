@@ -23,6 +23,12 @@ evaluation point (training examples seen, and the client-rounds they are), every
 accuracy over seeds, who is ahead and by how much against the seed spread; then the best
 full-parameter method against the best LoRA one at each point, and the crossing point: the
 first evaluation from which one of the two stays ahead to the end (and from which it is clear).
+
+Client compute is what the runs recorded (each round's slowest client, summed) unless
+``client_compute.json`` lies beside ``results.json``: ``client_compute.py`` measures every
+method's client seconds a round side by side in one piece, and a run's compute after round
+``r`` is then ``r`` times its method's. A profile run in pieces on different days needs it: the
+machine's speed drifts between pieces, and recorded seconds compare only within one.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from provenance import commands_line
 MB = 2**20
 CENTRAL = "central"
 UNTRAINED = "the untrained model"
+COMPUTE = "client_compute.json"  # client_compute.py's side-by-side measurement
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Run:
     peak_mb: float
     client_rounds: int
     lora: bool = False  # trains LoRA adapters, not the model's own weights
+    recorded_s: float = 0.0  # client seconds a round as the run recorded them
 
     @property
     def final(self) -> Point:
@@ -80,33 +88,61 @@ def examples_per_round(config: dict[str, Any]) -> int | None:
         config["batch-size"])
 
 
-def curve(result: dict[str, Any]) -> Run:
-    """A run of ``results.json`` as a :class:`Run`."""
+def curve(result: dict[str, Any], seconds_a_round: float | None = None) -> Run:
+    """A run of ``results.json`` as a :class:`Run`. Its client compute is the seconds it
+    recorded, summed, or, given ``seconds_a_round`` (measured side by side), the rounds run
+    times that."""
     config = result.get("config", {})
     per_round = examples_per_round(config)
     sent = seconds = 0.0
     points = []
+    trained = [float(r.get("client_train_s", 0.0)) for r in result["records"] if r["round"] > 0]
     for rec in result["records"]:
         sent += (rec.get("bytes_down", 0) + rec.get("bytes_up", 0)) / MB
         seconds += rec.get("client_train_s", 0.0)
         if rec.get("eval_accuracy") is not None:
+            spent = seconds if seconds_a_round is None else int(rec["round"]) * seconds_a_round
             points.append(Point(int(rec["round"]), float(rec["eval_accuracy"]),
-                                float(rec["eval_loss"]), sent, seconds,
+                                float(rec["eval_loss"]), sent, spent,
                                 None if per_round is None else int(rec["round"]) * per_round))
     if not points:
         raise ValueError(f"run {result['id']} has no evaluation")
     return Run(result["method"], int(result["seed"]), tuple(points),
                float(result["client_process_peak_mb"]), int(result["client_rounds"]),
-               config.get("fedavg-params") == "lora")
+               config.get("fedavg-params") == "lora",
+               mean(trained) if trained else 0.0)
 
 
-def groups(results: dict[str, dict[str, Any]]) -> dict[tuple[str, str], dict[str, list[Run]]]:
+def load_compute(folder: Path) -> dict[str, Any] | None:
+    """``client_compute.py``'s measurement beside a profile's results, or None."""
+    path = folder / COMPUTE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def compute_key(result: dict[str, Any]) -> str:
+    """A run's key in the side-by-side measurement: its id without the seed."""
+    task = [result["task"]] if result.get("task") else []
+    return "@".join([result["method"], *task, result["partition"]])
+
+
+def groups(results: dict[str, dict[str, Any]], compute: dict[str, Any] | None = None,
+           ) -> dict[tuple[str, str], dict[str, list[Run]]]:
     """(task, partition) -> method -> its runs (one per seed). Bounds sit under partition
-    ``central`` of their task."""
+    ``central`` of their task. With ``compute`` (:func:`load_compute`) every run's client
+    compute comes from it."""
     out: dict[tuple[str, str], dict[str, list[Run]]] = {}
     for result in results.values():
+        unit = None
+        if compute is not None:
+            entry = compute["units"].get(compute_key(result))
+            if entry is None:
+                raise SystemExit(
+                    f"{COMPUTE} has no measurement of {compute_key(result)}: run "
+                    f"`python experiments/client_compute.py --profile "
+                    f"{compute['meta'].get('profile', '?')} --only {result['method']}`")
+            unit = float(entry["seconds_per_round"])
         key = (result.get("task", ""), result["partition"])
-        out.setdefault(key, {}).setdefault(result["method"], []).append(curve(result))
+        out.setdefault(key, {}).setdefault(result["method"], []).append(curve(result, unit))
     return out
 
 
@@ -213,19 +249,26 @@ def comparisons(methods: dict[str, list[Run]]) -> list[str]:
     return head + sorted(body, key=lambda row: row.split(")")[0])
 
 
-def method_table(methods: dict[str, list[Run]], bounds: dict[str, list[Run]]) -> list[str]:
-    """Each method's (and bound's) totals and final quality over seeds."""
+def method_table(methods: dict[str, list[Run]], bounds: dict[str, list[Run]],
+                 side_by_side: bool = False) -> list[str]:
+    """Each method's (and bound's) totals and final quality over seeds; with ``side_by_side``
+    compute, the seconds a round the runs recorded too (their range shows the machine's drift
+    between pieces)."""
+    extra = " client s a round as recorded [min-max] |" if side_by_side else ""
     rows = ["| method | seeds | start acc | final acc mean [min-max], mean loss | "
-            "MB on the wire | client peak MB | client compute s |", "|" + "---|" * 7]
+            f"MB on the wire | client peak MB | client compute s |{extra}",
+            "|" + "---|" * (8 if side_by_side else 7)]
     for label, table in (("", methods), ("bound: ", bounds)):
         for m, runs in table.items():
             acc = Score(m, tuple(r.final for r in runs))
+            recorded = [r.recorded_s for r in runs]
             rows.append(
                 f"| {label}{m} | {len(runs)} | {mean(r.points[0].accuracy for r in runs):.3f} | "
                 f"{acc.cell()} | "
                 f"{mean(r.final.mb for r in runs):,.2f} | "
                 f"{mean(r.peak_mb for r in runs):,.0f} | "
-                f"{mean(r.final.client_s for r in runs):,.1f} |")
+                f"{mean(r.final.client_s for r in runs):,.1f} |"
+                + (f" {min(recorded):.1f}-{max(recorded):.1f} |" if side_by_side else ""))
     return rows
 
 
@@ -320,9 +363,24 @@ def crossing(pairs: list[tuple[int, Score, Score]], per_client_round: int) -> li
     return [*lines, "", text]
 
 
-def report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
-    """``payoff.md``: per task and partition, the methods and the four comparisons."""
-    grouped = groups(results)
+def compute_source(compute: dict[str, Any] | None) -> str:
+    """The report's sentence on where the client compute comes from."""
+    if compute is None:
+        return "Client compute: per round the slowest client's training time, summed."
+    meta = compute.get("meta", {})
+    return ("Client compute: the rounds run times the method's client seconds a round (the "
+            "slowest client of each round), measured side by side in one piece by "
+            f"`client_compute.py` ({meta.get('rounds', '?')} rounds a method, "
+            f"{meta.get('bound_rounds', '?')} a bound; {commands_line(meta)}; finished "
+            f"{meta.get('time', '?')}), not the seconds the runs recorded: those come from "
+            "pieces run at different machine speeds (their range is the last column).")
+
+
+def report(results: dict[str, dict[str, Any]], meta: dict[str, Any],
+           compute: dict[str, Any] | None = None) -> str:
+    """``payoff.md``: per task and partition, the methods and the four comparisons; with
+    ``compute`` (:func:`load_compute`) the compute budget is the side-by-side measurement's."""
+    grouped = groups(results, compute)
     lines = [f"# The payoff: profile `{meta.get('profile', '?')}`", "",
              f"{commands_line(meta)}  ",
              f"Machine: {meta.get('machine', '?')}; finished {meta.get('time', '?')}.  ",
@@ -330,7 +388,7 @@ def report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
              "of wall time together.", "",
              "Accuracy: the task's eval accuracy (exact match for a generative task). MB: "
              "payloads both ways, all client-rounds. Client peak: RSS of the client process. "
-             "Client compute: per round the slowest client's training time, summed. A bound "
+             f"{compute_source(compute)} A bound "
              "is centralized training on one node holding the whole training set, the same "
              "examples in total; it does not compete.", ""]
     tasks = sorted({t for t, _ in grouped})
@@ -339,14 +397,16 @@ def report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
         for (t, part), methods in sorted(grouped.items()):
             if t != task or part == CENTRAL:
                 continue
-            lines += [f"## {task or 'task'} / {part}", "", *method_table(methods, bounds), "",
+            lines += [f"## {task or 'task'} / {part}", "",
+                      *method_table(methods, bounds, compute is not None), "",
                       *comparisons(methods), ""]
             curve_lines = learning_curve(methods, bounds)
             lines += [*curve_lines, ""] if curve_lines else []
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
+def plot(results: dict[str, dict[str, Any]], out: Path,
+         compute: dict[str, Any] | None = None) -> list[Path]:
     """Per task and partition: accuracy vs cumulative MB, vs client peak MB, vs cumulative
     client compute seconds and (where the runs saved their config) vs training examples seen;
     a curve per method (mean over seeds, the band their range), bounds as dashed lines (or,
@@ -356,7 +416,7 @@ def plot(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grouped = groups(results)
+    grouped = groups(results, compute)
     names = sorted({m for table in grouped.values() for m in table})
     colour = {m: f"C{i % 10}" for i, m in enumerate(names)}
     saved = []
@@ -395,7 +455,8 @@ def plot(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
                              [mean(r.points[i].accuracy for r in runs) for i in range(count)],
                              "s--", color=colour[m], label=f"bound: {m}")
         xlabels = ["cumulative MB on the wire (payloads, down + up)", "client peak RSS (MB)",
-                   "cumulative client compute (s, slowest client a round)",
+                   "cumulative client compute (s, slowest client a round"
+                   + (", measured side by side)" if compute else ")"),
                    "training examples seen (all nodes)"]
         for ax, xlabel in zip(axes, xlabels, strict=False):
             ax.set_xlabel(xlabel)
@@ -420,9 +481,10 @@ def main() -> None:
     parser.add_argument("results", type=Path)
     args = parser.parse_args()
     saved = json.loads(args.results.read_text())
-    text = report(saved["runs"], saved.get("meta", {}))
+    compute = load_compute(args.results.parent)
+    text = report(saved["runs"], saved.get("meta", {}), compute)
     (args.results.parent / "payoff.md").write_text(text)
-    plot(saved["runs"], args.results.parent)
+    plot(saved["runs"], args.results.parent, compute)
     print(text)
 
 

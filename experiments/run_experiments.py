@@ -462,9 +462,10 @@ def main() -> None:
     if "tasks" in settings or "seeds" in settings:  # several seeds per method: the payoff
         import payoff
 
-        report = payoff.report(ordered, meta)
+        compute = payoff.load_compute(out)  # client_compute.py's, where it was run
+        report = payoff.report(ordered, meta, compute)
         (out / "payoff.md").write_text(report)
-        payoff.plot(ordered, out)
+        payoff.plot(ordered, out, compute)
     else:
         plot(ordered, out, inference_mb)
     print(report)

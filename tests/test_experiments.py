@@ -6,15 +6,20 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_harness(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "experiments/run_experiments.py", *args], cwd=ROOT,
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, f"experiments/{script}", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
+
+
+def run_harness(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_script("run_experiments.py", *args)
 
 
 @pytest.mark.slow
@@ -296,6 +301,80 @@ def test_payoff_smoke_profile_runs_tasks_seeds_and_bounds(tmp_path):
     assert (out / "payoff.md").read_text() == text
 
 
+@pytest.mark.slow
+def test_client_compute_measures_each_run_side_by_side_and_payoff_uses_it(tmp_path):
+    # Prepare: FedCyBGD-fo and the centralized LoRA bound of the payoff smoke profile, whose
+    # report is written first from the seconds the runs recorded
+    common = ["--profile", "payoff-smoke", "--results", str(tmp_path / "results"),
+              "--work", str(tmp_path / "work")]
+    done = run_harness(*common, "--only", "fedcybgd-fo,central-lora")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "results" / "payoff-smoke"
+    assert "summed." in (out / "payoff.md").read_text()
+
+    # Execute: two rounds of each, the list twice; then the report again
+    measured = run_script("client_compute.py", *common, "--only", "fedcybgd-fo,central-lora",
+                          "--rounds", "2", "--passes", "2")
+    again = run_harness(*common, "--report-only")
+
+    # Assert: a measurement per run id (no seed), each pass kept with its rounds
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    saved = json.loads((out / "client_compute.json").read_text())
+    assert sorted(saved["units"]) == ["central-lora@rotten-tomatoes@central",
+                                      "central-lora@tomi@central",
+                                      "fedcybgd-fo@rotten-tomatoes@dirichlet",
+                                      "fedcybgd-fo@tomi@dirichlet"]
+    fo = saved["units"]["fedcybgd-fo@tomi@dirichlet"]
+    assert [len(p["rounds"]) for p in fo["passes"]] == [2, 2]
+    assert len(saved["units"]["central-lora@tomi@central"]["passes"][0]["rounds"]) == 1
+    assert fo["seconds_per_round"] > 0
+    assert saved["meta"]["rounds"] == 2 and saved["meta"]["bound_rounds"] == 1
+    # the report's compute budget is now the side-by-side one: 2 rounds x fo's seconds a round
+    assert again.returncode == 0, again.stderr[-3000:]
+    text = (out / "payoff.md").read_text()
+    assert "measured side by side in one piece by `client_compute.py`" in text
+    row = next(r for r in text.splitlines() if r.startswith("| fedcybgd-fo | 2 |"))
+    assert row.split("|")[7].strip() == f"{2 * fo['seconds_per_round']:,.1f}"
+
+
+def test_payoff_takes_client_compute_from_the_side_by_side_measurement():
+    # Prepare: "a" recorded 10 s a round and "b" 20 s, in pieces at different machine speeds;
+    # measured side by side, a round of "a" costs 30 s and one of "b" 15 s
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    runs = {}
+    for seed in (0, 1):
+        for r in (payoff_run("a", seed, [0.5, 0.6, 0.8], [0, 1, 2], [0, 10, 20], 1.0),
+                  payoff_run("b", seed, [0.5, 0.7, 0.75], [0, 1, 2], [0, 20, 40], 1.0)):
+            runs[r["id"]] = r
+    compute: dict[str, Any] = {
+        "meta": {"profile": "p", "rounds": 6, "bound_rounds": 1, "time": "then",
+                 "commands": ["python experiments/client_compute.py --profile p"]},
+        "units": {"a@t@dirichlet": {"seconds_per_round": 30.0},
+                  "b@t@dirichlet": {"seconds_per_round": 15.0}}}
+
+    # Execute
+    recorded = payoff.comparisons(payoff.groups(runs)[("t", "dirichlet")])
+    methods = payoff.groups(runs, compute)[("t", "dirichlet")]
+    measured = payoff.comparisons(methods)
+    table = payoff.method_table(methods, {}, side_by_side=True)
+    text = payoff.report(runs, {"profile": "p"}, compute)
+
+    # Assert: the ladder of (d) follows the measured seconds, not the recorded ones
+    assert [r.split(" s (")[0] for r in recorded if r.startswith("| (d)")] == [
+        "| (d) client compute <= 20.00", "| (d) client compute <= 40.00"]
+    assert [r.split(" s (")[0] for r in measured if r.startswith("| (d)")] == [
+        "| (d) client compute <= 30.00", "| (d) client compute <= 60.00"]
+    assert "| (d) client compute <= 30.00 s (b's costliest seed) | b 0.750" in "\n".join(measured)
+    assert table[2].endswith("| 60.0 | 10.0-10.0 |")  # a: measured total, recorded a round
+    assert "measured side by side in one piece by `client_compute.py`" in text
+    # a run the measurement lacks is an error naming it and the command that fills it in
+    del compute["units"]["b@t@dirichlet"]
+    with pytest.raises(SystemExit, match=r"no measurement of b@t@dirichlet: run .*--only b"):
+        payoff.groups(runs, compute)
+
+
 def test_payoff_says_when_nothing_trained_within_a_budget_or_one_seed_cannot_judge():
     # Prepare: one seed each; the cheaper method's budget is below the other's first round
     sys.path.insert(0, str(ROOT / "experiments"))
@@ -433,7 +512,7 @@ def test_a_results_files_commands_accumulate_once_each_in_the_order_first_run():
     sys.path.insert(0, str(ROOT / "experiments"))
     from provenance import commands_line, with_command
 
-    meta = {"command": "python a.py --only x"}
+    meta: dict[str, Any] = {"command": "python a.py --only x"}
 
     # Execute
     meta = {"commands": with_command(meta, "python a.py --only y")}
