@@ -33,10 +33,10 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from payoff import COMPUTE
 from provenance import with_command
 from run_experiments import CENTRAL, HERE, ROOT, load_profile, planned_runs, run_one
 
-FILE = "client_compute.json"
 # The evaluation runs on the server, outside the client's seconds; a few rows keep it short.
 EVAL_ROWS = 8
 
@@ -86,7 +86,7 @@ def main() -> None:
         raise SystemExit(f"{args.profile}: no run to measure (--only {args.only!r})")
     out = Path(args.results) / profile["name"]
     out.mkdir(parents=True, exist_ok=True)
-    path = out / FILE
+    path = out / COMPUTE
     earlier = json.loads(path.read_text()) if path.exists() else {}
     meta = {"profile": profile["name"],
             "commands": [" ".join(["python", *sys.argv])],
