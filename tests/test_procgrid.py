@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,6 +24,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@pytest.mark.slow
 def test_a_busy_child_stops_soon_after_its_parent_is_killed(tmp_path):
     # Prepare: a ClientApp that is still handling its message a minute later, and a parent
     # that reports the child's pid and then waits for the reply
