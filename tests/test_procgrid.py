@@ -28,8 +28,10 @@ def _alive(pid: int) -> bool:
 def test_a_busy_child_stops_soon_after_its_parent_is_killed(tmp_path):
     # Prepare: a ClientApp that is still handling its message a minute later, and a parent
     # that reports the child's pid and then waits for the reply
+    busy = tmp_path / "busy"
     (tmp_path / "sleepy.py").write_text(
-        "import time\n\ndef app(message, context):\n    time.sleep(120)\n")
+        "import pathlib, time\n\ndef app(message, context):\n"
+        f"    pathlib.Path({str(busy)!r}).touch()\n    time.sleep(120)\n")
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
@@ -44,8 +46,10 @@ def test_a_busy_child_stops_soon_after_its_parent_is_killed(tmp_path):
         env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
-    time.sleep(3)  # the message is on its way to the sleeping app
-    assert _alive(child)
+    deadline = time.monotonic() + 60
+    while not busy.exists() and time.monotonic() < deadline:  # the app is handling it
+        time.sleep(0.1)
+    assert busy.exists() and _alive(child)
     # Execute: the parent dies without closing the grid
     parent.send_signal(signal.SIGKILL)
     parent.wait(timeout=10)
