@@ -4,6 +4,7 @@ Flower's FedAvg (full model, LoRA) and whole-stack MeZO with seed-log uploads.
     python experiments/run_experiments.py                     # the quick profile (~1 h, 2 CPUs)
     python experiments/run_experiments.py --profile full      # experiments/configs/full.toml
     python experiments/run_experiments.py --only fedcybgd-fo  # some methods (all partitions)
+    python experiments/run_experiments.py --profile payoff --seeds 0  # some of its seeds
     python experiments/run_experiments.py --profile payoff    # 3 seeds, bounds: payoff.md
 
 A profile (``experiments/configs/<name>.toml``) names the methods, the run config they share and
@@ -126,6 +127,24 @@ def planned_runs(profile: dict[str, Any], only: set[str] | None) -> list[dict[st
             for task in tasks:
                 add(check["method"], task, check["partition"], int(seed))
     return runs
+
+
+def only_seeds(plan: list[dict[str, Any]], profile: dict[str, Any],
+               text: str) -> list[dict[str, Any]]:
+    """The planned runs of the seeds named in ``text`` (comma-separated; empty: every seed).
+
+    A seed the profile does not run is an error naming the profile's seeds."""
+    try:
+        wanted = {int(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        raise SystemExit(f"--seeds {text}: expected comma-separated integers") from None
+    if not wanted:
+        return plan
+    known = {item["seed"] for item in planned_runs(profile, None)}
+    if wanted - known:
+        raise SystemExit(f"--seeds {text}: profile {profile['name']} runs seeds "
+                         f"{sorted(known)}, not {sorted(wanted - known)}")
+    return [item for item in plan if item["seed"] in wanted]
 
 
 def run_one(plan: dict[str, Any], work: Path, nodes: int, threads: int) -> dict[str, Any]:
@@ -401,6 +420,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="quick")
     parser.add_argument("--only", default="", help="comma-separated methods")
+    parser.add_argument("--seeds", default="",
+                        help="comma-separated seeds of the profile (default: all of them)")
     parser.add_argument("--resume", action="store_true",
                         help="keep runs already saved with the same config")
     parser.add_argument("--report-only", action="store_true",
@@ -421,7 +442,7 @@ def main() -> None:
     # --resume finds it saved with the same config.
     results: dict[str, dict[str, Any]] = saved.get("runs", {})
     only = {m.strip() for m in args.only.split(",") if m.strip()} or None
-    plan = planned_runs(profile, only)
+    plan = only_seeds(planned_runs(profile, only), profile, args.seeds)
     earlier = saved.get("meta", {})
     meta = earlier if args.report_only else {
         "profile": profile["name"],

@@ -538,3 +538,25 @@ def test_payoff_crossing_names_lora_when_it_leads_throughout():
     text = payoff.crossing(pairs, 40)[-1]
     assert text == ("LoRA is ahead at every evaluation: no crossing. Clear of the seed spread "
                     "from 12 client-rounds on.")
+
+
+def test_seeds_option_keeps_the_named_seeds_and_names_unknown_ones():
+    # Prepare: the long payoff profile, 3 seeds, every method and bound
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import run_experiments as harness
+
+    profile = harness.load_profile("payoff-long")
+    plan = harness.planned_runs(profile, {"fedavg-full"})
+
+    # Execute
+    kept = harness.only_seeds(plan, profile, "0")
+    every = harness.only_seeds(plan, profile, "")
+
+    # Assert: one run per partition at seed 0; nothing dropped without the option
+    assert sorted(item["id"] for item in kept) == ["fedavg-full@tomi@dirichlet",
+                                                   "fedavg-full@tomi@iid"]
+    assert every == plan and len(plan) == 6
+    with pytest.raises(SystemExit, match=r"runs seeds \[0, 1, 2\], not \[7\]"):
+        harness.only_seeds(plan, profile, "0,7")
+    with pytest.raises(SystemExit, match="comma-separated integers"):
+        harness.only_seeds(plan, profile, "zero")
