@@ -10,8 +10,9 @@ Pareto figure per task and partition, ``pareto_<task>_<partition>.png``.
 Quality is the task's eval accuracy (exact match for a generative task). A method's quality at
 a budget is, per seed, that of its last evaluation reached within the budget (round 0, the
 untrained model, is always within it); the budget ladder of each axis is every method's own
-total at its costliest seed (so all its seeds finish within its own rung), and each row
-answers "with as much as method X spends, who is best?". Memory is a threshold, not a running
+total at its costliest seed (so all its seeds finish within its own rung; totals within 1% of
+each other are one rung, at the largest), and each row answers "with as much as method X
+spends, who is best?". Memory is a threshold, not a running
 sum: at a budget of M MB, the methods whose client peak (the largest over seeds) is at most M
 compete with their final quality. The untrained model (round 0) competes at every budget: it
 costs nothing, and a method that has not beaten it has not paid off. A winner is *clear* when
@@ -21,7 +22,8 @@ spread.
 With evaluations along the way (``eval-every``), the report adds each task's learning curve: per
 evaluation point (training examples seen, and the client-rounds they are), every method's
 accuracy over seeds, who is ahead and by how much against the seed spread; then the best
-full-parameter method against the best LoRA one at each point, and the crossing point: the
+full-parameter method against the best LoRA one at each point (by mean, among the methods run
+at the most seeds there, so one lucky seed cannot stand for a family), and the crossing point: the
 first evaluation from which one of the two stays ahead to the end (and from which it is clear).
 
 Client compute is what the runs recorded (each round's slowest client, summed) unless
@@ -181,6 +183,8 @@ def within(run: Run, cost: Callable[[Point], float], budget: float) -> Point:
     return reached[-1] if reached else run.points[0]
 
 
+# Budgets within 1% of each other are one rung of the ladder.
+RUNG_MERGE = 0.01
 ONE_SEED, CLEAR, INSIDE = "one seed: no spread to judge by", "clear", "inside the spread"
 
 
@@ -214,9 +218,23 @@ def verdict(scores: list[Score], start: Score) -> str:
 
 def untrained(methods: dict[str, list[Run]]) -> Score:
     """The untrained model's evaluation per seed (round 0; every method of a task and
-    partition evaluates the same weights on the same rows, so any method's will do)."""
-    runs = next(iter(methods.values()))
-    return Score(UNTRAINED, tuple(r.points[0] for r in runs))
+    partition evaluates the same weights on the same rows, so any method's will do), over
+    every seed any method ran."""
+    per_seed = {r.seed: r.points[0] for runs in methods.values() for r in runs}
+    return Score(UNTRAINED, tuple(per_seed[seed] for seed in sorted(per_seed)))
+
+
+def rungs(totals: list[tuple[float, str]]) -> list[tuple[float, str]]:
+    """The budget ladder from each method's costliest total: totals within ``RUNG_MERGE`` of
+    the rung below join it, and the rung moves up to the largest of them, so a method a hair
+    costlier than another is not cut back a whole evaluation at the other's rung."""
+    merged: list[tuple[float, list[str]]] = []
+    for total, owner in sorted(totals):
+        if merged and total <= merged[-1][0] * (1 + RUNG_MERGE):
+            merged[-1] = (total, [*merged[-1][1], owner])
+        else:
+            merged.append((total, [owner]))
+    return [(total, " and ".join(owners)) for total, owners in merged]
 
 
 def comparisons(methods: dict[str, list[Run]]) -> list[str]:
@@ -233,16 +251,19 @@ def comparisons(methods: dict[str, list[Run]]) -> list[str]:
         ("(d) client compute", "s", lambda p: p.client_s, lambda r: r.final.client_s),
     ]
     for label, unit, cost, total in axes:
-        ladder = sorted((max(total(r) for r in runs), m) for m, runs in methods.items())
+        ladder = rungs([(max(total(r) for r in runs), m) for m, runs in methods.items()])
         for budget, owner in ladder:
             scores = [Score(m, tuple(within(r, cost, budget) for r in runs))
                       for m, runs in methods.items()]
-            rows.append(f"| {label} <= {budget:,.2f} {unit} ({owner}'s costliest seed) | "
+            whose = "costliest seeds, within 1%" if " and " in owner else "costliest seed"
+            rows.append(f"| {label} <= {budget:,.2f} {unit} ({owner}'s {whose}) | "
                         f"{verdict(scores, start)}")
-    for budget, owner in sorted((max(r.peak_mb for r in runs), m) for m, runs in methods.items()):
+    for budget, owner in rungs([(max(r.peak_mb for r in runs), m)
+                                for m, runs in methods.items()]):
         fits = [Score(m, tuple(r.final for r in runs)) for m, runs in methods.items()
                 if max(r.peak_mb for r in runs) <= budget * (1 + 1e-9)]
-        rows.append(f"| (c) client peak <= {budget:,.0f} MB ({owner}'s largest) | "
+        whose = "largest, within 1%" if " and " in owner else "largest"
+        rows.append(f"| (c) client peak <= {budget:,.0f} MB ({owner}'s {whose}) | "
                     f"{verdict(fits, start)}")
     # keep the table's order (a), (b), (c), (d)
     head, body = rows[:2], rows[2:]
@@ -256,7 +277,7 @@ def method_table(methods: dict[str, list[Run]], bounds: dict[str, list[Run]],
     between pieces)."""
     extra = " client s a round as recorded [min-max] |" if side_by_side else ""
     rows = ["| method | seeds | start acc | final acc mean [min-max], mean loss | "
-            f"MB on the wire | client peak MB | client compute s |{extra}",
+            f"MB on the wire | client peak MB (mean) | client compute s |{extra}",
             "|" + "---|" * (8 if side_by_side else 7)]
     for label, table in (("", methods), ("bound: ", bounds)):
         for m, runs in table.items():
@@ -313,12 +334,17 @@ def learning_curve(methods: dict[str, list[Run]], bounds: dict[str, list[Run]]) 
                 f"{standing(ranked[0], ranked[1])}" if len(ranked) > 1 else " | | ")
         rounds = examples / per_client_round if per_client_round else 0
         lines.append(f"| {rounds:g} ({examples:,}) | {' | '.join(cells)} | {lead} |")
-        full = [s for s in ranked if not methods[s.method][0].lora]
-        lora = [s for s in ranked if methods[s.method][0].lora]
+        # each family's best among the methods run at the most seeds here, so a method
+        # with one lucky seed does not stand in for a family measured on three
+        most = max((len(s.values) for s in ranked), default=0)
+        full = [s for s in ranked if not methods[s.method][0].lora and len(s.values) == most]
+        lora = [s for s in ranked if methods[s.method][0].lora and len(s.values) == most]
         if full and lora:
             full_vs_lora.append((examples, full[0], lora[0]))
     if full_vs_lora:
-        lines += ["", *crossing(full_vs_lora, per_client_round)]
+        lines += ["", "The best full-parameter method against the best LoRA one (by mean, "
+                  "among the methods run at the most seeds):", "",
+                  *crossing(full_vs_lora, per_client_round)]
     return lines
 
 
@@ -354,7 +380,7 @@ def crossing(pairs: list[tuple[int, Score, Score]], per_client_round: int) -> li
     first_clear = len(clear)
     while first_clear > 0 and clear[first_clear - 1]:
         first_clear -= 1
-    if any(standing(f, lo) == ONE_SEED for _, f, lo in pairs):
+    if any(standing(f, lo) == ONE_SEED for _, f, lo in pairs[start:]):
         text += " One seed: no spread to judge by."
     elif last != "tie":
         text += (f" Clear of the seed spread from {rounds(pairs[first_clear][0])} "
@@ -368,8 +394,10 @@ def compute_source(compute: dict[str, Any] | None) -> str:
     if compute is None:
         return "Client compute: per round the slowest client's training time, summed."
     meta = compute.get("meta", {})
+    pieces = len(meta.get("commands", [])) if "commands" in meta else 1
+    how = "side by side in one piece" if pieces <= 1 else f"side by side, in {pieces} pieces,"
     return ("Client compute: the rounds run times the method's client seconds a round (the "
-            "slowest client of each round), measured side by side in one piece by "
+            f"slowest client of each round), measured {how} by "
             f"`client_compute.py` ({meta.get('rounds', '?')} rounds a method, "
             f"{meta.get('bound_rounds', '?')} a bound; {commands_line(meta)}; finished "
             f"{meta.get('time', '?')}), not the seconds the runs recorded: those come from "

@@ -560,3 +560,80 @@ def test_seeds_option_keeps_the_named_seeds_and_names_unknown_ones():
         harness.only_seeds(plan, profile, "0,7")
     with pytest.raises(SystemExit, match="comma-separated integers"):
         harness.only_seeds(plan, profile, "zero")
+
+
+def test_payoff_untrained_model_has_every_seed_any_method_ran():
+    # Prepare: "one" ran seed 0 only, is listed first and fell below the untrained 0.5;
+    # "multi" ran three seeds, all clear of it
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    runs = {}
+    r = payoff_run("one", 0, [0.5, 0.45], [0, 1], [0, 1], 1.0)
+    runs[r["id"]] = r
+    for seed, acc in enumerate((0.60, 0.61, 0.62)):
+        r = payoff_run("multi", seed, [0.5, acc], [0, 1], [0, 1], 1.0)
+        runs[r["id"]] = r
+
+    # Execute
+    rows = payoff.comparisons(payoff.groups(runs)[("t", "dirichlet")])
+
+    # Assert: the untrained model is judged on three seeds, so the lead over it is clear
+    assert ("| multi 0.610 [0.600-0.620], loss 0.390 | the untrained model 0.500 [0.500-0.500], "
+            "loss 0.500 | +11.0 points | clear |") in rows[2]
+
+
+def test_payoff_budgets_within_one_percent_are_one_rung():
+    # Prepare: "a" totals 100.0 MB, "b" 100.5 MB and is better only at its last evaluation
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    runs = {}
+    for seed, jitter in enumerate((0.0, 0.01)):
+        for r in (payoff_run("a", seed, [0.5, 0.70 + jitter], [0, 100.0], [0, 10], 1.0),
+                  payoff_run("b", seed, [0.5, 0.60, 0.80 + jitter], [0, 50.0, 100.5],
+                             [0, 5, 30], 1.0)):
+            runs[r["id"]] = r
+
+    # Execute
+    rows = payoff.comparisons(payoff.groups(runs)[("t", "dirichlet")])
+
+    # Assert: one bytes rung at 100.5 MB where b's last evaluation counts; compute rungs
+    # (10 s and 30 s) stay apart
+    byte_rows = [row for row in rows if row.startswith("| (b)")]
+    assert len(byte_rows) == 1
+    assert byte_rows[0].startswith("| (b) bytes <= 100.50 MB (a and b's costliest seeds, "
+                                   "within 1%) | b 0.805")
+    assert len([row for row in rows if row.startswith("| (d)")]) == 2
+
+
+def test_payoff_crossing_ignores_a_one_seed_method_and_judges_the_final_stretch():
+    # Prepare: fo and lora at 3 seeds (lora ahead at 12 client-rounds, fo from 24 on and clear
+    # from 36); "lucky", full-parameter, one seed, best of all at 12 only
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    fed = {"clients-per-round": 2, "local-steps": 5, "batch-size": 8}
+    curves = {"fo": ([0.0, 0.40, 0.53, 0.60, 0.65], "full", (0, 1, 2)),
+              "lora": ([0.0, 0.50, 0.52, 0.53, 0.54], "lora", (0, 1, 2)),
+              "lucky": ([0.0, 0.60, 0.30, 0.30, 0.30], "full", (0,))}
+    runs = {}
+    for name, (accs, params, seeds) in curves.items():
+        for seed in seeds:
+            jitter = 0.005 * (seed - 1)
+            r = payoff_run(name, seed, [a + jitter if a else a for a in accs], [0] * 5, [0] * 5,
+                           1000.0)
+            for i, rec in enumerate(r["records"]):
+                rec["round"] = 6 * i
+            r.update(client_rounds=48, config={**fed, "fedavg-params": params})
+            runs[r["id"]] = r
+
+    # Execute
+    grouped = payoff.groups(runs)
+    table = "\n".join(payoff.learning_curve(grouped[("t", "dirichlet")], {}))
+
+    # Assert: lucky leads the 12 row (one seed) but not the family comparison
+    assert "| lucky | +9.5 points | one seed: no spread to judge by |" in table
+    assert "| 12 | fo 0.400 | lora 0.500 | -10.0 points | clear |" in table
+    assert ("Crossing: full-parameter training is ahead from 24 client-rounds on, to the last "
+            "evaluation. Clear of the seed spread from 36 client-rounds on.") in table
