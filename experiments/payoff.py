@@ -12,12 +12,11 @@ a budget is, per seed, that of its last evaluation reached within the budget (ro
 untrained model, is always within it); the budget ladder of each axis is every method's own
 total at its costliest seed (so all its seeds finish within its own rung; totals within 1% of
 each other are one rung, at the largest), and each row answers "with as much as method X
-spends, who is best?". Memory is a threshold, not a running
-sum: at a budget of M MB, the methods whose client peak (the largest over seeds) is at most M
-compete with their final quality. The untrained model (round 0) competes at every budget: it
-costs nothing, and a method that has not beaten it has not paid off. A winner is *clear* when
-its worst seed beats the runner-up's best seed; otherwise the difference is inside the seed
-spread.
+spends, who is best?". Memory is a threshold, not a running sum: at a budget of M MB, the
+methods whose client peak (the largest over seeds) is at most M compete with their final
+quality. The untrained model (round 0) competes at every budget: it costs nothing, and a method
+that has not beaten it has not paid off. A winner is *clear* when its worst seed beats the
+runner-up's best seed; otherwise the difference is inside the seed spread.
 
 With evaluations along the way (``eval-every``), the report adds each task's learning curve: per
 evaluation point (training examples seen, and the client-rounds they are), every method's
@@ -224,7 +223,7 @@ def untrained(methods: dict[str, list[Run]]) -> Score:
     return Score(UNTRAINED, tuple(per_seed[seed] for seed in sorted(per_seed)))
 
 
-def rungs(totals: list[tuple[float, str]]) -> list[tuple[float, str]]:
+def rungs(totals: list[tuple[float, str]]) -> list[tuple[float, list[str]]]:
     """The budget ladder from each method's costliest total: totals within ``RUNG_MERGE`` of
     the rung below join it, and the rung moves up to the largest of them, so a method a hair
     costlier than another is not cut back a whole evaluation at the other's rung."""
@@ -234,7 +233,14 @@ def rungs(totals: list[tuple[float, str]]) -> list[tuple[float, str]]:
             merged[-1] = (total, [*merged[-1][1], owner])
         else:
             merged.append((total, [owner]))
-    return [(total, " and ".join(owners)) for total, owners in merged]
+    return merged
+
+
+def owners_of(owners: list[str], one: str, many: str) -> str:
+    """Whose rung it is: ``a's costliest seed``, or ``a and b's costliest seeds, within 1%``."""
+    if len(owners) == 1:
+        return f"{owners[0]}'s {one}"
+    return f"{' and '.join(owners)}'s {many}, within {RUNG_MERGE:.0%}"
 
 
 def comparisons(methods: dict[str, list[Run]]) -> list[str]:
@@ -252,19 +258,18 @@ def comparisons(methods: dict[str, list[Run]]) -> list[str]:
     ]
     for label, unit, cost, total in axes:
         ladder = rungs([(max(total(r) for r in runs), m) for m, runs in methods.items()])
-        for budget, owner in ladder:
+        for budget, owners in ladder:
             scores = [Score(m, tuple(within(r, cost, budget) for r in runs))
                       for m, runs in methods.items()]
-            whose = "costliest seeds, within 1%" if " and " in owner else "costliest seed"
-            rows.append(f"| {label} <= {budget:,.2f} {unit} ({owner}'s {whose}) | "
+            rows.append(f"| {label} <= {budget:,.2f} {unit} "
+                        f"({owners_of(owners, 'costliest seed', 'costliest seeds')}) | "
                         f"{verdict(scores, start)}")
-    for budget, owner in rungs([(max(r.peak_mb for r in runs), m)
-                                for m, runs in methods.items()]):
+    for budget, owners in rungs([(max(r.peak_mb for r in runs), m)
+                                 for m, runs in methods.items()]):
         fits = [Score(m, tuple(r.final for r in runs)) for m, runs in methods.items()
                 if max(r.peak_mb for r in runs) <= budget * (1 + 1e-9)]
-        whose = "largest, within 1%" if " and " in owner else "largest"
-        rows.append(f"| (c) client peak <= {budget:,.0f} MB ({owner}'s {whose}) | "
-                    f"{verdict(fits, start)}")
+        whose = owners_of(owners, "largest", "largest")
+        rows.append(f"| (c) client peak <= {budget:,.0f} MB ({whose}) | {verdict(fits, start)}")
     # keep the table's order (a), (b), (c), (d)
     head, body = rows[:2], rows[2:]
     return head + sorted(body, key=lambda row: row.split(")")[0])
@@ -394,8 +399,8 @@ def compute_source(compute: dict[str, Any] | None) -> str:
     if compute is None:
         return "Client compute: per round the slowest client's training time, summed."
     meta = compute.get("meta", {})
-    pieces = len(meta.get("commands", [])) if "commands" in meta else 1
-    how = "side by side in one piece" if pieces <= 1 else f"side by side, in {pieces} pieces,"
+    pieces = len(meta.get("commands", []))
+    how = f"side by side, in {pieces} pieces," if pieces > 1 else "side by side in one piece"
     return ("Client compute: the rounds run times the method's client seconds a round (the "
             f"slowest client of each round), measured {how} by "
             f"`client_compute.py` ({meta.get('rounds', '?')} rounds a method, "
