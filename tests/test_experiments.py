@@ -637,3 +637,14 @@ def test_payoff_crossing_ignores_a_one_seed_method_and_judges_the_final_stretch(
     assert "| 12 | fo 0.400 | lora 0.500 | -10.0 points | clear |" in table
     assert ("Crossing: full-parameter training is ahead from 24 client-rounds on, to the last "
             "evaluation. Clear of the seed spread from 36 client-rounds on.") in table
+
+
+def test_payoff_compute_sentence_says_how_many_pieces_measured_it():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    one = payoff.compute_source({"meta": {"commands": ["python a"], "rounds": 6}})
+    two = payoff.compute_source({"meta": {"commands": ["python a", "python b"], "rounds": 6}})
+
+    assert "measured side by side in one piece by" in one
+    assert "measured side by side, in 2 pieces, by" in two and "`python b`" in two
