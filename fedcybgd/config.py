@@ -326,16 +326,22 @@ class RunConfig:
         "the paper's random dropping of stale frozen blocks"))
     traffic_budget_mb: float = setting(0.0, ge=0, doc=(
         "payload MB (down + up) per client-round; each round the server picks per node the least "
-        "lossy traffic level that fits (the run's codecs, then int4 frozen downloads, then int2 "
-        "frozen downloads, then int2 uploads, then top-k int8 uploads, then frozen copies one "
-        "install behind kept, then no frozen refreshes; the trained block always arrives exact; a "
-        "rung never widens the run's own download codec) and records it in the row's `traffic` "
-        "(node -> level) and `traffic_over_budget`; 0 = no budget"))
+        "lossy traffic level that fits (the run's codecs, then frozen blocks without install "
+        "chains, then int4 frozen downloads, then int2 frozen downloads, then int2 uploads, then "
+        "top-k int8 uploads, then frozen copies one install behind kept, then no frozen "
+        "refreshes; the trained block always arrives exact; a rung never widens the run's own "
+        "download codec) and records it in the row's `traffic` (node -> level) and "
+        "`traffic_over_budget`; 0 = no budget"))
     max_staleness: int = setting(0, ge=0, doc=(
         "bounded staleness: a node's frozen copy of a block may lag the global one by this many "
         "installs of it before it is sent again; the block a node trains always arrives exact"))
     version_history: int = setting(2, ge=0, doc=(
         "past exact versions per block the server keeps to send deltas"))
+    install_chain: int = setting(8, ge=1, doc=(
+        "installs per block whose low-bit deltas (`install-codec`) the server keeps, so a node "
+        "that missed several installs of a block gets their deltas one after another, exact, "
+        "instead of the whole block; a chain of more than one goes only when it weighs at most "
+        "half the block in fp32; 1: only the latest install's delta"))
     self_sync: bool = setting(True, doc=(
         "a node that trained a block alone (one node per block, `sgd` server step) computes the "
         "installed version from its own upload and holds it, checked against the server's "
@@ -660,7 +666,8 @@ class NodeConfig:
     max_replay_logs: int = setting(1024, ge=1, doc=(
         "most step logs (the chains' length) in one round's step-log downloads"))
     max_download_mb: float = setting(8192.0, gt=0, doc=(
-        "most payload MB of one round's downloads (weights and step logs together)"))
+        "most payload MB of one round's downloads (weights, install-delta chains and step logs "
+        "together)"))
     max_dp_epsilon: float = setting(0.0, ge=0, doc=(
         "`dp = \"example\"`: the most epsilon (at the run's `dp-delta`) this node lets runs "
         "spend on its data, counted across rounds and runs in its cache folder; a round that "
@@ -668,6 +675,9 @@ class NodeConfig:
         "only"))
     max_decoded_mb: float = setting(8192.0, gt=0, doc=(
         "most MB the tensors of one downloaded block may decode to"))
+    max_chain_mb: float = setting(16384.0, gt=0, doc=(
+        "most MB the install deltas of one round's chained downloads (`download-chain`) decode "
+        "to, all together: the work of applying them one after another"))
 
     def __post_init__(self) -> None:
         normalize(self)

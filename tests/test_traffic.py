@@ -490,10 +490,10 @@ def test_traffic_budget_never_widens_the_runs_own_download_codec(tiny_run_config
     # Execute
     choice = budget.choose(2, node, "layer.1", strategy.holdings[node], {})
     # Assert: int4 (wider than int2) is never encoded; int4-down, int2-down and int2-up repeat
-    # the run's own settings and are skipped (planned: configured, topk-up, stale-1, stale);
-    # the ladder still ends at its last rung
+    # unchained's settings and are skipped (planned: configured, unchained, topk-up, stale-1,
+    # stale); the ladder still ends at its last rung
     assert all(codec != "delta+int4+zstd" for codec, _ in planned), planned
-    assert [staleness for _, staleness in planned] == [None, None, 1, UNBOUNDED], planned
+    assert [staleness for _, staleness in planned] == [None, None, None, 1, UNBOUNDED], planned
     assert choice.level == "stale" and not choice.fits
 
 

@@ -12,8 +12,9 @@ whose replay costs minutes. Each such demand is capped by a key of the node's ow
 ``max-batch-size``  rows of one training batch (run config ``batch-size``)
 ``max-replay-steps`` steps replayed from all of one instruction's step-log downloads
 ``max-replay-logs`` step logs (the chains' length) of one instruction's step-log downloads
-``max-download-mb`` payload bytes of one instruction's downloads, both records together
+``max-download-mb`` payload bytes of one instruction's downloads, all records together
 ``max-decoded-mb``  bytes the tensors of one downloaded block decode to
+``max-chain-mb``    bytes all of one instruction's chained install deltas decode to
 ================== ===========================================================================
 
 Beyond a limit the node does none of the work and answers ``refused``
@@ -103,6 +104,14 @@ def check_decoded(record: str, block: str, header: PayloadHeader, node: NodeConf
     if size > node.max_decoded_mb * MB:
         raise beyond(f"instruction record '{record}' block '{block}' (decoded)",
                      f"{size / MB:.1f} MB", "max-decoded-mb", node.max_decoded_mb)
+
+
+def check_chain_decoded(total: int, node: NodeConfig) -> None:
+    """Refuse chained install deltas (record ``download-chain``) as soon as what those read so
+    far decode to exceeds ``max-chain-mb`` (the node's work applying them)."""
+    if total > node.max_chain_mb * MB:
+        raise beyond("instruction record 'download-chain' (decoded, all deltas)",
+                     f"at least {total / MB:.1f} MB", "max-chain-mb", node.max_chain_mb)
 
 
 def check_replay_logs(count: int, node: NodeConfig) -> None:

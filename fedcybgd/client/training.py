@@ -102,14 +102,16 @@ class Downloads:
     weights: dict[str, bytes] = field(default_factory=dict)  # block -> payload
     chains: dict[str, tuple[seedsync.LogChain, list[list[SeedLog]]]] = field(
         default_factory=dict)  # block -> its chain and that chain's decoded logs, per install
+    chained: dict[str, list[bytes]] = field(default_factory=dict)  # block -> install deltas
     received: int = 0  # payload bytes
 
 
 def read_downloads(weights: ArrayRecord, logs: ArrayRecord, node: NodeConfig, max_bytes: int,
-                   max_steps: int) -> Downloads:
+                   max_steps: int, chained: ArrayRecord | None = None) -> Downloads:
     """Read the instruction's downloads and check them against the node's limits before any
-    is decoded or replayed: their bytes, what each weights payload decodes to, and the step
-    logs' number and steps (each log at most ``max_steps``, the instruction's local steps).
+    is decoded or replayed: their bytes, what each weights payload decodes to, what a chain
+    of install deltas (``chained``) decodes to in all, and the step logs' number and steps
+    (each log at most ``max_steps``, the instruction's local steps).
 
     Raises
     ------
@@ -118,13 +120,32 @@ def read_downloads(weights: ArrayRecord, logs: ArrayRecord, node: NodeConfig, ma
     CodecError
         A malformed payload, chain or step log (the node asks for a resync).
     """
+    chained = ArrayRecord() if chained is None else chained
     out = Downloads(received=limits.check_download_bytes(
-        {protocol.DOWNLOAD: weights, protocol.DOWNLOAD_LOGS: logs}, node))
+        {protocol.DOWNLOAD: weights, protocol.DOWNLOAD_LOGS: logs,
+         protocol.DOWNLOAD_CHAIN: chained}, node))
     for block, array in weights.items():
         payload = payload_from_array(array)
         limits.check_decoded(protocol.DOWNLOAD, block,
                              read_header(payload, max_bytes=max_bytes), node)
         out.weights[block] = payload
+    try:
+        lengths = protocol.read_chain_keys(chained.keys())
+    except ValueError as err:
+        raise CodecError(str(err)) from None
+    if twice := set(lengths) & (set(weights.keys()) | set(logs.keys())):
+        raise CodecError(f"blocks {sorted(twice)[:4]} sent both as a chain of install deltas "
+                         "and otherwise")
+    decoded_total = 0
+    for block, length in lengths.items():
+        out.chained[block] = []
+        for index in range(length):
+            payload = payload_from_array(chained[protocol.chain_key(block, index)])
+            header = read_header(payload, max_bytes=max_bytes)
+            limits.check_decoded(protocol.DOWNLOAD_CHAIN, block, header, node)
+            decoded_total += max(header.decoded_bytes, header.raw_body_length)
+            limits.check_chain_decoded(decoded_total, node)
+            out.chained[block].append(payload)
     chains = {}
     for block, array in logs.items():
         try:
@@ -183,6 +204,38 @@ def apply_downloads(cm: ClientModel, store: BlockStore, payloads: Mapping[str, b
         )
         holding = store.put(block, header.target_version, decoded.tensors)
         cm.set_block(block, decoded.tensors, holding)
+
+
+def apply_chained_downloads(cm: ClientModel, store: BlockStore,
+                            chained: Mapping[str, list[bytes]], max_bytes: int,
+                            max_decoded_bytes: int) -> None:
+    """Apply every block sent as a chain of install deltas (:func:`read_downloads` read them)
+    one after another, from the pretrained block or this node's exact copy, and install the
+    last. Each delta must start from the version the one before made, and decode checks its
+    base's checksum against its header. Raises ``CodecError`` on a chain that does not start
+    from what this node holds, or that breaks anywhere; the block is then left as it was."""
+    for block, payloads in chained.items():
+        held = store.holdings.get(block, Holding(0, "")).version
+        version = read_header(payloads[0], max_bytes=max_bytes).base_version
+        if version == 0:
+            tensors = cm.pretrained(block)
+        elif version == held:
+            tensors = cm.exact(block, store)
+        else:
+            raise CodecError(f"block '{block}': a chain of install deltas from version {version}, "
+                             f"but this client holds version {held}")
+        for index, payload in enumerate(payloads):
+            header = read_header(payload, max_bytes=max_bytes)
+            if not uses_base(header.spec) or header.base_version != version:
+                raise CodecError(f"block '{block}': install delta {index} of its chain starts "
+                                 f"from version {header.base_version} ({header.spec}), not "
+                                 f"{version}")
+            tensors = decode(payload, base=tensors, expect_block=block,
+                             expect_shapes=cm.shapes(block), max_bytes=max_bytes,
+                             max_decoded_bytes=max_decoded_bytes).tensors
+            version = header.target_version
+        holding = store.put(block, version, tensors)
+        cm.set_block(block, tensors, holding)
 
 
 def apply_log_downloads(cm: ClientModel, store: BlockStore,
@@ -306,10 +359,13 @@ def open_round(msg: Message, context: Context) -> Round:
     cache_dir = Path(node.cache_dir) if node.cache_dir else cache_root()
     downloads = msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord())
     log_downloads = msg.content.array_records.get(protocol.DOWNLOAD_LOGS, ArrayRecord())
+    chained = [key.rpartition("#")[0] for key in
+               msg.content.array_records.get(protocol.DOWNLOAD_CHAIN, ArrayRecord())]
     try:
         # Names the server sends become paths: checked before anything is touched.
         dirs = node_dirs(cache_dir, ins.lineage, context.node_id)
-        for name in (ins.block, *downloads.keys(), *log_downloads.keys(), *ins.promotions):
+        for name in (ins.block, *downloads.keys(), *log_downloads.keys(), *chained,
+                     *ins.promotions):
             if block_name(name) not in cm.blocks.names:
                 raise UnsafeName(f"block {name!r} is not one of this model's {cm.blocks.names}")
     except UnsafeName as err:
@@ -328,7 +384,8 @@ def check_downloads(rnd: Round) -> None:
         rnd.incoming = read_downloads(
             msg.content.array_records.get(protocol.DOWNLOAD, ArrayRecord()),
             msg.content.array_records.get(protocol.DOWNLOAD_LOGS, ArrayRecord()),
-            rnd.node, rnd.max_bytes, rnd.ins.local_steps)
+            rnd.node, rnd.max_bytes, rnd.ins.local_steps,
+            msg.content.array_records.get(protocol.DOWNLOAD_CHAIN, ArrayRecord()))
     except Refusal as err:
         log.warning("round %s: refused an instruction (%s)", rnd.ins.server_round, err)
         raise rnd.answer(protocol.REFUSED, str(err)) from None
@@ -410,7 +467,8 @@ def fit_memory_budget(rnd: Round) -> None:
 
 
 def install_downloads(rnd: Round) -> None:
-    """Self-synced blocks, then the downloads (weights and step logs); the holdings must then
+    """Self-synced blocks, then the downloads (weights, install-delta chains and step logs);
+    the holdings must then
     be what the server expects, else a resync."""
     cm, store, node = rnd.cm, rnd.store, rnd.node
     cm.sync(store)
@@ -419,6 +477,8 @@ def install_downloads(rnd: Round) -> None:
     try:
         apply_downloads(cm, store, rnd.incoming.weights, rnd.max_bytes,
                         int(node.max_decoded_mb * limits.MB))
+        apply_chained_downloads(cm, store, rnd.incoming.chained, rnd.max_bytes,
+                                int(node.max_decoded_mb * limits.MB))
         apply_log_downloads(cm, store, rnd.incoming.chains, rnd.device)
     except CodecError as err:
         raise Answered(_resync_after_bad_download(rnd.msg, rnd.ins.server_round, cm, store,

@@ -12,7 +12,7 @@ payload format of :mod:`fedcybgd.compression` and Flower records.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,8 @@ CONFIG = "config"  # ConfigRecord: the round's assignment
 DOWNLOAD = "download"  # ArrayRecord: block name -> payload Array
 # ArrayRecord: block name -> step-log chain (fedcybgd.protocol.seedsync)
 DOWNLOAD_LOGS = "download-logs"
+# ArrayRecord: chain_key(block, i) -> the i-th install delta to apply to the block, from 0
+DOWNLOAD_CHAIN = "download-chain"
 
 # Records of a reply (client -> server).
 UPLOAD = "upload"  # ArrayRecord: block name -> payload Array
@@ -118,6 +120,30 @@ def class_prior(record: Mapping[str, Any]) -> list[float] | None:
         raise ValueError(f"record field {CLASS_PRIOR!r} must be 2 to 4096 positive finite "
                          f"floats, got {str(value)[:80]}")
     return value
+
+
+def chain_key(block: str, index: int) -> str:
+    """The :data:`DOWNLOAD_CHAIN` key of ``block``'s ``index``-th install delta."""
+    return f"{block}#{index}"
+
+
+def read_chain_keys(keys: Iterable[str], max_length: int = 4096) -> dict[str, int]:
+    """Block -> chain length of :data:`DOWNLOAD_CHAIN` keys; ``ValueError`` naming the key
+    unless every block's indices run 0, 1, ... without a gap, each below ``max_length``."""
+    seen: dict[str, set[int]] = {}
+    for key in keys:
+        block, sep, index = key.rpartition("#")
+        if not sep or not block or not index.isdigit() or index != str(int(index)):
+            raise ValueError(f"record '{DOWNLOAD_CHAIN}' key {key[:80]!r} is not '<block>#<n>'")
+        if int(index) >= max_length:
+            raise ValueError(f"record '{DOWNLOAD_CHAIN}' key {key[:80]!r}: index over "
+                             f"{max_length - 1}")
+        seen.setdefault(block, set()).add(int(index))
+    for block, indices in seen.items():
+        if indices != set(range(len(indices))):
+            raise ValueError(f"record '{DOWNLOAD_CHAIN}' block {block[:80]!r}: indices "
+                             f"{sorted(indices)[:8]} do not run 0, 1, ...")
+    return {block: len(indices) for block, indices in seen.items()}
 
 
 def dump_holdings(holdings: Mapping[str, Holding]) -> str:

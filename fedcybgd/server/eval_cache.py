@@ -47,10 +47,10 @@ TRAINING_ONLY = frozenset({
     "weight-decay", "eval-every", "eval-cache", "output-dir", "resume", "overwrite", "seed",
     "round-timeout", "upload-codec", "seedlog-fallback", "download-codec",
     "seedlog-max-replay", "download-fraction", "max-staleness", "traffic-budget-mb",
-    "install-codec", "version-history", "self-sync", "error-feedback", "max-payload-mb",
-    "max-update-norm", "outlier-factor", "aggregate", "trim-fraction", "server-lr",
-    "parallel-damping", "server-optimizer", "server-beta1", "server-beta2", "server-eps",
-    "lr-schedule", "warmup-rounds",
+    "install-codec", "version-history", "install-chain", "self-sync", "error-feedback",
+    "max-payload-mb", "max-update-norm", "outlier-factor", "aggregate", "trim-fraction",
+    "server-lr", "parallel-damping", "server-optimizer", "server-beta1", "server-beta2",
+    "server-eps", "lr-schedule", "warmup-rounds",
 })
 
 

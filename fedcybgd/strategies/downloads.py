@@ -10,10 +10,15 @@ dropping) a node gets only that share of its stale frozen blocks each round. A d
 against the best exact base the node holds
 (:meth:`fedcybgd.strategies.versions.BlockVersions.base_for`); a block the server installed
 through a low-bit delta (``install-codec``) goes to nodes holding its previous version as that
-delta, which is exact for them. With seed-log downloads (``download-codec = "seedlog"``) a
-block whose every install since the node's exact copy was made from step logs goes as those
-logs (:mod:`fedcybgd.protocol.seedsync`), when the node's z fingerprint and torch are the server's
-and the logs weigh less than a sixteenth of the block in fp32 (below any int4 delta of it).
+delta, which is exact for them; a node that missed several such installs gets their deltas one
+after another (``install-chain``; the record :data:`fedcybgd.protocol.DOWNLOAD_CHAIN`), when
+they weigh at most :data:`CHAIN_SHARE` of the block in fp32: a lossless copy of a trained block
+(``xor+zstd``) takes 55-75% of it. A chain keeps a frozen copy exact, so it is sent for a frozen
+block too, except at a traffic budget's levels below the run's own settings. With seed-log
+downloads (``download-codec = "seedlog"``) a block whose every install since the node's exact
+copy was made from step logs goes as those logs (:mod:`fedcybgd.protocol.seedsync`), when the
+node's z fingerprint and torch are the server's and the logs weigh less than a sixteenth of the
+block in fp32 (below any int4 delta of it).
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from typing import Any
 from flwr.app import ArrayRecord
 
 from fedcybgd.compression import encode, payload_to_array, raw_fp32_bytes, read_header, uses_base
-from fedcybgd.protocol import Holding
+from fedcybgd.protocol import Holding, chain_key
 from fedcybgd.protocol.seedsync import encode_chain
 from fedcybgd.strategies.versions import BlockVersions
 
 # One round's encoded payloads, shared between the nodes that need the same one.
 PayloadCache = dict[tuple[Any, ...], bytes]
+# Most bytes a chain of more than one install delta may weigh, as a share of the block in fp32.
+CHAIN_SHARE = 0.5
 
 
 @dataclass
@@ -41,6 +48,7 @@ class Download:
 
     arrays: ArrayRecord = field(default_factory=ArrayRecord)  # block -> payload
     logs: ArrayRecord = field(default_factory=ArrayRecord)  # block -> step-log chain
+    chained: ArrayRecord = field(default_factory=ArrayRecord)  # chain_key(block, i) -> payload
     expect: dict[str, Holding] = field(default_factory=dict)  # block -> holding after
     bytes: int = 0  # encoded payload bytes
     raw_bytes: int = 0  # the same blocks as plain fp32
@@ -117,14 +125,27 @@ class DownloadPlanner:
         rng = random.Random(f"{self.seed}:drop:{server_round}:{node}")
         return rng.sample(frozen, math.ceil(self.fraction * len(frozen)))
 
+    @staticmethod
+    def chain_fits(deltas: list[bytes], tensors: Mapping[str, Any], trained: bool,
+                   frozen_chains: bool) -> bool:
+        """Whether ``deltas`` (the install deltas a node lacks, in order) go instead of the
+        block: for the block the node trains, one delta always (it is exact), more when they
+        weigh at most :data:`CHAIN_SHARE` of the block in fp32; for a frozen block, one or
+        (with ``frozen_chains``) more, when they weigh that little."""
+        cheap = sum(map(len, deltas)) <= CHAIN_SHARE * raw_fp32_bytes(tensors)
+        if trained:
+            return len(deltas) == 1 or cheap
+        return cheap and (len(deltas) == 1 or frozen_chains)
+
     def plan(self, server_round: int, node: int, assigned: str, held: Mapping[str, Holding],
              payloads: PayloadCache | None = None, *, download_codec: str | None = None,
-             max_staleness: int | None = None) -> Download:
+             max_staleness: int | None = None, frozen_chains: bool = True) -> Download:
         """``node``'s download for training ``assigned`` while holding ``held``.
 
         ``payloads`` caches encodings within a round: nodes needing the same block at the
         same version from the same base share one payload. ``download_codec`` and
-        ``max_staleness`` override the planner's own for this plan (a traffic budget's level).
+        ``max_staleness`` override the planner's own for this plan (a traffic budget's level);
+        ``frozen_chains=False`` sends frozen blocks no chain of install deltas.
         """
         payloads = {} if payloads is None else payloads
         codec = download_codec or self.download_codec
@@ -153,8 +174,19 @@ class DownloadPlanner:
                     out.bytes += len(payloads[logs_key])
                     out.raw_bytes += raw_fp32_bytes(tensors)
                     continue
-            # A block installed through a delta from what the node holds: that delta is exact
-            payload = self.versions.install_payload(block, held.get(block))
+            # Installed through deltas from what the node holds: those deltas are exact
+            deltas = self.versions.install_chain(block, held.get(block))
+            if deltas is not None and not self.chain_fits(deltas, tensors, block in exact,
+                                                          frozen_chains):
+                deltas = None
+            if deltas is not None and len(deltas) > 1:
+                for index, delta in enumerate(deltas):
+                    out.chained[chain_key(block, index)] = payload_to_array(delta)
+                out.expect[block] = Holding(version, self.versions.checksums[block])
+                out.bytes += sum(map(len, deltas))
+                out.raw_bytes += raw_fp32_bytes(tensors)
+                continue
+            payload = deltas[0] if deltas is not None else None
             if payload is None:
                 base_version, base = self.versions.base_for(block, held.get(block))
                 key = (block, version, spec, base_version, held.get(block))

@@ -96,6 +96,9 @@ class FedCyBGD(Strategy):
         :mod:`~fedcybgd.strategies.traffic_budget`); ``"none"`` or the lossy delta codec each
         installed block is rounded to (:mod:`~fedcybgd.strategies.quantized_install`); past
         exact versions kept as delta bases.
+    install_chain
+        Installs per block whose deltas are kept to be sent one after another to a node that
+        missed them (:meth:`~fedcybgd.strategies.versions.BlockVersions.install_chain`).
     pretrained, rule_for_budget
         A block's pretrained tensors (without it, copies are kept); ``(rule, block, MB) ->
         rule or None`` for nodes that report a memory budget.
@@ -155,6 +158,7 @@ class FedCyBGD(Strategy):
         traffic_budget_mb: float = _RUN.traffic_budget_mb,
         install_codec: str = _RUN.install_spec,
         version_history: int = _RUN.version_history,
+        install_chain: int = _RUN.install_chain,
         pretrained: Callable[[str], Tensors] | None = None,
         rule_for_budget: RuleForBudget | None = None,
         seed: int = _RUN.seed,
@@ -248,7 +252,8 @@ class FedCyBGD(Strategy):
                                    max_ratio=max_update_ratio)
         self.step = ServerStep(server_lr, parallel_damping, server_optimizer, server_beta1,
                                server_beta2, server_eps)
-        self.blocks = BlockVersions(block_map, self.weights, pretrained, version_history)
+        self.blocks = BlockVersions(block_map, self.weights, pretrained, version_history,
+                                    install_chain)
         log_downloads = download_codec == SEEDLOG
         if log_downloads and upload_codec != SEEDLOG:
             raise ValueError("download-codec 'seedlog' needs upload-codec 'seedlog' (downloads "
@@ -334,6 +339,7 @@ class FedCyBGD(Strategy):
             "seedlog-fallback": self.seedlog_fallback,
             "seedlog-max-replay": self.downloads.max_replay,
             "version-history": self.blocks.history,
+            "install-chain": self.blocks.chain,
             "seed": self.seed,
             "max-payload-bytes": self.reader.max_payload_bytes,
             "local-steps": self.local_steps,
@@ -372,13 +378,15 @@ class FedCyBGD(Strategy):
         """What a checkpoint saves as tensors: ``name -> (version, tensors)`` for every block
         above version 0, and the server optimizer's state of each such block (under
         :data:`SERVER_STATE` + its name, at the block's version: it changes only with it) and
-        the delta it was installed through (:data:`INSTALL_PAYLOAD` + its name)."""
+        the deltas of its kept installs (:data:`INSTALL_PAYLOAD` + its name: ``payload.0``,
+        the oldest, ``payload.1``, ...)."""
         out = {b: (v, self.blocks.tensors(b)) for b, v in self.versions.items() if v > 0}
         for block, tensors in self.step.state_tensors().items():
             out[SERVER_STATE + block] = (self.versions[block], tensors)
-        for block, payload in self.blocks.install_payloads().items():
+        for block, payloads in self.blocks.install_payloads().items():
             out[INSTALL_PAYLOAD + block] = (self.versions[block], {
-                "payload": torch.frombuffer(bytearray(payload), dtype=torch.uint8)})
+                f"payload.{i}": torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                for i, payload in enumerate(payloads)})
         return out
 
     def install_checkpoint(self, block: str, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -392,9 +400,13 @@ class FedCyBGD(Strategy):
             return
         if block.startswith(INSTALL_PAYLOAD):
             name = block.removeprefix(INSTALL_PAYLOAD)
-            if name not in self.versions or set(tensors) != {"payload"}:
+            # (checkpoints that kept one install: a single "payload")
+            keys = (["payload"] if set(tensors) == {"payload"}
+                    else [f"payload.{i}" for i in range(len(tensors))])
+            if name not in self.versions or not tensors or set(tensors) != set(keys):
                 raise ValueError(f"checkpointed install payload {block!r} is not one of ours")
-            self.blocks.restore_install_payload(name, tensors["payload"].numpy().tobytes())
+            self.blocks.restore_install_payloads(
+                name, [tensors[key].numpy().tobytes() for key in keys])
             return
         self.blocks.install_checkpoint(block, tensors)
 

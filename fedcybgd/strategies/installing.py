@@ -125,6 +125,10 @@ class BlockInstaller:
                 raise Dropped(NON_FINITE, "the block rounded to the install codec is not finite")
             merged.tensors, payload = rounded.tensors, rounded.payload
             merged.moments[RESIDUAL] = rounded.residual
+        elif synced is not None:
+            # the block is what the only upload decodes to (a step of size 1): that upload is
+            # the delta other nodes holding the start need (kept if its header says so)
+            payload = uploads[0][1].payload or None
         logged = (self._logged(block, uploads, merged.tensors, version, parallel)
                   if self.log_downloads else None)
         self.blocks.install(block, merged.tensors, version, payload, logged)

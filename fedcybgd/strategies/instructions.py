@@ -63,5 +63,7 @@ def train_message(server_round: int, assignment: Assignment, seed: int, download
     content = RecordDict({protocol.CONFIG: cfg, protocol.DOWNLOAD: download.arrays})
     if len(download.logs):
         content.array_records[protocol.DOWNLOAD_LOGS] = download.logs
+    if len(download.chained):
+        content.array_records[protocol.DOWNLOAD_CHAIN] = download.chained
     return Message(content, dst_node_id=assignment.node, message_type=MessageType.TRAIN,
                    group_id=str(server_round))

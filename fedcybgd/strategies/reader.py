@@ -100,6 +100,7 @@ class BlockUpload:
     kind: str = protocol.WEIGHTS  # weights or a step log (protocol.SEEDLOG)
     payload_bytes: int = 0
     log: bytes = b""  # the encoded step log (kind SEEDLOG): what seed-log downloads resend
+    payload: bytes = b""  # the weights payload (kind WEIGHTS): an install delta when it makes one
     replay_passes: float = 0.0  # the step log's replay work, in passes over the block
 
 
@@ -222,6 +223,7 @@ class ReplyReader:
                            decoded=tensors, pending=pending, kind=kind,
                            payload_bytes=len(payload),
                            log=payload if kind == protocol.SEEDLOG else b"",
+                           payload=payload if kind == protocol.WEIGHTS else b"",
                            replay_passes=passes)
 
     def check_bound(self, header: PayloadHeader, block: str, server_round: int, codec: str

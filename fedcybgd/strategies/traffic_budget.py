@@ -4,13 +4,15 @@ traffic level whose download plus expected upload fits ``traffic-budget-mb``.
 The levels, from the run's own settings down (each keeps what the one before it changed):
 
 0. ``configured``: the run's download codec, staleness bound and upload codec;
-1. ``int4-down``: frozen blocks through ``delta+int4+zstd``;
-2. ``int2-down``: frozen blocks through ``delta+int2+zstd``;
-3. ``int2-up``: the upload through ``delta+int2+zstd`` too (error feedback keeps what it drops);
-4. ``topk-up``: the upload through ``delta+topk+int8+zstd`` (fewer bytes than int2, but it keeps
+1. ``unchained``: frozen blocks through the download codec, not as a chain of the install
+   deltas a node missed (``install-chain``: exact, but more bytes than one lossy delta);
+2. ``int4-down``: frozen blocks through ``delta+int4+zstd``;
+3. ``int2-down``: frozen blocks through ``delta+int2+zstd``;
+4. ``int2-up``: the upload through ``delta+int2+zstd`` too (error feedback keeps what it drops);
+5. ``topk-up``: the upload through ``delta+topk+int8+zstd`` (fewer bytes than int2, but it keeps
    far less of an update's direction: cosine 0.44 against int2's 0.98 on a SmolLM2 update);
-5. ``stale-1``: frozen copies one install behind are not refreshed (``max-staleness = 1``);
-6. ``stale``: frozen blocks are not refreshed at all (only the block a node trains is sent, and
+6. ``stale-1``: frozen copies one install behind are not refreshed (``max-staleness = 1``);
+7. ``stale``: frozen blocks are not refreshed at all (only the block a node trains is sent, and
    it always arrives exact).
 
 A rung only ever narrows the run's own settings: a download codec no smaller than the run's
@@ -20,8 +22,8 @@ one already tried is skipped, so no frozen block is encoded for a level that can
 The download's size is known exactly (it is planned, then counted); the upload's is expected
 from the median bytes per element of the last uploads through the same codec (a median, so a
 few hostile nodes sending oversized or tiny uploads cannot move it far; before any came, a
-bound from the codec's stored width). A node whose level 4 still does not fit is sent at
-level 4 and the round's record says it went over. The chosen level per node is the row's
+bound from the codec's stored width). A node whose last level still does not fit is sent at
+it and the round's record says it went over. The chosen level per node is the row's
 ``traffic`` entry.
 """
 
@@ -48,10 +50,12 @@ class TrafficLevel:
     download_codec: str | None = None
     max_staleness: int | None = None
     upload_codec: str | None = None
+    frozen_chains: bool = False
 
 
 LEVELS = (
-    TrafficLevel("configured"),
+    TrafficLevel("configured", frozen_chains=True),
+    TrafficLevel("unchained"),
     TrafficLevel("int4-down", download_codec="delta+int4+zstd"),
     TrafficLevel("int2-down", download_codec="delta+int2+zstd"),
     TrafficLevel("int2-up", download_codec="delta+int2+zstd", upload_codec="delta+int2+zstd"),
@@ -136,18 +140,20 @@ class TrafficBudget:
         """The least lossy level whose planned download and expected upload fit."""
         numel = self.planner.versions.block_map.info(block).numel
         choice: Choice | None = None
-        tried: set[tuple[str | None, str, int | None]] = set()
+        tried: set[tuple[str | None, str, int | None, bool]] = set()
         for level in LEVELS:
             download_codec = self.narrower_download(level.download_codec)
             # a step log is what the run asked for: it stays (it is already the smallest)
             codec = (self.upload_codec if self.upload_codec == SEEDLOG
                      else level.upload_codec or self.upload_codec)
-            if (download_codec, codec, level.max_staleness) in tried:
+            key = (download_codec, codec, level.max_staleness, level.frozen_chains)
+            if key in tried:
                 continue
-            tried.add((download_codec, codec, level.max_staleness))
+            tried.add(key)
             down = self.planner.plan(server_round, node, block, held, payloads,
                                      download_codec=download_codec,
-                                     max_staleness=level.max_staleness)
+                                     max_staleness=level.max_staleness,
+                                     frozen_chains=level.frozen_chains)
             total = down.bytes + self.expected_upload(codec, numel)
             choice = Choice(down, codec, level.name, total, total <= self.budget_bytes)
             if choice.fits:

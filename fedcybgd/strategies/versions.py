@@ -4,7 +4,10 @@ A block's version is the round it last changed (0: pretrained), identified on th
 :class:`fedcybgd.protocol.Holding` (version and content checksum). Downloads are deltas against
 a base the node already holds exactly, so the server keeps, per block, the pretrained tensors
 (read back from the model's files, or copied before the block is first overwritten) and the
-last ``history`` exact versions it replaced. Installs made from step logs alone are kept as
+last ``history`` exact versions it replaced. The payloads of a block's last ``chain`` installs
+(each a low-bit delta that makes the version before into the installed one exactly) are kept
+in order, so a node that missed several installs is sent them one after another
+(:meth:`BlockVersions.install_chain`). Installs made from step logs alone are kept as
 those logs (:class:`fedcybgd.protocol.seedsync.LoggedInstall`, the newest run of them per block),
 for seed-log downloads; they are not checkpointed (a resumed server sends weights until new logs
 accumulate).
@@ -13,6 +16,7 @@ accumulate).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +28,16 @@ from fedcybgd.protocol import Holding
 from fedcybgd.protocol.seedsync import MAX_INSTALLS, LogChain, LoggedInstall
 
 Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class InstallStep:
+    """One install of a block made through a payload: the holding it started from (``None``:
+    pretrained), the one it made and the payload that makes the first into the second."""
+
+    start: Holding | None
+    target: Holding
+    payload: bytes
 
 
 def _copy(tensors: Mapping[str, torch.Tensor]) -> Tensors:
@@ -44,22 +58,28 @@ class BlockVersions:
         first overwritten.
     history : int
         Past exact versions kept per block as delta bases (0: only the pretrained one).
+    chain : int
+        Installs per block whose payloads are kept to be sent one after another (>= 1).
     """
 
     def __init__(self, block_map: BlockMap, weights: dict[str, torch.Tensor],
-                 pretrained: Callable[[str], Tensors] | None = None, history: int = 2) -> None:
+                 pretrained: Callable[[str], Tensors] | None = None, history: int = 2,
+                 chain: int = 1) -> None:
         if history < 0:
             raise ValueError(f"version-history must be >= 0, got {history}")
+        if chain < 1:
+            raise ValueError(f"install-chain must be >= 1, got {chain}")
         self.block_map = block_map
         self.weights = weights
         self.history = history
+        self.chain = chain
         self.versions: dict[str, int] = {name: 0 for name in block_map.names}
         self.checksums: dict[str, str] = {}  # block -> checksum of its current (version > 0)
         self._read_pretrained = pretrained
         self._pristine: dict[str, Tensors] = {}
         self._kept: dict[str, dict[Holding, Tensors]] = {}
-        # block -> (the holding it was installed from, the payload that makes that into it)
-        self._installed_via: dict[str, tuple[Holding | None, bytes]] = {}
+        # block -> its last installs made through payloads, oldest first, unbroken
+        self._installed_via: dict[str, list[InstallStep]] = {}
         self.install_rounds: dict[str, list[int]] = {}  # block -> the rounds it changed in
         # block -> the newest installs made from step logs alone, each with what it started from
         self._logged: dict[str, list[tuple[Holding | None, LoggedInstall]]] = {}
@@ -107,15 +127,14 @@ class BlockVersions:
                 payload: bytes | None = None, logged: LoggedInstall | None = None) -> None:
         """Make ``tensors`` the global ``block`` at ``version`` (the round); the replaced
         version is kept as a delta base. ``payload``: a delta that decodes the replaced
-        version into exactly ``tensors`` (:mod:`~fedcybgd.strategies.quantized_install`),
-        sent as it is to nodes holding that version (:meth:`install_payload`). ``logged``:
+        version into exactly ``tensors`` (:mod:`~fedcybgd.strategies.quantized_install`, or a
+        self-synced node's upload), sent as it is to nodes holding that version
+        (:meth:`install_chain`); kept only when its header says so. ``logged``:
         the step logs that rebuild ``tensors`` from the replaced version (:meth:`log_chain`);
         an install without them ends the block's run of logged installs."""
         previous = self.current(block)
         self._keep_current(block)
-        self._installed_via.pop(block, None)
-        if payload is not None:
-            self._installed_via[block] = (previous, payload)
+        steps = self._installed_via.pop(block, [])
         if logged is None:
             self._logged.pop(block, None)
         else:
@@ -128,6 +147,23 @@ class BlockVersions:
         self.versions[block] = version
         self.checksums[block] = content_checksum(self.tensors(block))
         self.install_rounds.setdefault(block, []).append(version)
+        current = self.current(block)
+        assert current is not None
+        if payload is not None and self._makes(payload, block, previous, current):
+            steps.append(InstallStep(previous, current, payload))
+            self._installed_via[block] = steps[-self.chain:]
+        # (an install without such a payload breaks the chain)
+
+    @staticmethod
+    def _makes(payload: bytes, block: str, start: Holding | None, target: Holding) -> bool:
+        """Whether ``payload``'s header says it makes ``start`` into ``target`` of ``block``
+        (a delta or xor payload; a node's decode checks the bytes against both checksums)."""
+        header = read_header(payload, max_bytes=len(payload))
+        return (header.block == block and header.base_checksum is not None
+                and header.base_version == (start.version if start else 0)
+                and (start is None or header.base_checksum == start.checksum)
+                and header.target_version == target.version
+                and header.checksum == target.checksum)
 
     def lag(self, block: str, held: Holding | None) -> int:
         """How many installs of ``block`` a node holding ``held`` (``None``: pretrained) is
@@ -135,11 +171,17 @@ class BlockVersions:
         since = held.version if held is not None else 0
         return sum(1 for r in self.install_rounds.get(block, []) if r > since)
 
-    def install_payload(self, block: str, held: Holding | None) -> bytes | None:
-        """The payload that makes ``held`` into ``block``'s current version exactly, when the
-        current version was installed from ``held`` through one (``None`` otherwise)."""
-        via = self._installed_via.get(block)
-        return via[1] if via is not None and via[0] == held else None
+    def install_chain(self, block: str, held: Holding | None) -> list[bytes] | None:
+        """The payloads that make ``held`` into ``block``'s current version exactly, in the
+        order to apply them, when every install since ``held`` was made through one and is
+        still kept (``None`` otherwise, or when ``held`` is current)."""
+        steps = self._installed_via.get(block, [])
+        if not steps or steps[-1].target != self.current(block):
+            return None
+        for index, step in enumerate(steps):
+            if step.start == held:
+                return [s.payload for s in steps[index:]]
+        return None
 
     def log_chain(self, block: str, held: Holding | None) -> LogChain | None:
         """The logged installs that take ``held`` (``None``: pretrained) to ``block``'s current
@@ -152,21 +194,31 @@ class BlockVersions:
                                 tuple(install for _, install in chain[index:]))
         return None
 
-    def install_payloads(self) -> dict[str, bytes]:
-        """Block -> the payload its current version was installed through (checkpointed, so a
-        resumed server sends nodes what the uninterrupted one would)."""
-        return {block: payload for block, (_, payload) in self._installed_via.items()}
+    def install_payloads(self) -> dict[str, list[bytes]]:
+        """Block -> the payloads of its kept installs, oldest first (checkpointed, so a resumed
+        server sends nodes what the uninterrupted one would)."""
+        return {block: [step.payload for step in steps]
+                for block, steps in self._installed_via.items()}
 
-    def restore_install_payload(self, block: str, payload: bytes) -> None:
-        """Put back an :meth:`install_payloads` entry; the holding it applies to is the base its
-        header names (version 0: the pretrained block)."""
-        header = read_header(payload, max_bytes=len(payload))
-        if header.block != block or header.base_checksum is None:
-            raise ValueError(f"checkpointed install payload of block {block} is for block "
-                             f"{header.block!r} with base {header.base_checksum!r}")
-        base = (Holding(header.base_version, header.base_checksum) if header.base_version
-                else None)
-        self._installed_via[block] = (base, payload)
+    def restore_install_payloads(self, block: str, payloads: list[bytes]) -> None:
+        """Put back an :meth:`install_payloads` entry: each payload's header names the holding
+        it starts from (version 0: the pretrained block) and the one it makes, and each must
+        start where the one before ends."""
+        steps: list[InstallStep] = []
+        for payload in payloads:
+            header = read_header(payload, max_bytes=len(payload))
+            if header.block != block or header.base_checksum is None:
+                raise ValueError(f"checkpointed install payload of block {block} is for block "
+                                 f"{header.block!r} with base {header.base_checksum!r}")
+            start = (Holding(header.base_version, header.base_checksum)
+                     if header.base_version else None)
+            if steps and start != steps[-1].target:
+                raise ValueError(f"checkpointed install payloads of block {block} do not "
+                                 f"follow each other (version {header.base_version} after "
+                                 f"{steps[-1].target.version})")
+            steps.append(InstallStep(start, Holding(header.target_version, header.checksum),
+                                     payload))
+        self._installed_via[block] = steps[-self.chain:]
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Overwrite every global weight from ``state`` (versions stay as they are)."""
