@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import torch
 from flwr.app import Message
+from test_traffic import node_store, play, setup
 
 from fedcybgd import protocol
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.strategies.fedcybgd import INSTALL_PAYLOAD
 from fedcybgd.strategies.replies import NOT_TRAINED
 from fedcybgd.strategies.versions import BlockVersions
-from test_traffic import node_store, play, setup
 
 ROUNDS = 12
 

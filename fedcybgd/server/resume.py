@@ -201,7 +201,8 @@ def read_checkpoint(checkpointer: Checkpointer, run: RunConfig, blocks: BlockMap
         )
     check_run_config(saved_config, run, server_round, checkpointer.root)
     _check_versions(state["blocks"], strategy, blocks, path)
-    saved_blocks = checkpointer.load_blocks(state, checkpoint_layout(blocks, weights))
+    saved_blocks = checkpointer.load_blocks(
+        state, checkpoint_layout(blocks, weights, run.install_chain))
     return Resumed(server_round, lineage, saved_hash, strategy, initial, last, record,
                    saved_config, saved_blocks, path)
 
@@ -248,10 +249,14 @@ def check_run_config(saved: Mapping[str, Any], run: RunConfig, checkpoint_round:
         )
 
 
-def checkpoint_layout(blocks: BlockMap, weights: Mapping[str, torch.Tensor]) -> Layout:
+def checkpoint_layout(blocks: BlockMap, weights: Mapping[str, torch.Tensor],
+                      install_chain: int = 1) -> Layout:
     """What each checkpoint entry of this model must hold: a block its parameters (their
     shapes and dtypes), a block's server optimizer state fp32 moments of them, a block's
-    install payload one flat byte tensor."""
+    kept install deltas flat byte tensors, ``payload.0`` to ``payload.<install_chain - 1>``
+    (or one ``payload``, as checkpoints that kept a single delta wrote it)."""
+    payloads = {name: TensorSpec((None,), torch.uint8)
+                for name in ["payload", *(f"payload.{i}" for i in range(install_chain))]}
 
     def params(block: str) -> dict[str, TensorSpec]:
         return {p: TensorSpec(tuple(weights[p].shape), weights[p].dtype)
@@ -267,7 +272,7 @@ def checkpoint_layout(blocks: BlockMap, weights: Mapping[str, torch.Tensor]) -> 
                                complete=False)
         if entry.startswith(INSTALL_PAYLOAD) and \
                 entry.removeprefix(INSTALL_PAYLOAD) in blocks.blocks:
-            return EntryLayout({"payload": TensorSpec((None,), torch.uint8)})
+            return EntryLayout(payloads, complete=False)
         return None
 
     return layout

@@ -129,13 +129,11 @@ class DownloadPlanner:
     def chain_fits(deltas: list[bytes], tensors: Mapping[str, Any], trained: bool,
                    frozen_chains: bool) -> bool:
         """Whether ``deltas`` (the install deltas a node lacks, in order) go instead of the
-        block: for the block the node trains, one delta always (it is exact), more when they
-        weigh at most :data:`CHAIN_SHARE` of the block in fp32; for a frozen block, one or
-        (with ``frozen_chains``) more, when they weigh that little."""
+        block: when they weigh at most :data:`CHAIN_SHARE` of the block in fp32 (an upload
+        kept as a delta is the uploading node's bytes: this bounds what it can make others
+        download), and, for a frozen block, are one delta or ``frozen_chains`` allows more."""
         cheap = sum(map(len, deltas)) <= CHAIN_SHARE * raw_fp32_bytes(tensors)
-        if trained:
-            return len(deltas) == 1 or cheap
-        return cheap and (len(deltas) == 1 or frozen_chains)
+        return cheap and (len(deltas) == 1 or trained or frozen_chains)
 
     def plan(self, server_round: int, node: int, assigned: str, held: Mapping[str, Holding],
              payloads: PayloadCache | None = None, *, download_codec: str | None = None,
