@@ -321,7 +321,8 @@ class RunConfig:
         "a node holding the previous version gets the new one exactly at the delta's cost and is "
         "never re-sent it; `none` installs the merged block as it is; `auto`: the download codec "
         "when it is a lossy delta codec (nodes' frozen copies are that rounding anyway), else "
-        "`none`. A block one node trained alone and self-syncs is installed unrounded"))
+        "`none`. A block one node trained alone and self-syncs is installed unrounded (its "
+        "upload is then its delta, `install-chain`)"))
     download_fraction: float = setting(1.0, gt=0, le=1, doc=(
         "the paper's random dropping of stale frozen blocks"))
     traffic_budget_mb: float = setting(0.0, ge=0, doc=(
@@ -338,10 +339,12 @@ class RunConfig:
     version_history: int = setting(2, ge=0, doc=(
         "past exact versions per block the server keeps to send deltas"))
     install_chain: int = setting(8, ge=1, doc=(
-        "installs per block whose low-bit deltas (`install-codec`) the server keeps, so a node "
-        "that missed several installs of a block gets their deltas one after another, exact, "
-        "instead of the whole block; a chain of more than one goes only when it weighs at most "
-        "half the block in fp32; 1: only the latest install's delta"))
+        "installs per block whose deltas the server keeps (a rounded install's `install-codec` "
+        "delta, or the upload of a node that trained the block alone and self-syncs, which "
+        "decodes to the installed block), so a node that missed several installs of a block "
+        "gets their deltas one after another, exact, instead of the whole block or a lossy "
+        "frozen copy; they go when they weigh at most half the block in fp32; 1: only the "
+        "latest install's delta"))
     self_sync: bool = setting(True, doc=(
         "a node that trained a block alone (one node per block, `sgd` server step) computes the "
         "installed version from its own upload and holds it, checked against the server's "
