@@ -468,8 +468,7 @@ def fit_memory_budget(rnd: Round) -> None:
 
 def install_downloads(rnd: Round) -> None:
     """Self-synced blocks, then the downloads (weights, install-delta chains and step logs);
-    the holdings must then
-    be what the server expects, else a resync."""
+    the holdings must then be what the server expects, else a resync."""
     cm, store, node = rnd.cm, rnd.store, rnd.node
     cm.sync(store)
     # before the downloads: a block sent as a delta may be one against a self-synced version

@@ -135,6 +135,8 @@ class BlockVersions:
         previous = self.current(block)
         self._keep_current(block)
         steps = self._installed_via.pop(block, [])
+        if steps and steps[-1].target != previous:
+            steps = []  # (restored deltas that end elsewhere): a chain never skips a version
         if logged is None:
             self._logged.pop(block, None)
         else:
