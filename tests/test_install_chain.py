@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import pytest
 import torch
 from flwr.app import Message
+from flwr.common.serde import message_from_proto, message_to_proto
 from test_traffic import node_store, play, setup
 
 from fedcybgd import protocol
+from fedcybgd.compression import payload_from_array
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.strategies.fedcybgd import INSTALL_PAYLOAD
 from fedcybgd.strategies.replies import NOT_TRAINED
@@ -99,6 +102,27 @@ def test_a_self_synced_upload_is_kept_as_the_install_delta_only_when_it_makes_th
     # size 0.5 none could serve
     assert [len(v) for v in kept[1.0].values()] == [4, 4], kept[1.0]
     assert kept[0.5] == {}
+
+
+def test_a_chain_crosses_the_wire_as_flower_protobuf_unchanged(tiny_run_config, tmp_path):
+    # Prepare: play until a round sends a chain
+    grid, strategy = setup(layout(tiny_run_config, tmp_path, 8), tmp_path, nodes=8)
+    chained: list[Message] = []
+    for server_round in range(1, ROUNDS + 1):
+        chained = [m for m in play(strategy, grid, server_round) if chained_blocks(m)]
+        if chained:
+            break
+    assert chained, "no round sent a chain"
+    message = chained[0]
+    message.metadata.__dict__["_message_id"] = str(uuid4())
+    # Execute: the bytes a SuperLink would carry, and back
+    proto = message_to_proto(message).SerializeToString()
+    back = message_from_proto(type(message_to_proto(message)).FromString(proto))
+    # Assert: the same chain keys, each delta byte for byte
+    assert chained_blocks(back) == chained_blocks(message)
+    sent = message.content.array_records[protocol.DOWNLOAD_CHAIN]
+    got = back.content.array_records[protocol.DOWNLOAD_CHAIN]
+    assert all(payload_from_array(got[k]) == payload_from_array(sent[k]) for k in sent)
 
 
 def tamper_first_chain(how: str) -> Any:
