@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,71 +171,52 @@ def read_downloads(weights: ArrayRecord, logs: ArrayRecord, node: NodeConfig, ma
     return out
 
 
-def apply_downloads(cm: ClientModel, store: BlockStore, payloads: Mapping[str, bytes],
+def apply_downloads(cm: ClientModel, store: BlockStore, payloads: Mapping[str, Sequence[bytes]],
                     max_bytes: int, max_decoded_bytes: int) -> None:
-    """Decode and install every downloaded block (:func:`read_downloads` read them).
+    """Decode and install every downloaded block (:func:`read_downloads` read them): a block's
+    payloads in order, the first against what this node holds (a delta: against the pretrained
+    block or this node's exact copy), each next one a delta from the version the one before
+    made (a chain of install deltas); decode verifies every base's checksum against its header.
 
-    Raises ``CodecError`` on a bad payload; blocks already installed stay (each was verified).
+    Raises ``CodecError`` on a bad payload or a broken chain; blocks already installed stay
+    (each was verified), the block being applied is left as it was.
     """
-    for block, payload in payloads.items():
-        header = read_header(payload, max_bytes=max_bytes)
-        base = None
-        if uses_base(header.spec):
-            # Deltas are against the pretrained block (v0, always at hand) or the exact version
-            # this node holds; decode verifies the base's checksum against the header.
-            held = store.holdings.get(block, Holding(0, "")).version
-            if header.base_version == 0:
-                base = cm.pretrained(block)
-            elif held == header.base_version:
-                # Exact fp32 from the cache: the model may hold the block as bf16/int8.
-                base = cm.exact(block, store)
-            else:
-                raise CodecError(
-                    f"block '{block}': delta against version {header.base_version}, "
-                    f"but this client holds version {held}"
-                )
-        decoded = decode(
-            payload,
-            base=base,
-            expect_block=block,
-            expect_shapes=cm.shapes(block),
-            max_bytes=max_bytes,
-            max_decoded_bytes=max_decoded_bytes,
-        )
-        holding = store.put(block, header.target_version, decoded.tensors)
-        cm.set_block(block, decoded.tensors, holding)
-
-
-def apply_chained_downloads(cm: ClientModel, store: BlockStore,
-                            chained: Mapping[str, list[bytes]], max_bytes: int,
-                            max_decoded_bytes: int) -> None:
-    """Apply every block sent as a chain of install deltas (:func:`read_downloads` read them)
-    one after another, from the pretrained block or this node's exact copy, and install the
-    last. Each delta must start from the version the one before made, and decode checks its
-    base's checksum against its header. Raises ``CodecError`` on a chain that does not start
-    from what this node holds, or that breaks anywhere; the block is then left as it was."""
-    for block, payloads in chained.items():
-        held = store.holdings.get(block, Holding(0, "")).version
-        version = read_header(payloads[0], max_bytes=max_bytes).base_version
-        if version == 0:
-            tensors = cm.pretrained(block)
-        elif version == held:
-            tensors = cm.exact(block, store)
-        else:
-            raise CodecError(f"block '{block}': a chain of install deltas from version {version}, "
-                             f"but this client holds version {held}")
-        for index, payload in enumerate(payloads):
+    for block, chain in payloads.items():
+        tensors: dict[str, torch.Tensor] | None = None
+        version = 0
+        for index, payload in enumerate(chain):
             header = read_header(payload, max_bytes=max_bytes)
-            if not uses_base(header.spec) or header.base_version != version:
+            base = None
+            if tensors is not None and (not uses_base(header.spec)
+                                        or header.base_version != version):
                 raise CodecError(f"block '{block}': install delta {index} of its chain starts "
                                  f"from version {header.base_version} ({header.spec}), not "
                                  f"{version}")
-            tensors = decode(payload, base=tensors, expect_block=block,
+            if tensors is not None:
+                base = tensors
+            elif uses_base(header.spec):
+                base = held_base(cm, store, block, header.base_version)
+            tensors = decode(payload, base=base, expect_block=block,
                              expect_shapes=cm.shapes(block), max_bytes=max_bytes,
                              max_decoded_bytes=max_decoded_bytes).tensors
             version = header.target_version
-        holding = store.put(block, version, tensors)
-        cm.set_block(block, tensors, holding)
+        if tensors is not None:
+            holding = store.put(block, version, tensors)
+            cm.set_block(block, tensors, holding)
+
+
+def held_base(cm: ClientModel, store: BlockStore, block: str, version: int
+              ) -> dict[str, torch.Tensor]:
+    """What a delta against ``version`` of ``block`` is decoded against: the pretrained block
+    (version 0, always at hand) or this node's exact copy (fp32 from its cache: the model may
+    hold the block as bf16/int8); ``CodecError`` for a version this node does not hold."""
+    if version == 0:
+        return cm.pretrained(block)
+    held = store.holdings.get(block, Holding(0, "")).version
+    if held != version:
+        raise CodecError(f"block '{block}': delta against version {version}, but this client "
+                         f"holds version {held}")
+    return cm.exact(block, store)
 
 
 def apply_log_downloads(cm: ClientModel, store: BlockStore,
@@ -474,10 +455,9 @@ def install_downloads(rnd: Round) -> None:
     # before the downloads: a block sent as a delta may be one against a self-synced version
     self_sync_blocks(cm, store, rnd.ins.promotions)
     try:
-        apply_downloads(cm, store, rnd.incoming.weights, rnd.max_bytes,
-                        int(node.max_decoded_mb * limits.MB))
-        apply_chained_downloads(cm, store, rnd.incoming.chained, rnd.max_bytes,
-                                int(node.max_decoded_mb * limits.MB))
+        apply_downloads(cm, store, {**{b: [p] for b, p in rnd.incoming.weights.items()},
+                                    **rnd.incoming.chained},
+                        rnd.max_bytes, int(node.max_decoded_mb * limits.MB))
         apply_log_downloads(cm, store, rnd.incoming.chains, rnd.device)
     except CodecError as err:
         raise Answered(_resync_after_bad_download(rnd.msg, rnd.ins.server_round, cm, store,
