@@ -1,9 +1,11 @@
 """Install-delta chains: a node that missed several installs of a block is sent their deltas.
 
-Loopback runs of the real ServerApp strategy and ClientApp on a tiny random Llama, laid out as
-the long payoff profile is (8 nodes, 2 a round, one node per block, two blocks, self-sync):
-each install is what its node's upload decodes to, so that upload is the delta that makes the
-block's previous version into it, for every node holding that version. A node behind several
+Loopback runs of the real ServerApp strategy and ClientApp on a tiny random Llama, 8 nodes, 2 a
+round, two blocks, in two layouts. One node per block (self-sync): each install is what its
+node's upload decodes to, so that upload is the delta that makes the block's previous version
+into it, for every node holding that version. Two nodes on one block (the long payoff
+profile's layout): the server installs their merge rounded to one delta (`install-codec`), and
+that delta is the one kept. A node behind several
 installs is sent them one after another (record ``download-chain``) and holds the block
 exactly, at fewer bytes than the whole block; a chain broken in transit is a resync, never a
 wrong block; a node refuses chains beyond its ``max-chain-mb``; the kept deltas survive a
@@ -32,10 +34,13 @@ from fedcybgd.strategies.versions import BlockVersions
 ROUNDS = 12
 
 
-def layout(tiny_run_config: dict[str, Any], tmp_path: Path, chain: int) -> dict[str, Any]:
-    """The long payoff profile's shape on the tiny model: 2 of 8 nodes a round, one node on
-    each of 2 blocks, the default int2 codecs and self-sync."""
+def layout(tiny_run_config: dict[str, Any], tmp_path: Path, chain: int,
+           per_block: int = 1) -> dict[str, Any]:
+    """2 of 8 nodes a round on the tiny model's 2 blocks, the default int2 codecs: with
+    ``per_block`` 1 one node on each block (self-sync), with 2 both on one block (the long
+    payoff profile's layout: rounded installs)."""
     return dict(tiny_run_config, **{"layers-per-block": 2, "num-server-rounds": ROUNDS,
+                                    "clients-per-block": per_block,
                                     "install-chain": chain, "eval-every": 0,
                                     "output-dir": str(tmp_path / f"out-{chain}")})
 
@@ -71,11 +76,12 @@ def run(config: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
             "down": sum(h.bytes_down for h in strategy.history)}
 
 
+@pytest.mark.parametrize("per_block", [1, 2], ids=["self-synced", "rounded-installs"])
 def test_nodes_behind_several_installs_get_their_deltas_and_hold_blocks_exactly(
-        tiny_run_config, tmp_path):
+        tiny_run_config, tmp_path, per_block):
     # Prepare / Execute: the same seeded run keeping the last install's delta or the last 8
-    one = run(layout(tiny_run_config, tmp_path, 1), tmp_path / "one")
-    eight = run(layout(tiny_run_config, tmp_path, 8), tmp_path / "eight")
+    one = run(layout(tiny_run_config, tmp_path, 1, per_block), tmp_path / "one")
+    eight = run(layout(tiny_run_config, tmp_path, 8, per_block), tmp_path / "eight")
     # Assert: nothing was dropped or resynced in either run
     for result in (one, eight):
         assert all(h.dropped == {} and h.failed_blocks == [] for h in result["strategy"].history)
