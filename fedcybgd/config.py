@@ -136,7 +136,7 @@ class RunConfig:
     eval_dataset: str = setting("", doc=(
         "the server's own held-out file or folder; empty: `eval-split` of `dataset`"))
     text_field: str = setting("text", doc=(
-        "classification: the text column"))
+        "classification and lm: the text column"))
     label_field: str = setting("label", doc=(
         "classification: the label column (class index or label word)"))
     label_words: str = setting("negative,positive", doc=(
@@ -161,6 +161,10 @@ class RunConfig:
         "multiple-choice: compare options by mean log-likelihood per token instead of the sum"))
     max_new_tokens: int = setting(32, ge=1, le=4096, doc=(
         "sft: tokens generated greedily per held-out prompt for exact match / token F1"))
+    reference_dataset: str = setting("rotten-tomatoes", doc=(
+        "lm: a text the untrained model already knows (a built-in dataset's test split, a file "
+        "or a folder; its `text-field` column or `.txt` files), scored at every evaluation as "
+        "`eval_reference_loss`: its rise is the forgetting; empty: none"))
     num_server_rounds: int = setting(8, ge=1, section="Rounds and blocks", doc=(
         "rounds; 8 = one cycle over the 8 blocks of SmolLM2 at the defaults"))
     clients_per_round: int = setting(4, ge=1, doc=(

