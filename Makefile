@@ -28,17 +28,20 @@ $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory venv-defaults VENV=$(VENV)
 	touch $(STAMP)
 
-# evals is installed for one 2 MB file (ToMi); the other 725 MB of its registry are removed, so a
-# small CI disk holds the venv (2.9 GB before, 2.2 GB after). Its metadata stays, which is how
-# fedcybgd.data.tomi finds the file; the package is never imported.
+# evals is installed for two files, ToMi (2 MB) and the Ukrainian exam questions (14 MB); the
+# other 711 MB of its registry are removed, so a small CI disk holds the venv (2.9 GB before,
+# 2.2 GB after). Its metadata stays, which is how fedcybgd.data.tomi and
+# fedcybgd.data.ukrainian_exams find the files; the package is never imported.
 EVALS_KEEP := evals/registry/data/theory_of_mind/tomi
+EVALS_KEEP_UK := evals/registry/data/ukraine_eit
 prune-assets:
 	@site="$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-	&& test -f "$$site/$(EVALS_KEEP)/test.jsonl" \
+	&& test -f "$$site/$(EVALS_KEEP)/test.jsonl" && test -f "$$site/$(EVALS_KEEP_UK)/samples.jsonl" \
 	&& find "$$site/evals" -depth -mindepth 1 ! -path "$$site/evals/registry" \
 	     ! -path "$$site/evals/registry/data" ! -path "$$site/evals/registry/data/theory_of_mind" \
-	     ! -path "$$site/$(EVALS_KEEP)" ! -path "$$site/$(EVALS_KEEP)/*" -exec rm -rf {} + \
-	&& test -f "$$site/$(EVALS_KEEP)/test.jsonl"
+	     ! -path "$$site/$(EVALS_KEEP)" ! -path "$$site/$(EVALS_KEEP)/*" \
+	     ! -path "$$site/$(EVALS_KEEP_UK)" ! -path "$$site/$(EVALS_KEEP_UK)/*" -exec rm -rf {} + \
+	&& test -f "$$site/$(EVALS_KEEP)/test.jsonl" && test -f "$$site/$(EVALS_KEEP_UK)/samples.jsonl"
 
 # Flower's managed SuperLink (`flwr run . local`) installs the app's dependencies with `uv sync`
 # (a multi-GB CUDA torch) unless FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1; this venv has

@@ -94,7 +94,8 @@ BRACKETS: dict[str, list[float]] = {
     "lora-all-r64": [3e-4, 1e-3, 3e-3],
 }
 EXTENSIONS = 2  # rates added beyond an edge of a bracket, at most
-CORPORA: dict[str, dict[str, Any]] = {"shakespeare": {"dataset": "shakespeare"}}
+CORPORA: dict[str, dict[str, Any]] = {"shakespeare": {"dataset": "shakespeare"},
+                                     "ukrainian-exams": {"dataset": "ukrainian-exams"}}
 
 
 def run_id(corpus: str, method: str, lr: float, seed: int) -> str:

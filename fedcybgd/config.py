@@ -127,12 +127,13 @@ class RunConfig:
     overwrite: bool = setting(False, doc=(
         "allow starting over a non-empty `output-dir` (its outputs are replaced)"))
     task: str = setting(AUTO_TASK, section="Task and data", doc=(
-        "`classification`, `sft`, `multiple-choice`, or a task registered by a plug-in module; "
-        "`auto`: the built-in dataset's own kind, `classification` for other data"))
+        "`classification`, `sft`, `multiple-choice`, `lm`, or a task registered by a plug-in "
+        "module; `auto`: the built-in dataset's own kind, `classification` for other data"))
     dataset: str = setting("rotten-tomatoes", doc=(
-        "a built-in dataset (`rotten-tomatoes`, `tomi`: see \"Your own data\"), a JSONL / JSON / "
-        "CSV / Parquet file, a folder of them (files named `train`, `validation`, `test` are "
-        "those splits), a saved Hugging Face dataset folder, or a hub name (online)"))
+        "a built-in dataset (`rotten-tomatoes`, `tomi`, `shakespeare`, `ukrainian-exams`: see "
+        "\"Your own data\"), a JSONL / JSON / CSV / Parquet file, a folder of them (files named "
+        "`train`, `validation`, `test` are those splits; `lm` also reads `.txt` files), a saved "
+        "Hugging Face dataset folder, or a hub name (online)"))
     eval_dataset: str = setting("", doc=(
         "the server's own held-out file or folder; empty: `eval-split` of `dataset`"))
     text_field: str = setting("text", doc=(

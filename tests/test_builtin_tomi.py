@@ -31,7 +31,8 @@ needs_evals = pytest.mark.skipif(
 def test_every_built_in_dataset_is_a_choice_and_has_a_known_task_kind():
     from fedcybgd.data.kinds import task_names
 
-    assert set(BUILTIN_DATASETS) == {"rotten-tomatoes", "tomi"} == set(shares.DATASETS)
+    assert set(BUILTIN_DATASETS) == {"rotten-tomatoes", "tomi", "shakespeare",
+                                     "ukrainian-exams"} == set(shares.DATASETS)
     assert {spec.task for spec in BUILTIN_DATASETS.values()} <= set(task_names())
     assert BUILTIN_DATASETS["tomi"].task == "sft"
     assert "CC BY-NC 4.0" in BUILTIN_DATASETS["tomi"].license

