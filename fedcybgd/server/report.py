@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -31,7 +33,11 @@ def print_progress(record: dict[str, Any], total_rounds: int) -> None:
     if record.get("eval_accuracy") is not None:
         examples = record.get("eval_examples")
         parts.append(f"eval acc {record['eval_accuracy']:.3f} loss {record['eval_loss']:.4f}"
+                     + (f" ppl {record['eval_perplexity']:.2f}"
+                        if record.get("eval_perplexity") is not None else "")
                      + (f" on {examples} examples" if examples is not None else ""))
+        if record.get("eval_reference_loss") is not None:
+            parts.append(f"reference loss {record['eval_reference_loss']:.4f}")
     if record.get("failed_blocks"):
         parts.append(f"re-queued {','.join(record['failed_blocks'])}")
     _console.print(" | ".join(parts))
@@ -43,10 +49,19 @@ def print_summary_table(summary: dict[str, Any]) -> None:
     table = Table(title=f"{name} on {summary['model']} ({summary['update_rule']})")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    table.add_row("eval accuracy before", f"{summary['initial_eval_accuracy']:.3f}")
-    table.add_row("eval accuracy after", f"{summary['final_eval_accuracy']:.3f}")
+    evaluated = _evaluated(summary)
+    first, last = (evaluated[0], evaluated[-1]) if evaluated else ({}, {})
+    # a language-modelling run's accuracy is its next-token accuracy
+    accuracy = "eval next-token accuracy" if "eval_tokens" in last else "eval accuracy"
+    table.add_row(f"{accuracy} before", f"{summary['initial_eval_accuracy']:.3f}")
+    table.add_row(f"{accuracy} after", f"{summary['final_eval_accuracy']:.3f}")
     table.add_row("eval loss before", f"{summary['initial_eval_loss']:.4f}")
     table.add_row("eval loss after", f"{summary['final_eval_loss']:.4f}")
+    for key, name, form in (("eval_perplexity", "eval perplexity", ".2f"),
+                            ("eval_reference_loss", "reference loss (forgetting)", ".4f")):
+        if first.get(key) is not None and last.get(key) is not None:
+            table.add_row(f"{name} before", f"{first[key]:{form}}")
+            table.add_row(f"{name} after", f"{last[key]:{form}}")
     if summary.get("eval_examples") is not None:
         table.add_row("eval examples", str(summary["eval_examples"]))
     table.add_row("rounds", str(summary["rounds"]))
@@ -68,6 +83,15 @@ def print_summary_table(summary: dict[str, Any]) -> None:
             answers.add_row(*(_short(str(sample.get(k, ""))) for k in
                               ("prompt", "reference", "answer")))
         _console.print(answers)
+
+
+def _evaluated(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The evaluated rows of the run's ``metrics.jsonl`` (none when it is not there)."""
+    path = Path(str(summary.get("output_dir", ""))) / "metrics.jsonl"
+    if not summary.get("output_dir") or not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("eval_loss") is not None]
 
 
 def _short(text: str, limit: int = 160) -> str:
