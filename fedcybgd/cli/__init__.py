@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Write a Hugging Face model folder (a run's final/) as GGUF, the file llama.cpp-"
             "class runtimes load on a device: hyperparameters, the tokenizer with its chat "
             "template, and the weights at the chosen type. Families: llama (SmolLM2), "
-            "mistral, qwen2."
+            "mistral, qwen2. Every tensor is checked first (present, with the config's shape; "
+            "finite; within what the type stores): a checkpoint that fails is refused in one "
+            "line naming the tensor (exit status 2) and no file is written."
         ),
     )
     export.add_argument("folder", metavar="FOLDER", help="The model folder, e.g. "
@@ -176,6 +178,8 @@ def _config_docs(path: str | None, check: bool) -> int:
 
 
 def _export(folder: str, out: str, kind: str) -> int:
+    """``fedcybgd export``: a refused or failed export is one line on stderr and exit status 2,
+    with no file left behind (see :func:`fedcybgd.model.export.export_gguf`)."""
     from pathlib import Path
 
     from fedcybgd.model.export import ExportError, export_gguf
@@ -183,12 +187,12 @@ def _export(folder: str, out: str, kind: str) -> int:
     source = Path(folder)
     if not (source / "config.json").is_file():
         print(f"fedcybgd export: {source} holds no model (no config.json); give a run's "
-              "final/ folder")
+              "final/ folder", file=sys.stderr)
         return 2
     try:
         written = export_gguf(source, Path(out), kind)
-    except ExportError as err:
-        print(f"fedcybgd export: {err}")
+    except (ExportError, OSError) as err:
+        print(f"fedcybgd export: {err}", file=sys.stderr)
         return 2
     print(f"{written}: {written.stat().st_size / 2**20:.1f} MiB, {kind}")
     return 0

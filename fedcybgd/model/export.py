@@ -18,6 +18,16 @@ Types (``--type``): ``f32``; ``f16``; ``q8_0`` and ``q4_1`` (GGML block quantiza
 tensors (norms, biases) stay f32, as llama.cpp keeps them. A tied LM head is stored once (as the
 token embedding, which llama.cpp then uses as the output).
 
+Before anything is written, every tensor of the checkpoint (``model.safetensors``, sharded or
+not, or ``pytorch_model.bin``) is checked against the model's config and the type it will be
+stored at (:func:`tensor_problem`): each tensor the config declares is present with the config's
+shape, none is unknown, every value is finite, and every value fits the stored type: float16's
+±65504 at ``f16`` (and for a matrix a quantized type stores f16), q8_0's float16 block scale
+(max |w| / 127 ≤ 65504), q4_1's float16 block minimum and step ((max − min) / 15), float32's
+range at ``f32``. A checkpoint that fails raises :class:`ExportError` naming the tensor and what
+is wrong, and no file is written; the file itself is written under a temporary name beside
+``out`` and renamed into place when complete, so a failed write leaves no partial file either.
+
 Reading a file back: ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``
 (transformers dequantizes), or any GGUF runtime.
 """
@@ -25,6 +35,8 @@ Reading a file back: ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=na
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,14 +51,31 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "qwen2": ("qwen2", False),
 }
 TYPES = ("f32", "f16", "q8_0", "q4_1")
+# the values a GGML block of a quantized type holds (one float16 scale per block)
+QUANT_BLOCK = {"q8_0": 32, "q4_1": 32}
+F16_MAX = float(np.finfo(np.float16).max)  # 65504
+F32_MAX = float(np.finfo(np.float32).max)
+# checkpoint tensors a Llama-layout model no longer has and transformers skips when loading
+SKIPPED = (r"rotary_emb\.inv_freq$",)
 
 
 class ExportError(ValueError):
-    """The folder cannot be written as GGUF (family, tokenizer or a tensor it does not know)."""
+    """The folder cannot be written as GGUF: its family, its tokenizer, or its tensors (one the
+    config does not declare or that is missing, a wrong shape, a NaN or infinite value, a value
+    the output type cannot hold). ``problems`` lists every problem found, one line each; the
+    message is the first (and how many more there are)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]
 
 
 def export_gguf(folder: Path, out: Path, kind: str = "f16") -> Path:
     """Write the Hugging Face model in ``folder`` to the GGUF file ``out``.
+
+    Nothing is written unless every tensor passes its checks (see the module docstring); the
+    file is written as ``.<name>.<pid>.partial`` beside ``out`` and renamed to ``out`` when
+    complete (an existing ``out`` is replaced only then).
 
     Parameters
     ----------
@@ -60,46 +89,197 @@ def export_gguf(folder: Path, out: Path, kind: str = "f16") -> Path:
     Raises
     ------
     ExportError
-        The family is not one of :data:`FAMILIES`, the tokenizer is not byte-level BPE, or a
-        tensor has no GGUF name.
+        The family is not one of :data:`FAMILIES`, the tokenizer is not byte-level BPE, the
+        config or weights cannot be read, or a tensor fails a check (named in the message).
     """
     import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     if kind not in TYPES:
         raise ExportError(f"type {kind!r} is not one of {list(TYPES)}")
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        raise ExportError(f"{folder}: config.json cannot be read ({err})") from err
     family = getattr(config, "model_type", "")
     if family not in FAMILIES:
         raise ExportError(f"{folder}: model family {family!r} cannot be exported to GGUF here; "
                           f"supported: {sorted(FAMILIES)}")
     arch_name, permuted = FAMILIES[family]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors = checked_tensors(folder, config, kind, names)
     tokenizer = AutoTokenizer.from_pretrained(folder)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(out, arch_name)
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    writer = gguf.GGUFWriter(partial, arch_name)
     _hyperparameters(writer, config, family, folder, kind)
     _tokenizer(writer, tokenizer, folder)
-    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue  # llama.cpp reads a missing output as the token embedding
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise ExportError(f"{folder}: tensor {name!r} has no GGUF name for {arch_name}")
+    for name, (gguf_name, tensor) in tensors.items():
         data = tensor.detach().float().numpy()
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = interleave_rotary_halves(data, heads if "q_proj" in name else kv_heads)
         _add_tensor(writer, gguf_name, data, kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, out)
+    except BaseException:  # the partial file goes; the error goes on to the caller
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
     return out
+
+
+def checked_tensors(folder: Path, config: Any, kind: str,
+                    names: Any) -> dict[str, tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors in the config's order, each with its GGUF name, once every one
+    has passed its checks (:func:`tensor_problem`), none is missing (a tied LM head is the token
+    embedding) and none is unknown to the config.
+
+    Raises
+    ------
+    ExportError
+        Naming every problem found (the message: the first, and how many more).
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            expected = AutoModelForCausalLM.from_config(config).state_dict()
+    except ValueError as err:
+        raise ExportError(f"{folder}: the model's config does not build a model ({err})") from err
+    checkpoint = _checkpoint(folder)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    problems: list[str] = []
+    tensors: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, reference in expected.items():
+        if tied and name == "lm_head.weight":
+            checkpoint.pop(name, None)  # llama.cpp reads a missing output as the token embedding
+            continue
+        tensor = checkpoint.pop(name, None)
+        if tensor is None:
+            problems.append(f"{name}: missing from the checkpoint")
+            continue
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            problems.append(f"{name}: has no GGUF name for {config.model_type}")
+            continue
+        if tuple(tensor.shape) != tuple(reference.shape):
+            problems.append(f"{name}: shape {tuple(tensor.shape)} where the model's config "
+                            f"gives {tuple(reference.shape)}")
+            continue
+        problem = tensor_problem(name, tensor, kind)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        tensors[name] = (gguf_name, tensor)
+    skipped = re.compile("|".join(SKIPPED))
+    problems += [f"{name}: not a tensor of the model's config" for name in checkpoint
+                 if not skipped.search(name)]
+    if problems:
+        more = len(problems) - 1
+        message = problems[0]
+        if more:
+            listed = "; ".join(problems[1:4]) + ("; ..." if more > 3 else "")
+            message += f" (and {more} more problem{'s' if more > 1 else ''}: {listed})"
+        raise ExportError(message, problems)
+    return tensors
+
+
+def stored_type(shape: tuple[int, ...], kind: str) -> str:
+    """The type a tensor of ``shape`` is stored at in a ``kind`` file: one-dimensional tensors
+    f32, a matrix whose rows are not whole blocks of a quantized type f16, the rest ``kind``."""
+    if len(shape) < 2 or kind == "f32":
+        return "f32"
+    block = QUANT_BLOCK.get(kind)
+    if block is not None and shape[-1] % block:
+        return "f16"
+    return kind
+
+
+def tensor_problem(name: str, tensor: torch.Tensor, kind: str) -> str | None:
+    """What is wrong with the weight ``name`` stored in a ``kind`` file, or None: not floating
+    point, NaN or infinite values, or values beyond what the stored type holds (float32's range;
+    float16's 65504; q8_0's float16 block scale max |w| / 127; q4_1's float16 block minimum and
+    step (max - min) / 15)."""
+    if not tensor.is_floating_point():
+        return f"{name}: {tensor.dtype} is not a floating-point weight"
+    nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+    if nan or inf:
+        counts = [f"{n} {what} value(s)" for n, what in ((nan, "NaN"), (inf, "infinite")) if n]
+        return f"{name}: {' and '.join(counts)}"
+    if tensor.numel() == 0:
+        return None
+    largest = float(tensor.abs().max())
+    stored = stored_type(tuple(tensor.shape), kind)
+    if stored == "f32":
+        if largest > F32_MAX:
+            return f"{name}: max |w| = {largest:.2g} beyond float32's {F32_MAX:.4g}"
+        return None
+    if stored == "f16":
+        if largest > F16_MAX:
+            why = "" if kind == "f16" else (f" ({kind} stores a matrix whose rows are not whole "
+                                            f"{QUANT_BLOCK[kind]}-value blocks as f16)")
+            return f"{name}: max |w| = {largest:.2g} beyond float16's {F16_MAX:.0f}{why}; " \
+                   "export at f32"
+        return None
+    if stored == "q8_0":
+        if largest / 127 > F16_MAX:
+            return (f"{name}: max |w| = {largest:.2g} beyond q8_0's {F16_MAX * 127:.2g} (its "
+                    "float16 block scale, max |w| / 127); export at f32")
+        return None
+    blocks = tensor.detach().float().reshape(-1, QUANT_BLOCK[stored])
+    lows, highs = blocks.min(dim=1).values, blocks.max(dim=1).values
+    low = float(lows[lows.abs().argmax()])
+    if abs(low) > F16_MAX:
+        return (f"{name}: a block's minimum {low:.2g} is beyond float16's {F16_MAX:.0f} "
+                f"({stored} stores it as float16); export at f32")
+    step = float(((highs - lows) / 15).max())
+    if step > F16_MAX:
+        return (f"{name}: a block's step (max - min) / 15 = {step:.2g} is beyond float16's "
+                f"{F16_MAX:.0f} ({stored} stores it as float16); export at f32")
+    return None
+
+
+def _checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weights: ``model.safetensors`` (or its shards, by
+    ``model.safetensors.index.json``), else ``pytorch_model.bin`` (or its shards)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        index = folder / f"{single}.index.json"
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ExportError(f"{index}: not a weight index ({err!r})") from err
+            break
+        if (folder / single).is_file():
+            files = [single]
+            break
+    else:
+        raise ExportError(f"{folder}: no weights (model.safetensors or pytorch_model.bin)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        path = folder / file
+        try:
+            if file.endswith(".safetensors"):
+                part = load_file(path)
+            else:
+                part = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, SafetensorError, RuntimeError, ValueError) as err:
+            raise ExportError(f"{path}: cannot be read ({err})") from err
+        twice = sorted(set(part) & set(tensors))
+        if twice:
+            raise ExportError(f"{twice[0]}: in more than one weight file ({path} among them)")
+        tensors.update(part)
+    return tensors
 
 
 def interleave_rotary_halves(weight: np.ndarray, heads: int) -> np.ndarray:
