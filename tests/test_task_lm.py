@@ -413,3 +413,25 @@ def test_a_node_with_its_own_text_file_trains_on_it(tmp_path):
     frame = task.local_frame(str(own))
     assert set(frame["_file"]) == {str(own)} and frame["tokens"].sum() > 100
     assert isinstance(frame, pd.DataFrame)
+
+
+@pytest.mark.slow
+def test_flwr_run_trains_lm_on_a_folder_of_text_files(tmp_path: Path, private_flower: Path):
+    # Prepare: a private Flower home and ports (the fixture); books dealt whole to 2 nodes
+    from fedcybgd.cli import demo
+
+    folder = write_books(tmp_path / "books", books=12, lines=12)
+    out = tmp_path / "out"
+    overrides = ("model='tiny-llama' layers-per-block=1 num-server-rounds=2 clients-per-round=2 "
+                 "local-steps=2 batch-size=4 max-seq-len=32 eval-examples=6 task='lm' "
+                 f"dataset='{folder}' partitioner='movie' reference-dataset=''")
+    # Execute
+    code = demo.main(["--nodes", "2", "--output-dir", str(out), "--run-config", overrides])
+    # Assert
+    assert code == 0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "eval_loss" in r]
+    assert [r["round"] for r in evaluated] == [0, 2]
+    assert all("eval_perplexity" in r and "eval_reference_loss" not in r for r in evaluated)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
