@@ -179,6 +179,18 @@ def test_a_few_documents_are_held_out_by_contiguous_parts_of_their_lines(tmp_pat
         split_texts(read_texts(str(short)), str(short), "text")
 
 
+def test_dirichlet_partitions_skew_the_documents_across_clients(tmp_path):
+    from fedcybgd.tasks import shares
+
+    folder = write_books(tmp_path / "books", books=6, lines=30)
+    task = build_task(lm_run(str(folder), partitioner="dirichlet"))
+    parts = [shares.client_examples(task, "dirichlet", i, 2, 0.3, 0) for i in range(2)]
+    assert sum(len(p) for p in parts) == len(task.split("train"))
+    shares_of = [p["_file"].value_counts(normalize=True) for p in parts]
+    assert any(abs(shares_of[0].get(f, 0) - shares_of[1].get(f, 0)) > 0.2
+               for f in set(task.split("train")["_file"]))
+
+
 def test_partitions_by_file_give_each_client_whole_books(tmp_path):
     # Prepare: six books, three clients, whole files each (the movie partitioner on _file)
     from fedcybgd.tasks import shares
@@ -370,9 +382,11 @@ def test_a_row_that_is_not_an_exam_row_is_refused_with_its_line(line, message):
 # ---------------------------------------------------------------------------- federated runs
 
 
-@pytest.mark.parametrize("rule", [{"update-rule": "fo"},
+@pytest.mark.parametrize("rule", [{"update-rule": "fo"}, {"update-rule": "zerolock"},
+                                  {"update-rule": "lezo", "lr": 1e-2},
                                   {"strategy": "fedavg", "fedavg-params": "lora"}],
-                         ids=["fedcybgd-fo", "fedavg-lora"])
+                         ids=["fedcybgd-fo", "fedcybgd-zerolock", "fedcybgd-lezo",
+                              "fedavg-lora"])
 def test_a_federated_run_trains_lm_and_reports_loss_perplexity_and_forgetting(
         rule, tiny_run_config, tmp_path):
     # Prepare: a folder of books, partitioned by file over 2 nodes, a reference file
@@ -383,9 +397,9 @@ def test_a_federated_run_trains_lm_and_reports_loss_perplexity_and_forgetting(
     folder = write_books(tmp_path / "books", books=12, lines=12)
     reference = tmp_path / "known.txt"
     reference.write_text(book(99, 30), encoding="utf-8")
-    config = {**tiny_run_config, **rule, "task": "lm", "dataset": str(folder),
+    config = {**tiny_run_config, "task": "lm", "dataset": str(folder),
               "partitioner": "movie", "reference-dataset": str(reference),
-              "num-server-rounds": 2, "eval-examples": 6, "max-seq-len": 32}
+              "num-server-rounds": 2, "eval-examples": 6, "max-seq-len": 32, **rule}
     run = RunConfig.from_run_config(config)
     grid = LoopbackGrid(client_app, 2, config,
                         node_config=lambda i: {"cache-dir": str(tmp_path / f"cache{i}")})
