@@ -173,7 +173,10 @@ def chosen_rate(results: dict[str, Any], corpus: str, method: str) -> tuple[floa
     for _ in range(EXTENSIONS + 1):
         done = {lr: results[run_id(corpus, method, lr, 0)]["validation_loss"]
                 for lr in rates if run_id(corpus, method, lr, 0) in results}
-        missing = [lr for lr in rates if lr not in done]
+        # the bracket's middle rate first, then its edges: the earliest runs tell the most
+        middle = sorted(BRACKETS[method])[len(BRACKETS[method]) // 2]
+        missing = sorted((lr for lr in rates if lr not in done),
+                         key=lambda lr: abs(math.log(lr / middle)))
         if missing:
             return None, missing
         best = min(done, key=lambda lr: done[lr])
@@ -271,11 +274,10 @@ def table(results: dict[str, Any], meta: dict[str, Any]) -> str:
                 f"{statistics.mean(r['test_perplexity'] for r in runs):.2f} | "
                 f"{statistics.mean(r['test_accuracy'] for r in runs):.4f} | "
                 f"{before:.4f} -> {after:.4f} ({after - before:+.4f}) |")
-        before = [r["test_loss"] for r in mine.values()]
         lines += [""]
         found = verdict(results, corpus)
         lines += found if found else ["Verdict: not yet (runs missing)."]
-        lines += ["", f"{len(before)} runs so far.", ""]
+        lines += ["", f"{len(mine)} runs so far.", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -679,10 +679,17 @@ class NodeConfig:
         "most payload MB of one round's downloads (weights, install-delta chains and step logs "
         "together)"))
     max_dp_epsilon: float = setting(0.0, ge=0, doc=(
-        "`dp = \"example\"`: the most epsilon (at the run's `dp-delta`) this node lets runs "
-        "spend on its data, counted across rounds and runs in its cache folder; a round that "
-        "would exceed it, or the run's `dp-target-epsilon`, is declined; 0 = the run's budget "
-        "only"))
+        "`dp = \"local\"` or `\"example\"`: the most epsilon (at the run's `dp-delta`) this "
+        "node lets runs spend on its data, counted by the node itself across rounds and runs in "
+        "its cache folder; a round that would exceed it, or the run's `dp-target-epsilon`, is "
+        "declined; 0 = the run's budget only"))
+    dp_min_noise_multiplier: float = setting(0.0, ge=0, le=100, doc=(
+        "the least noise this node's uploads carry, as a multiple of the clip: a round whose "
+        "run config asks less (`dp-noise-multiplier` under `local` or `example`), or leaves "
+        "the noise to the server (`off`, `central`), is refused by name; 0 = the run decides"))
+    dp_max_clip_norm: float = setting(0.0, ge=0, doc=(
+        "`dp = \"local\"` or `\"example\"`: the largest `dp-clip-norm` this node accepts "
+        "from the run config; a round asking more is refused by name; 0 = no limit"))
     max_decoded_mb: float = setting(8192.0, gt=0, doc=(
         "most MB the tensors of one downloaded block may decode to"))
     max_chain_mb: float = setting(16384.0, gt=0, doc=(

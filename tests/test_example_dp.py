@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcybgd.client.privacy import ExampleLedger, LedgerError, round_entry
+from fedcybgd.client.privacy import LedgerError, NodeLedger, round_entry
 from fedcybgd.client.updates.fo import block_loss, private_gradients
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.blocks import BlockMap
@@ -136,14 +136,14 @@ def test_the_noise_has_the_asked_scale(tiny):
 
 
 def test_the_ledger_accounts_steps_and_refuses_beyond_either_budget(tmp_path):
-    ledger = ExampleLedger.open(tmp_path, "site-a")
+    ledger = NodeLedger.open(tmp_path, "site-a")
     entry = round_entry(0.05, 1.0, 10)
     assert ledger.spent(1e-5) == 0.0
     ledger.record("run-1", entry)
     one = epsilon_of([entry], 1e-5)
     assert ledger.spent(1e-5, "run-1") == pytest.approx(one)
     # the file is what the next round reads (each round builds a new client app)
-    reopened = ExampleLedger.open(tmp_path, "site-a")
+    reopened = NodeLedger.open(tmp_path, "site-a")
     two = epsilon_of([entry, entry], 1e-5)
     assert reopened.check("run-1", entry, 1e-5, run_budget=two * 1.01, node_budget=0) == \
         (None, pytest.approx(two))
@@ -156,12 +156,12 @@ def test_the_ledger_accounts_steps_and_refuses_beyond_either_budget(tmp_path):
 
 
 def test_an_unreadable_ledger_stops_training(tmp_path):
-    (tmp_path / "example-dp-n1.json").write_text("{not json")
+    (tmp_path / "dp-ledger-n1.json").write_text("{not json")
     with pytest.raises(LedgerError, match="cannot know what it has spent"):
-        ExampleLedger.open(tmp_path, "n1")
-    (tmp_path / "example-dp-n2.json").write_text(json.dumps({"runs": {"r": [[2.0, 1.0, 5]]}}))
+        NodeLedger.open(tmp_path, "n1")
+    (tmp_path / "dp-ledger-n2.json").write_text(json.dumps({"runs": {"r": [[2.0, 1.0, 5]]}}))
     with pytest.raises(LedgerError, match="impossible entry"):
-        ExampleLedger.open(tmp_path, "n2")
+        NodeLedger.open(tmp_path, "n2")
 
 
 # -------------------------------------------------------------------------------- config
@@ -207,7 +207,7 @@ def test_a_run_ends_cleanly_when_the_nodes_budgets_are_spent(tiny_run_config, tm
     assert len(rows) < 6 and rows[0]["accepted"]
     spent = [r["dp_epsilon"] for r in rows]
     assert spent == sorted(spent)
-    ledgers = list(tmp_path.glob("cache-*/privacy/example-dp-*.json"))
+    ledgers = list(tmp_path.glob("cache-*/privacy/dp-ledger-*.json"))
     assert ledgers, "every node that trained keeps its own ledger"
     for path in ledgers:
         runs = json.loads(path.read_text())["runs"]

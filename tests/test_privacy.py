@@ -8,12 +8,20 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from scipy import optimize, stats
 
-from fedcybgd.protocol.dp import adaptive_noise, add_noise, clip_delta, delta_norm, epsilon
+from fedcybgd.protocol.dp import (
+    NoiseKey,
+    adaptive_noise,
+    add_noise,
+    clip_delta,
+    delta_norm,
+    epsilon,
+)
 from fedcybgd.strategies.privacy import AdaptiveClip, PrivacyLedger
 
 
@@ -112,17 +120,23 @@ def test_clipping_refuses_a_non_finite_update():
 def test_noise_has_the_asked_scale_and_is_gaussian():
     # Execute: noise on 200,000 zeros
     zeros = {"a": torch.zeros(100_000), "b": torch.zeros(100_000)}
-    noised = add_noise(zeros, std=0.3, seed=11)
+    key = NoiseKey()
+    noised = add_noise(zeros, std=0.3, key=key, label="merge/1")
     values = torch.cat([noised["a"], noised["b"]]).double().numpy()
     # Assert: mean ~0, deviation 0.3 (chi-square interval), normal by Kolmogorov-Smirnov,
-    # seeded (same seed, same noise; another seed, other noise)
+    # keyed (same key and label, same noise; another label or another key, other noise)
     n = values.size
     assert abs(values.mean()) < 4 * 0.3 / math.sqrt(n)
     low, high = (math.sqrt(stats.chi2.ppf(p, n) / n) * 0.3 for p in (1e-6, 1 - 1e-6))
     assert low < values.std() < high
     assert stats.kstest(values / 0.3, "norm").pvalue > 1e-4
-    assert torch.equal(add_noise(zeros, 0.3, 11)["a"], noised["a"])
-    assert not torch.equal(add_noise(zeros, 0.3, 12)["a"], noised["a"])
+    assert torch.equal(add_noise(zeros, 0.3, key, "merge/1")["a"], noised["a"])
+    assert torch.equal(add_noise(zeros, 0.3, NoiseKey.from_hex(key.hex()), "merge/1")["a"],
+                       noised["a"])
+    assert not torch.equal(add_noise(zeros, 0.3, key, "merge/2")["a"], noised["a"])
+    assert not torch.equal(add_noise(zeros, 0.3, NoiseKey(), "merge/1")["a"], noised["a"])
+    # the two tensors' noises are independent draws, not one draw repeated
+    assert abs(float(torch.corrcoef(torch.stack([noised["a"], noised["b"]]))[0, 1])) < 0.02
 
 
 # ------------------------------------------------------------------ merged at the server
@@ -131,7 +145,7 @@ def test_the_dp_mean_adds_noise_of_multiplier_times_clip_over_n():
 
     # Prepare: 4 uploads that did not move a 200,000-weight block
     start = {"w": torch.zeros(200_000)}
-    merge = DpMean(noise_std=0.5 * 2.0, seed=3)  # multiplier 0.5, clip 2.0
+    merge = DpMean(noise_std=0.5 * 2.0, key=NoiseKey())  # multiplier 0.5, clip 2.0
     # Execute
     merged = merge([(1.0, start), (5.0, start), (1.0, start), (2.0, start)])
     # Assert: the noise on the mean has deviation 0.5 x 2.0 / 4, examples do not weigh
@@ -139,12 +153,12 @@ def test_the_dp_mean_adds_noise_of_multiplier_times_clip_over_n():
     n = values.size
     low, high = (math.sqrt(stats.chi2.ppf(p, n) / n) * 0.25 for p in (1e-6, 1 - 1e-6))
     assert low < values.std() < high and abs(values.mean()) < 4 * 0.25 / math.sqrt(n)
-    plain = DpMean(noise_std=0.0, seed=3)([(1.0, {"w": torch.ones(3)}),
+    plain = DpMean(noise_std=0.0, key=NoiseKey())([(1.0, {"w": torch.ones(3)}),
                                           (9.0, {"w": torch.zeros(3)})])
     assert torch.equal(plain["w"], torch.full((3,), 0.5))
 
 
-def _dp_run(tiny_run_config, tmp_path, **overrides):
+def _dp_run(tiny_run_config, tmp_path, node_config=None, **overrides):
     from fedcybgd.client.app import app as client_app
     from fedcybgd.config import RunConfig
     from fedcybgd.harness.loopback import LoopbackGrid
@@ -153,7 +167,8 @@ def _dp_run(tiny_run_config, tmp_path, **overrides):
     config = dict(tiny_run_config, **{"clients-per-round": 4, "clients-per-block": 2,
                                       "num-server-rounds": 4, "eval-every": 0, **overrides})
     grid = LoopbackGrid(client_app, 8, config,
-                        node_config=lambda i: {"cache-dir": str(tmp_path / f"cache-{i}")})
+                        node_config=lambda i: {"cache-dir": str(tmp_path / f"cache-{i}"),
+                                               **(node_config or {})})
     run = RunConfig.from_run_config(config)
     if run.strategy == "fedavg":
         from fedcybgd.server.baselines import run_fedavg
@@ -351,7 +366,8 @@ def _norms(rounds: int, nodes: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("quantile", [0.5, 0.8])
 def test_the_adaptive_clip_settles_at_the_asked_quantile_of_the_norms(quantile):
     # Prepare: a clip far too small, 20 nodes a round, the count noised at deviation 1
-    clip = AdaptiveClip(clip=0.01, quantile=quantile, lr=0.2, count_stddev=1.0, seed=3)
+    clip = AdaptiveClip(clip=0.01, quantile=quantile, lr=0.2, count_stddev=1.0,
+                        key=NoiseKey(bytes(32)))
     norms = _norms(400, 20, seed=0)
     # Execute: each round the nodes vote whether their norm was within the clip
     trace = [clip.update((row <= clip.clip).tolist()) for row in norms]
@@ -366,7 +382,8 @@ def test_colluding_nodes_lying_about_their_norms_move_the_clip_only_by_their_sha
                                                                                    high):
     # Prepare: 4 of every 20 nodes always vote the same way, whatever their norms (a shrink or
     # a growth attack on the clip), against the median
-    clip = AdaptiveClip(clip=0.3, quantile=0.5, lr=0.2, count_stddev=1.0, seed=4)
+    clip = AdaptiveClip(clip=0.3, quantile=0.5, lr=0.2, count_stddev=1.0,
+                        key=NoiseKey(bytes([4]) * 32))
     honest = _norms(400, 16, seed=1)
     # Execute
     trace = [clip.update([*(row <= clip.clip).tolist(), *[vote] * 4]) for row in honest]
@@ -416,8 +433,12 @@ def test_an_adaptive_clip_run_moves_the_clip_accounts_alike_and_resumes_it(tiny_
     assert clips[-1] > 0.01 * 1.1
     assert [r["dp_epsilon"] for r in rows[1:]] == pytest.approx(
         [epsilon([(0.5, k)], 1.0, 1e-5) for k in (1, 2, 3, 4)])
-    # the resumed run went on from the checkpointed clip and drew the same count noise
-    assert [r["dp_clip_norm"] for r in resumed[1:]] == pytest.approx(clips)
+    # the resumed run went on from the checkpointed clip, across the resume too
+    split = [r["dp_clip_norm"] for r in resumed[1:]]
+    assert split[0] == pytest.approx(0.01)
+    assert split[1:] == pytest.approx([r["dp_clip_next"] for r in resumed[1:-1]], rel=1e-12)
+    # the count noise is the run's own secret's, not the shared seed's: same seed, other draws
+    assert split[1:] != pytest.approx(clips[1:], rel=1e-9)
     assert summary["status"] == "completed"
 
 
@@ -428,3 +449,161 @@ def test_fedavg_takes_flowers_adaptive_clipping_wrapper(tiny_run_config, tmp_pat
     assert summary["status"] == "completed" and [r["round"] for r in rows] == [0, 1, 2]
     assert "DifferentialPrivacyServerSideAdaptiveClipping" in summary["dp_accounting"]
     assert summary["dp_epsilon"] == pytest.approx(epsilon([(0.5, 2)], 1.0, 1e-5))
+
+
+# ------------------------------------------------------------ draws nobody else can make
+def _config_seeded_noise(tensors, std, seed):
+    """Noise as an attacker holding the run config would regenerate it, were it drawn from a
+    generator seeded by the run's ``seed`` and the merge's index (a CPU generator, float64, the
+    tensors in sorted name order)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(tensors[name].shape, generator=generator, dtype=torch.float64) * std
+            for name in sorted(tensors)}
+
+
+def test_central_noise_cannot_be_regenerated_from_the_run_config(tiny_run_config, tmp_path):
+    from fedcybgd.harness.byzantine import Federation
+
+    # Prepare: central DP, exact installs (the easiest case for the attacker: each install is
+    # the clipped mean plus the noise), four nodes on one block a round
+    clip, multiplier, nodes = 0.05, 1.0, 4
+    fed = Federation(dict(tiny_run_config, **{
+        "dp": "central", "dp-clip-norm": clip, "dp-noise-multiplier": multiplier,
+        "install-codec": "none", "clients-per-round": nodes, "clients-per-block": nodes,
+        "eval-every": 0}), tmp_path, nodes=nodes)
+    std = multiplier * clip / nodes
+    seed = fed.run.seed
+    for server_round in range(1, 5):
+        starts = {b: {k: v.detach().double().clone()
+                      for k, v in fed.strategy.block_tensors(b).items()}
+                  for b in fed.strategy.cycle}
+        # Execute: a round, then both attacks on every install it made
+        entry = fed.play(server_round)
+        assert entry.blocks and not entry.failed_blocks, entry.dropped
+        merge = fed.strategy.aggregate.merges
+        for block in entry.blocks:
+            start = starts[block]
+            step = {k: v.detach().double() - start[k]
+                    for k, v in fed.strategy.block_tensors(block).items()}
+            guessed = _config_seeded_noise(step, std, (seed * 1_000_003 + merge) % 2**63)
+            keyed = {k: torch.from_numpy(fed.strategy.noise_key.normal(
+                v.numel(), f"merge/{merge}/{k}")).reshape(v.shape) * std
+                for k, v in step.items()}
+            from_config = delta_norm({k: v - guessed[k] for k, v in step.items()},
+                                     {k: torch.zeros_like(v) for k, v in step.items()})
+            with_key = delta_norm({k: v - keyed[k] for k, v in step.items()},
+                                  {k: torch.zeros_like(v) for k, v in step.items()})
+            noise = std * math.sqrt(sum(v.numel() for v in step.values()))
+            # Assert: the server's own key removes the noise and leaves the clipped mean (norm
+            # at most the clip); the run config's seed removes nothing, every round
+            assert with_key <= clip * 1.001, (server_round, block, with_key)
+            assert from_config > 1.2 * noise, (server_round, block, from_config, noise)
+
+
+def test_central_dp_samples_nodes_from_its_secret_and_resumes_with_it(tiny_run_config,
+                                                                     tmp_path):
+    from fedcybgd.harness.byzantine import Federation
+
+    # Prepare: two central-DP runs with the same seed, 8 nodes, 2 sampled a round; and the same
+    # without DP
+    def sampled(dp: str, where: str) -> tuple[list[list[str]], Federation]:
+        fed = Federation(dict(tiny_run_config, **{
+            "dp": dp, "dp-clip-norm": 0.05, "clients-per-round": 2, "eval-every": 0}),
+            tmp_path / where, nodes=8)
+        rounds = []
+        for server_round in range(1, 7):
+            fed.play(server_round)
+            rounds.append(sorted(fed.strategy.sampler.keys.ident(n)
+                                 for n in fed.strategy.history[-1].clients))
+        return rounds, fed
+
+    # Execute
+    one, fed = sampled("central", "a")
+    two, _ = sampled("central", "b")
+    plain_one, _ = sampled("off", "c")
+    plain_two, _ = sampled("off", "d")
+    # Assert: without DP the seed gives the run (same nodes every round); with central DP the
+    # sample is not predictable from the seed (6 rounds of 2 of 8 alike by chance: 28**-6)
+    assert plain_one == plain_two
+    assert one != two
+    # the key is in the strategy's checkpointed state and nowhere a node or a reader of the
+    # run's files outside the checkpoint sees it; restored, it draws the same
+    state = json.loads(json.dumps(fed.strategy.state()))
+    secret = state["privacy"]["noise_key"]
+    assert len(secret) == 64 and repr(fed.strategy.noise_key) == "NoiseKey(<secret>)"
+    _, twin = sampled("central", "e")
+    assert twin.strategy.noise_key.normal(8, "merge/9").tolist() != \
+        fed.strategy.noise_key.normal(8, "merge/9").tolist()
+    twin.strategy.load_state(state)
+    assert twin.strategy.noise_key.normal(8, "merge/9").tolist() == \
+        fed.strategy.noise_key.normal(8, "merge/9").tolist()
+    with pytest.raises(ValueError, match="noise key"):
+        twin.strategy.load_state({**state, "privacy": {k: v for k, v in state["privacy"].items()
+                                                       if k != "noise_key"}})
+
+
+# ------------------------------------------------------------- local DP: the node's own floor
+def _rows(tmp_path: Path) -> list[dict[str, Any]]:
+    text = (tmp_path / "out" / "metrics.jsonl").read_text()
+    return [json.loads(x) for x in text.splitlines()]
+
+
+@pytest.mark.parametrize(("run_dp", "node", "fragment"), [
+    ({"dp": "local", "dp-noise-multiplier": 1e-9, "dp-clip-norm": 1000.0},
+     {"dp-min-noise-multiplier": 0.5}, "dp-noise-multiplier' = 1e-09 is below this node's "
+                                       "dp-min-noise-multiplier = 0.5"),
+    ({"dp": "local", "dp-noise-multiplier": 1.0, "dp-clip-norm": 1000.0},
+     {"dp-max-clip-norm": 1.0}, "dp-clip-norm' = 1000 is beyond this node's limit "
+                                "dp-max-clip-norm = 1"),
+    ({"dp": "off"}, {"dp-min-noise-multiplier": 0.5}, "leaves this node's upload without its "
+                                                      "own noise"),
+    ({"dp": "central", "dp-clip-norm": 0.05}, {"dp-min-noise-multiplier": 0.5},
+     "leaves this node's upload without its own noise"),
+])
+def test_a_node_refuses_weaker_privacy_than_its_own_floor_every_round(
+        run_dp, node, fragment, tiny_run_config, tmp_path, caplog):
+    from fedcybgd.server.verdict import RunFailed
+
+    # Execute: a hostile run config over three rounds, every node with its own floor
+    with pytest.raises(RunFailed, match="no block was installed in 3 rounds"):
+        _dp_run(tiny_run_config, tmp_path, node_config=node,
+                **{**run_dp, "num-server-rounds": 3})
+    # Assert: no round took an upload, each node said why, naming the key; the run ended
+    # saying that nothing was installed
+    rows = _rows(tmp_path)
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert all(not r["accepted"] for r in rows[1:]), rows
+    assert fragment in caplog.text
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_node_accounts_local_dp_itself_against_its_own_epsilon_limit(tiny_run_config,
+                                                                      tmp_path, caplog):
+    from fedcybgd.server.verdict import RunFailed
+
+    # Execute: a run config asking almost no noise; the nodes set only an epsilon limit
+    with pytest.raises(RunFailed, match="no block was installed in 2 rounds"):
+        _dp_run(tiny_run_config, tmp_path, node_config={"max-dp-epsilon": 8.0},
+                **{"dp": "local", "dp-noise-multiplier": 1e-6, "dp-clip-norm": 1000.0,
+                   "num-server-rounds": 2})
+    # Assert: every node declines (its epsilon would be astronomical) and takes no further
+    # part, so nothing is installed in either round (all 8 nodes asked)
+    assert all(not r["accepted"] for r in _rows(tmp_path)[1:])
+    assert "above its max-dp-epsilon = 8" in caplog.text
+
+
+def test_a_node_within_its_limits_spends_local_dp_in_its_own_ledger(tiny_run_config, tmp_path):
+    # Execute: honest local DP within the floor and the epsilon limit
+    _, rows, _ = _dp_run(tiny_run_config, tmp_path,
+                               node_config={"dp-min-noise-multiplier": 0.5,
+                                            "max-dp-epsilon": 1000.0},
+                               **{"dp": "local", "dp-noise-multiplier": 1.0,
+                                  "dp-clip-norm": 0.001, "num-server-rounds": 2})
+    # Assert: rounds were taken, and each node that trained wrote one rate-1 mechanism a round
+    assert all(r["accepted"] for r in rows[1:]), rows
+    ledgers = sorted(tmp_path.glob("cache-*/privacy/dp-ledger-*.json"))
+    assert ledgers
+    for ledger in ledgers:
+        runs = json.loads(ledger.read_text())["runs"]
+        entries = [e for es in runs.values() for e in es]
+        assert entries and all(e == [1.0, 1.0, 1] for e in entries)

@@ -449,3 +449,53 @@ def test_flwr_run_trains_lm_on_a_folder_of_text_files(tmp_path: Path, private_fl
     assert all("eval_perplexity" in r and "eval_reference_loss" not in r for r in evaluated)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+# ------------------------------------------------------------------------------------ the gate
+
+
+def _gate():
+    import sys
+
+    root = Path(__file__).resolve().parent.parent / "experiments"
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import gate_lm
+
+    return gate_lm
+
+
+def test_the_gate_brackets_each_rate_and_extends_past_an_edge():
+    gate = _gate()
+    results: dict[str, Any] = {}
+
+    def ran(lr: float, loss: float) -> None:
+        results[gate.run_id("shakespeare", "full", lr, 0)] = {"validation_loss": loss}
+
+    assert gate.chosen_rate(results, "shakespeare", "full") == (None, [1e-4, 3e-4, 3e-5])
+    ran(1e-4, 3.0), ran(3e-4, 2.9), ran(3e-5, 3.1)
+    assert gate.chosen_rate(results, "shakespeare", "full") == (None, [9.5e-4])
+    ran(9.5e-4, 3.05)  # the edge was the best: the one beyond it is worse, 3e-4 stands
+    assert gate.chosen_rate(results, "shakespeare", "full") == (3e-4, [])
+
+
+def test_the_gates_verdict_compares_fulls_worst_seed_with_each_loras_best():
+    gate = _gate()
+    results: dict[str, Any] = {}
+    for method, bracket in gate.BRACKETS.items():
+        for lr in bracket:  # the middle rate is the best of each
+            middle = lr == sorted(bracket)[1]
+            results[gate.run_id("shakespeare", method, lr, 0)] = {
+                "validation_loss": 3.0 if middle else 3.5}
+        best = sorted(bracket)[1]
+        for seed in gate.SEEDS:
+            test = {"full": 3.00 + 0.01 * seed, "lora-qv": 3.20, "lora-all": 3.10,
+                    "lora-all-r64": 3.04}[method]
+            results.setdefault(gate.run_id("shakespeare", method, best, seed), {}).update(
+                {"test_loss": test, "validation_loss": 3.0})
+    lines = gate.verdict(results, "shakespeare")
+    assert "does not beat every LoRA by the margin" in lines[0]
+    assert any("lora-qv's best seed 3.2000: +0.1800 nats/token (clear win)" in x for x in lines)
+    assert any("lora-all-r64's best seed 3.0400: +0.0200 nats/token (win inside the margin)"
+               in x for x in lines)
+    assert gate.verdict({}, "shakespeare") == []

@@ -62,6 +62,7 @@ def train_fedavg(msg: Message, context: Context) -> Message:
     node = NodeConfig.from_node_config(context.node_config)
     cfg = msg.content.config_records.get(CONFIG, ConfigRecord())
     lr = limits.check_training(run, node, read_lr(cfg))  # the server's schedule, else `lr`
+    limits.check_privacy(run, node)
     limits.check_download_bytes({ARRAYS: msg.content.array_records.get(ARRAYS, ArrayRecord())},
                                 node)
     server_round = int(cfg.get("server-round", 0))  # type: ignore[arg-type]

@@ -15,6 +15,9 @@ whose replay costs minutes. Each such demand is capped by a key of the node's ow
 ``max-download-mb`` payload bytes of one instruction's downloads, all records together
 ``max-decoded-mb``  bytes the tensors of one downloaded block decode to
 ``max-chain-mb``    bytes all of one instruction's chained install deltas decode to
+``dp-min-noise-multiplier`` the least noise the node's upload carries (run config ``dp`` and
+                    ``dp-noise-multiplier``)
+``dp-max-clip-norm`` the largest clip of node-side DP (run config ``dp-clip-norm``)
 ================== ===========================================================================
 
 Beyond a limit the node does none of the work and answers ``refused``
@@ -84,6 +87,31 @@ def check_training(run: RunConfig, node: NodeConfig, lr: float | None = None,
     if rate > node.max_lr:
         raise beyond(field, f"{rate:g}", "max-lr", f"{node.max_lr:g}")
     return rate
+
+
+def check_privacy(run: RunConfig, node: NodeConfig) -> None:
+    """Refuse a round whose upload would carry less privacy than the node's own floor: the
+    server's run config chooses ``dp`` and its settings, and a hostile one would choose none.
+
+    Raises
+    ------
+    Refusal
+        ``dp`` leaves the noise to the server (or off) while the node asks for a minimum, a
+        noise multiplier below ``dp-min-noise-multiplier``, or a clip above
+        ``dp-max-clip-norm``, named.
+    """
+    floor = node.dp_min_noise_multiplier
+    node_side = run.dp in ("local", "example")
+    if floor and not node_side:
+        raise Refusal(f"run-config 'dp' = {run.dp!r} leaves this node's upload without its own "
+                      f"noise, below its dp-min-noise-multiplier = {floor:g} (node config): "
+                      "it takes part only under dp = 'local' or 'example'")
+    if floor and run.dp_noise_multiplier < floor:
+        raise Refusal(f"run-config 'dp-noise-multiplier' = {run.dp_noise_multiplier:g} is below "
+                      f"this node's dp-min-noise-multiplier = {floor:g} (node config)")
+    if node_side and node.dp_max_clip_norm and run.dp_clip_norm > node.dp_max_clip_norm:
+        raise beyond("run-config 'dp-clip-norm'", f"{run.dp_clip_norm:g}", "dp-max-clip-norm",
+                     f"{node.dp_max_clip_norm:g}")
 
 
 def check_download_bytes(records: Mapping[str, ArrayRecord], node: NodeConfig) -> int:

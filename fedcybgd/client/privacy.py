@@ -1,14 +1,17 @@
-"""A node's own account of example-level differential privacy (``dp = "example"``).
+"""A node's own account of the differential privacy its own noise gives (``dp = "local"`` or
+``"example"``).
 
 With example-level DP every local step of a node is DP-SGD: a Poisson sample of its rows at rate
 ``q = batch-size / rows``, each row's contribution clipped to ``dp-clip-norm``, Gaussian noise of
 ``dp-noise-multiplier x dp-clip-norm`` on the sum. One step is a Poisson-subsampled Gaussian
-mechanism on the node's data; the steps compose under Rényi DP
-(:func:`fedcybgd.protocol.dp.epsilon`, read at the run's ``dp-delta``).
+mechanism on the node's data. With local DP each round's upload is one Gaussian mechanism on
+all the node's data (rate 1: the node does not trust the server's sampling). Both compose under
+Rényi DP (:func:`fedcybgd.protocol.dp.epsilon`, read at the run's ``dp-delta``); a node's
+user-level rounds bound its example-level privacy too, so one ledger counts both.
 
 The node keeps that account itself, because it trusts no server: the ledger is a JSON file in
 its cache folder, named by its node key (so nodes sharing a cache folder keep theirs apart),
-holding every round's ``(rate, noise multiplier, steps)`` under the lineage of the run it
+holding every round's ``(rate, noise multiplier, mechanisms)`` under the lineage of the run it
 trained for. Before training, a round is declined (``rejected``, naming the budget) when it
 would take the run's epsilon above ``dp-target-epsilon`` or the epsilon of every run the node
 has trained for above its own ``max-dp-epsilon`` (node config: a server cannot reset that one by
@@ -28,7 +31,7 @@ from fedcybgd.core.atomic import write_bytes
 from fedcybgd.protocol import PRIVACY_BUDGET
 from fedcybgd.protocol.dp import epsilon_of
 
-Entry = tuple[float, float, int]  # (sampling rate, noise multiplier, steps)
+Entry = tuple[float, float, int]  # (sampling rate, noise multiplier, mechanisms)
 
 
 class LedgerError(RuntimeError):
@@ -36,14 +39,14 @@ class LedgerError(RuntimeError):
 
 
 @dataclass
-class ExampleLedger:
-    """The steps a node has spent on its data, by run lineage (see the module docstring)."""
+class NodeLedger:
+    """The mechanisms a node has run on its data, by run lineage (see the module docstring)."""
 
     path: Path
     runs: dict[str, list[Entry]] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, folder: Path, node_key: str) -> ExampleLedger:
+    def open(cls, folder: Path, node_key: str) -> NodeLedger:
         """The ledger of ``node_key`` in ``folder`` (empty when there is none yet).
 
         Raises
@@ -51,7 +54,7 @@ class ExampleLedger:
         LedgerError
             The file exists but is not a ledger.
         """
-        path = folder / f"example-dp-{node_key}.json"
+        path = folder / f"dp-ledger-{node_key}.json"
         if not path.exists():
             return cls(path)
         try:
@@ -83,7 +86,7 @@ class ExampleLedger:
         when it does, else ``(why, ...)``."""
         after = self.spent(delta, lineage, [round_])
         if run_budget and after > run_budget:
-            return (f"{PRIVACY_BUDGET}: this round would take the run's example-level epsilon "
+            return (f"{PRIVACY_BUDGET}: this round would take the run's node-side epsilon "
                     f"from {self.spent(delta, lineage):.3g} to {after:.3g}, above "
                     f"dp-target-epsilon = {run_budget:g} (dp-delta = {delta:g})"), after
         if node_budget:
@@ -103,8 +106,9 @@ class ExampleLedger:
 
 
 def round_entry(rate: float, noise_multiplier: float, steps: int) -> Entry:
-    """One round's entry, checked."""
+    """One round's entry, checked: ``steps`` Gaussian mechanisms at sampling ``rate`` (a
+    local-DP round is ``(1.0, multiplier, 1)``)."""
     if not (0 < rate <= 1 and math.isfinite(noise_multiplier) and noise_multiplier > 0):
-        raise ValueError(f"a DP-SGD round needs a rate in (0, 1] and a multiplier > 0, got "
-                         f"{rate}, {noise_multiplier}")
+        raise ValueError(f"a node-side DP round needs a rate in (0, 1] and a multiplier > 0, "
+                         f"got {rate}, {noise_multiplier}")
     return (float(rate), float(noise_multiplier), int(steps))

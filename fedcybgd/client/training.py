@@ -41,7 +41,7 @@ from fedcybgd.client.instruction import Instruction, read_instruction
 from fedcybgd.client.limits import Refusal
 from fedcybgd.client.local_data import private_batches, training_batches
 from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
-from fedcybgd.client.privacy import ExampleLedger, LedgerError, round_entry
+from fedcybgd.client.privacy import LedgerError, NodeLedger, round_entry
 from fedcybgd.client.runtime import ClientModel, client_model
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_of
@@ -271,7 +271,7 @@ class Round:
     incoming: Downloads = field(default_factory=Downloads)
     batches: Any = None
     privacy: ExampleDp | None = None  # dp = "example": this round's DP-SGD settings
-    ledger: ExampleLedger | None = None
+    ledger: NodeLedger | None = None
     dp_round: tuple[float, float, int] | None = None  # (rate, multiplier, steps) to record
     options: dict[str, Any] = field(default_factory=dict)  # the rule's, as the budget fits them
 
@@ -316,6 +316,7 @@ def open_round(msg: Message, context: Context) -> Round:
     try:
         ins = read_instruction(msg.content.config_records.get(protocol.CONFIG))
         lr = limits.check_training(run, node, ins.lr, ins.local_steps)
+        limits.check_privacy(run, node)
     except Refusal as err:
         log.warning("refused an instruction (%s)", err)
         raise Answered(_reply(msg, protocol.REFUSED, None, str(err))) from None
@@ -398,20 +399,23 @@ def prepare_batches(rnd: Round) -> None:
 
 
 def check_privacy_budget(rnd: Round) -> None:
-    """``dp = "example"``: the round's rule must run DP-SGD, and its steps must fit the run's
-    budget and the node's own (:mod:`fedcybgd.client.privacy`); else the node takes no part."""
+    """Node-side DP (``dp = "example"``: DP-SGD in the rule; ``"local"``: noise on the upload):
+    the round must fit the run's budget and the node's own, counted by the node itself
+    (:mod:`fedcybgd.client.privacy`), whatever the server accounts; else the node takes no
+    part. Under ``example`` the rule must run DP-SGD."""
     run, node = rnd.run, rnd.node
-    if run.dp != "example":
+    if run.dp not in ("example", "local"):
         return
-    if not rule_spec(rnd.rule_name).example_dp:
+    if run.dp == "example" and not rule_spec(rnd.rule_name).example_dp:
         raise rnd.answer(protocol.REJECTED, f"dp = 'example' needs a rule that runs DP-SGD; "
                          f"this node would train with {rnd.rule_name!r}, which does not",
                          store=False)
     try:
-        ledger = ExampleLedger.open(rnd.cache_dir / "privacy", node.key)
-    except LedgerError as err:
+        ledger = NodeLedger.open(rnd.cache_dir / "privacy", node.key)
+        entry = (round_entry(rnd.batches.rate, run.dp_noise_multiplier, run.local_steps)
+                 if run.dp == "example" else round_entry(1.0, run.dp_noise_multiplier, 1))
+    except (LedgerError, ValueError) as err:
         raise rnd.answer(protocol.REJECTED, str(err), store=False) from None
-    entry = round_entry(rnd.batches.rate, run.dp_noise_multiplier, run.local_steps)
     try:
         why, _ = ledger.check(rnd.ins.lineage, entry, run.dp_delta, run.dp_target_epsilon,
                               node.max_dp_epsilon)
@@ -587,8 +591,9 @@ def private_update(run: RunConfig, trained: dict[str, torch.Tensor],
     clipped, norm = dp.clip_delta(trained, start, clip)
     if run.dp != "local":
         return clipped, (norm <= clip) if adaptive else None
-    return dp.add_noise(clipped, run.dp_noise_multiplier * run.dp_clip_norm,
-                        seed=secrets.randbits(63)), None
+    # a fresh key of OS entropy per upload, kept nowhere: nobody can regenerate this noise
+    return dp.add_noise(clipped, run.dp_noise_multiplier * run.dp_clip_norm, dp.NoiseKey(),
+                        "local"), None
 
 
 def zo_node(device: torch.device) -> str:

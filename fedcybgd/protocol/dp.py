@@ -8,8 +8,13 @@ The server clips every decoded upload again (a hostile node's too, and lossy cod
 the norm a little), and with ``dp = "central"`` adds noise of the same scale to the sum of a
 block's clipped deltas (that is, ``multiplier x clip / n`` to their mean).
 
-Noise is drawn from a seeded CPU generator in float64 and cast to each tensor's dtype, so a run
-is reproducible; the seeds are the server's (central) or the node's own (local).
+Every draw privacy rests on comes from a :class:`NoiseKey`: 32 bytes of OS entropy that never
+leave the side that drew them (the server's for central noise, the adaptive clip's count noise
+and the node sampling that amplification assumes; a fresh key per upload on the node for local
+noise). Draws are SHAKE-256 output keyed by it, turned into Gaussians in float64 and cast to each
+tensor's dtype. Nothing in the run config, the summary, the metrics or the logs derives them:
+anyone holding those cannot regenerate the noise and subtract it. The server keeps its key in
+its checkpoint (server-side state), so a resumed run draws what the uninterrupted one would.
 
 :func:`epsilon` is the one accountant both sides read: the server for user-level DP, each node
 for its own example-level DP (``dp = "example"``).
@@ -17,9 +22,13 @@ for its own example-level DP (``dp = "example"``).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import random
+import secrets
 from collections.abc import Iterable, Mapping
 
+import numpy as np
 import torch
 
 Tensors = dict[str, torch.Tensor]
@@ -87,19 +96,84 @@ def clip_delta(tensors: Mapping[str, torch.Tensor], start: Mapping[str, torch.Te
             .to(t.dtype) for name, t in tensors.items()}, norm
 
 
+class NoiseKey:
+    """A secret from which the draws privacy rests on are derived (see the module docstring).
+
+    Each draw is named by a ``label`` (what it is for and its index, e.g. ``"merge/3"``); the
+    same key and label give the same draw, different labels independent ones. Without the key
+    they cannot be told from fresh randomness (SHAKE-256 as a keyed extendable-output function).
+
+    Parameters
+    ----------
+    key : bytes, optional
+        At least 32 bytes; by default 32 fresh bytes of OS entropy (:func:`secrets.token_bytes`).
+    """
+
+    SIZE = 32
+    _CHUNK = 1 << 20  # Gaussians drawn per SHAKE call (8 MiB of output)
+
+    def __init__(self, key: bytes | None = None) -> None:
+        key = secrets.token_bytes(self.SIZE) if key is None else bytes(key)
+        if len(key) < self.SIZE:
+            raise ValueError(f"a noise key needs at least {self.SIZE} bytes, got {len(key)}")
+        self._key = key
+
+    def __repr__(self) -> str:  # never the key itself: reprs reach logs
+        return "NoiseKey(<secret>)"
+
+    def hex(self) -> str:
+        """The key, for the server's checkpoint (never the run config, summary or logs)."""
+        return self._key.hex()
+
+    @classmethod
+    def from_hex(cls, text: str) -> NoiseKey:
+        """The key :meth:`hex` wrote (``ValueError`` if it is not one)."""
+        if not isinstance(text, str):
+            raise ValueError("a noise key must be given as hex text")
+        return cls(bytes.fromhex(text))
+
+    def restore(self, text: str) -> None:
+        """Take the key :meth:`hex` wrote, in place (every holder of this object draws from it
+        from now on)."""
+        self._key = NoiseKey.from_hex(text)._key
+
+    def _stream(self, label: str, nbytes: int) -> bytes:
+        return hashlib.shake_256(self._key + b"\x00" + label.encode()).digest(nbytes)
+
+    def normal(self, count: int, label: str) -> np.ndarray:
+        """``count`` standard Gaussians (float64), the draw named ``label`` (Box-Muller on
+        53-bit uniforms in (0, 1))."""
+        out = np.empty(count, dtype=np.float64)
+        for start in range(0, count, self._CHUNK):
+            size = min(self._CHUNK, count - start)
+            pairs = (size + 1) // 2
+            raw = np.frombuffer(self._stream(f"{label}/{start}", 16 * pairs), dtype="<u8")
+            uniform = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+            radius = np.sqrt(-2.0 * np.log(uniform[:pairs]))
+            angle = 2.0 * math.pi * uniform[pairs:]
+            pair = np.empty(2 * pairs, dtype=np.float64)
+            pair[0::2], pair[1::2] = radius * np.cos(angle), radius * np.sin(angle)
+            out[start:start + size] = pair[:size]
+        return out
+
+    def rng(self, label: str) -> random.Random:
+        """A :class:`random.Random` seeded with 256 secret bits for the draw ``label`` (a small
+        choice, such as which nodes a round samples)."""
+        return random.Random(int.from_bytes(self._stream(label, 32), "big"))
+
+
 @torch.no_grad()
-def add_noise(tensors: Mapping[str, torch.Tensor], std: float, seed: int) -> Tensors:
-    """``tensors`` plus Gaussian noise of standard deviation ``std`` on every coordinate,
-    drawn from a CPU generator seeded with ``seed`` (in sorted tensor-name order)."""
+def add_noise(tensors: Mapping[str, torch.Tensor], std: float, key: NoiseKey,
+              label: str) -> Tensors:
+    """``tensors`` plus Gaussian noise of standard deviation ``std`` on every coordinate, the
+    draw ``label`` of ``key`` (each tensor's noise named by the label and the tensor's name)."""
     if std < 0 or not math.isfinite(std):
         raise ValueError(f"noise standard deviation must be finite and >= 0, got {std}")
-    generator = torch.Generator().manual_seed(seed)
     out: Tensors = {}
-    for name in sorted(tensors):
-        t = tensors[name]
-        noise = torch.randn(t.shape, generator=generator, dtype=torch.float64) * std
-        out[name] = (t.double() + noise).to(t.dtype)
-    return {name: out[name] for name in tensors}
+    for name, t in tensors.items():
+        noise = torch.from_numpy(key.normal(t.numel(), f"{label}/{name}")).reshape(t.shape)
+        out[name] = (t.double() + noise * std).to(t.dtype)
+    return out
 
 
 def adaptive_noise(noise_multiplier: float, count_stddev: float) -> float:

@@ -32,7 +32,7 @@ from fedcybgd.config import RunConfig
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import PRIVACY_BUDGET, SEEDLOG, zeroth_order
-from fedcybgd.protocol.dp import adaptive_noise, count_stddev
+from fedcybgd.protocol.dp import NoiseKey, adaptive_noise, count_stddev
 from fedcybgd.protocol.message_size import message_bytes
 from fedcybgd.protocol.prior import ClassPriorSpec, with_class_prior
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
@@ -225,6 +225,9 @@ class FedCyBGD(Strategy):
         self.example_epsilon = 0.0  # dp = "example": the largest a node has reported
         self.privacy_stop: str | None = None  # why the budget ended the run, once it has
         self._dp_round: tuple[float, list[str]] = (0.0, [])
+        # Central DP's draws (noise, clip count, node sample) come from a secret of this server,
+        # never from the run's seed, which every node and every reader of summary.json holds.
+        self.noise_key = NoiseKey() if dp == "central" else None
         # Adaptive clipping (central): the clip follows a quantile of the nodes' delta norms;
         # the update noise's multiplier rises so that it and the noised count are accounted
         # together at dp_noise_multiplier.
@@ -236,11 +239,12 @@ class FedCyBGD(Strategy):
                 raise ValueError(f"dp-adaptive-clip needs dp = 'central', got {dp!r}")
             stddev = count_stddev(dp_clip_count_stddev, clients_per_round, dp_noise_multiplier)
             self.dp_update_multiplier = adaptive_noise(dp_noise_multiplier, stddev)
+            assert self.noise_key is not None
             self.adaptive_clip = AdaptiveClip(dp_clip_norm, dp_clip_quantile, dp_clip_lr, stddev,
-                                              seed)
+                                              self.noise_key)
         if self.privacy is not None:
             aggregate = DpMean(self.dp_update_multiplier * dp_clip_norm if dp == "central"
-                               else 0.0, seed)
+                               else 0.0, self.noise_key or NoiseKey())
             if dp == "central":
                 max_update_norm = (min(max_update_norm, dp_clip_norm) if max_update_norm
                                    else dp_clip_norm)
@@ -271,7 +275,7 @@ class FedCyBGD(Strategy):
             if log_downloads else None, max_replay=seedlog_max_replay)
         self.budget = (TrafficBudget(int(traffic_budget_mb * 2**20), self.downloads, upload_codec)
                        if traffic_budget_mb > 0 else None)
-        self.sampler = NodeSampler(seed)
+        self.sampler = NodeSampler(seed, secret=self.noise_key)
         self.reader = ReplyReader(self.blocks, self.nodes, upload_codec=upload_codec,
                                   max_steps=local_steps, max_examples=local_steps * batch_size,
                                   max_payload_bytes=max_payload_bytes,
@@ -604,8 +608,19 @@ class FedCyBGD(Strategy):
                     c: list(r) for c, r in self.budget.seen.items()},
                 "privacy": {"example_epsilon": self.example_epsilon} if self.privacy is None
                 else {**self.privacy.state(), "merges": getattr(self.aggregate, "merges", 0),
+                      **({} if self.noise_key is None else {"noise_key": self.noise_key.hex()}),
                       **({} if self.adaptive_clip is None
                          else {"adaptive_clip": self.adaptive_clip.state()})}}
+
+    def _load_noise_key(self, text: Any) -> None:
+        """Take the checkpoint's central-DP secret, in place, so the merge, the adaptive clip and
+        the sampler (which hold this key) draw what the uninterrupted run would have drawn."""
+        assert self.noise_key is not None
+        try:
+            self.noise_key.restore(text)
+        except ValueError:
+            raise ValueError("the checkpoint's central-DP noise key (privacy.noise_key) is "
+                             "missing or malformed; a resumed run cannot draw its noise") from None
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state`'s output (weights must be restored by the caller)."""
@@ -625,6 +640,8 @@ class FedCyBGD(Strategy):
         if self.privacy is not None:
             privacy = state.get("privacy", {})
             self.privacy.load_state(privacy)
+            if self.noise_key is not None:
+                self._load_noise_key(privacy.get("noise_key"))
             if isinstance(self.aggregate, DpMean):
                 self.aggregate.merges = int(privacy.get("merges", 0))
             if self.adaptive_clip is not None and "adaptive_clip" in privacy:

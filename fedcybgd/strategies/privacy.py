@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fedcybgd.protocol.dp import add_noise, epsilon
+from fedcybgd.protocol.dp import NoiseKey, add_noise, epsilon
 
 
 @dataclass
@@ -113,13 +113,14 @@ class DpMean:
     ``noise_std`` > 0 (``dp = "central"``), Gaussian noise of ``noise_std / n`` on the mean of
     ``n`` uploads, that is ``noise_std`` on their sum.
 
-    The noise of the ``k``-th merge of a run is drawn from the run's seed and ``k``
-    (:attr:`merges`, checkpointed), so a run and its resumption draw the same noise.
+    The noise of the ``k``-th merge of a run is the draw ``merge/k`` of the server's secret
+    ``key`` (:attr:`merges` and the key are checkpointed, so a run and its resumption draw the
+    same noise; nothing a node or a reader of the run config holds regenerates it).
     """
 
-    def __init__(self, noise_std: float, seed: int) -> None:
+    def __init__(self, noise_std: float, key: NoiseKey) -> None:
         self.noise_std = noise_std
-        self.seed = seed
+        self.key = key
         self.merges = 0
 
     def __call__(self, uploads: Sequence[tuple[float, dict[str, torch.Tensor]]]
@@ -135,8 +136,7 @@ class DpMean:
         self.merges += 1
         if not self.noise_std:
             return mean
-        return add_noise(mean, self.noise_std / len(tensors),
-                         seed=(self.seed * 1_000_003 + self.merges) % 2**63)
+        return add_noise(mean, self.noise_std / len(tensors), self.key, f"merge/{self.merges}")
 
 
 @dataclass
@@ -145,15 +145,15 @@ class AdaptiveClip:
     nodes' delta norms (geometric update on a noised count, Andrew et al. 2021): after a round
     whose nodes said whether their delta's norm was within the clip (``bits``),
     ``clip *= exp(-lr * (noised share within - quantile))``. The count's noise has deviation
-    ``count_stddev`` and is drawn from the run's seed and the update's index, so a resumed run
-    draws the same. A node's bit is one vote of 0 or 1: a lying node moves the share by at most
-    ``1 / n`` of a round's ``n`` votes."""
+    ``count_stddev``, the draw ``clip-count/k`` of the server's secret ``key`` for the ``k``-th
+    update (a resumed run draws the same; nobody else can). A node's bit is one vote of 0 or 1:
+    a lying node moves the share by at most ``1 / n`` of a round's ``n`` votes."""
 
     clip: float
     quantile: float
     lr: float
     count_stddev: float
-    seed: int
+    key: NoiseKey
     updates: int = 0
 
     def update(self, bits: Sequence[bool]) -> float:
@@ -161,8 +161,7 @@ class AdaptiveClip:
         if not bits:
             return self.clip
         self.updates += 1
-        generator = torch.Generator().manual_seed((self.seed * 7_368_787 + self.updates) % 2**63)
-        noise = float(torch.randn((), generator=generator, dtype=torch.float64)) * self.count_stddev
+        noise = float(self.key.normal(1, f"clip-count/{self.updates}")[0]) * self.count_stddev
         share = (sum(bool(b) for b in bits) + noise) / len(bits)
         self.clip *= math.exp(-self.lr * (share - self.quantile))
         return self.clip

@@ -4,6 +4,11 @@ Nodes are sampled in the order of their stable keys (:mod:`fedcybgd.strategies.n
 of the ids Flower assigns, and seeds derive from the keys, so a ``seed`` gives the same run in
 every runtime. Only whole groups of ``per_block`` nodes are sampled (each block of a round gets
 ``per_block`` nodes).
+
+Under central DP the accountant claims amplification by sampling, which holds only against
+someone who cannot predict the sample: the round's sample is then drawn from the server's
+secret :class:`~fedcybgd.protocol.dp.NoiseKey` instead of the run's ``seed`` (the rest of the run
+stays reproducible from the seed; the sample is reproducible only from the checkpoint).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 from flwr.serverapp import Grid
 
+from fedcybgd.protocol.dp import NoiseKey
 from fedcybgd.strategies.node_keys import NodeKeys
 
 log = logging.getLogger(__name__)
@@ -28,10 +34,13 @@ class NodeSampler:
     ----------
     seed : int
         The run's seed.
+    secret : NoiseKey, optional
+        Draw the samples from this server-side secret instead of ``seed`` (central DP).
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, secret: NoiseKey | None = None) -> None:
         self.seed = seed
+        self.secret = secret
         self.keys = NodeKeys()
         self.population = 0  # the usable, keyed nodes the last sample was drawn from
 
@@ -63,7 +72,9 @@ class NodeSampler:
             log.warning("round %d: only %d usable nodes (%d with a node key) for "
                         "clients-per-round=%d; training %d blocks", server_round, len(usable),
                         len(nodes), count, take // per_block)
-        return random.Random(f"{self.seed}:nodes:{server_round}").sample(nodes, take)
+        draw = (self.secret.rng(f"nodes/{server_round}") if self.secret is not None
+                else random.Random(f"{self.seed}:nodes:{server_round}"))
+        return draw.sample(nodes, take)
 
     def seed_of(self, server_round: int, node: int) -> int:
         """``node``'s seed for ``server_round``, from its key."""
