@@ -1,14 +1,19 @@
-"""Byzantine soak: how far colluding nodes set back learning, per aggregator.
+"""Byzantine soak: how far colluding nodes set back learning and drift the model, per aggregator.
 
-Four nodes share each block every round (``clients-per-block = 4``, one block a round); 0, 1
-or 2 of them are colluders (:class:`fedcybgd.harness.byzantine.Colluders`): ``push`` is the
+Four nodes (``--nodes``) share each block every round (one block a round); 0, 1 or 2 of them
+are colluders (:class:`fedcybgd.harness.byzantine.Colluders`): ``push`` is the
 adaptive attacker (one fixed-sign direction, just under every bound of the server's screen,
 which it reads), ``flip`` sends its honest update reversed and scaled. Every aggregator runs
 the same rounds on the same seeds; the table gives the final eval loss and accuracy (mean and
-[min-max] over seeds) beside the honest run's, and the eval loss after each round.
+[min-max] over seeds) beside the honest run's, the eval loss after each round, and the drift:
+how far the trained blocks moved from the pretrained model (RMS of the difference over every
+block of the cycle), after each round, as a multiple of the honest run's with the same
+aggregate and seed (the worst round's ratio: a first visit counts as much as the last).
 
     python experiments/byzantine.py                     # tiny-llama, 3 seeds (~30 min, 2 cores)
     python experiments/byzantine.py --resume            # skips the runs already in results.json
+    python experiments/byzantine.py --nodes 5 --scenarios none:0,push:2,flip:2 \
+        --out experiments/results/byzantine-5     # a colluding minority of five
     python experiments/byzantine.py --model smollm2-135m --rounds 4 --seeds 0 \\
         --aggregates median --scenarios none:0,push:1,push:2 --set lr=3e-5 \\
         --set local-steps=5 --set batch-size=8 --set layers-per-block=10 \\
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -46,37 +52,54 @@ BASE: dict[str, Any] = {
 
 
 def config(model: str, aggregate: str, seed: int, rounds: int, out: Path,
-           overrides: dict[str, Any]) -> dict[str, Any]:
-    return {**BASE, "model": model, "num-server-rounds": rounds, "aggregate": aggregate,
+           overrides: dict[str, Any], nodes: int = 4) -> dict[str, Any]:
+    return {**BASE, "clients-per-round": nodes, "clients-per-block": nodes, "model": model,
+            "num-server-rounds": rounds, "aggregate": aggregate,
             "seed": seed, "output-dir": str(out), **overrides}
 
 
+def drift(fed: Federation) -> float:
+    """RMS of the trained blocks' difference from the pretrained model."""
+    names = [n for b in fed.strategy.cycle for n in fed.strategy.block_map.info(b).param_names]
+    total = sum(float((fed.strategy.weights[n].detach().double() - fed.pretrained[n].double())
+                      .square().sum()) for n in names)
+    return math.sqrt(total / sum(fed.pretrained[n].numel() for n in names))
+
+
 def one_run(model: str, aggregate: str, attack: str, colluders: int, seed: int,
-            rounds: int, overrides: dict[str, Any]) -> dict[str, Any]:
+            rounds: int, overrides: dict[str, Any], nodes: int = 4) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        fed = Federation(config(model, aggregate, seed, rounds, Path(tmp) / "out", overrides),
-                         Path(tmp))
+        fed = Federation(config(model, aggregate, seed, rounds, Path(tmp) / "out", overrides,
+                                nodes), Path(tmp), nodes=nodes)
         ids = fed.node_ids()
         forger = (Colluders(set(ids[:colluders]), kind=attack, seed=seed)
                   if colluders else None)
         first = fed.evaluate()
-        losses, drops = [float(first.loss)], {}
+        losses, drops, drifts = [float(first.loss)], {}, []
         began = time.perf_counter()
         for server_round in range(1, rounds + 1):
             entry = fed.play(server_round, forger)
             for reason, count in (entry.dropped or {}).items():
                 drops[reason] = drops.get(reason, 0) + count
             losses.append(float(fed.evaluate().loss))
+            drifts.append(drift(fed))
         last = fed.evaluate()
     return {"model": model, "aggregate": aggregate, "attack": attack, "colluders": colluders,
-            "seed": seed, "rounds": rounds, "overrides": overrides, "eval_loss": losses,
+            "nodes": nodes, "seed": seed, "rounds": rounds, "overrides": overrides,
+            "eval_loss": losses, "drift": drifts,
             "eval_accuracy": float(last.accuracy), "eval_accuracy_before": float(first.accuracy),
             "dropped": drops, "forged": forger.forged if forger else 0,
             "wall_s": round(time.perf_counter() - began, 1)}
 
 
 def key(r: dict[str, Any]) -> tuple[Any, ...]:
-    return (r["model"], r["aggregate"], r["attack"], r["colluders"], r["seed"], r["rounds"])
+    return (r["model"], r["aggregate"], r["attack"], r["colluders"], r["seed"], r["rounds"],
+            r.get("nodes", 4))
+
+
+def drift_ratio(run: dict[str, Any], honest: dict[str, Any]) -> float:
+    """The worst round's drift as a multiple of the honest run's in the same round."""
+    return max(a / h for a, h in zip(run["drift"], honest["drift"], strict=True) if h > 0)
 
 
 def spread(values: list[float]) -> str:
@@ -85,24 +108,32 @@ def spread(values: list[float]) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| aggregate | colluders of 4 | attack | final eval loss | loss drop vs honest | "
-             "eval accuracy | runs |", "|---|---|---|---|---|---|---|"]
+    lines = ["| aggregate | colluders of n | attack | final eval loss | loss drop vs honest | "
+             "drift vs honest (worst round) | eval accuracy | runs |",
+             "|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in results:
-        groups.setdefault((r["model"], r["aggregate"], r["attack"], r["colluders"]), []).append(r)
+        groups.setdefault((r["model"], r["aggregate"], r["attack"], r["colluders"],
+                           r.get("nodes", 4)), []).append(r)
     order = aggregator_names()
-    for (model, aggregate, attack, colluders), runs in sorted(
-            groups.items(), key=lambda g: (g[0][0], order.index(g[0][1])
+    for (model, aggregate, attack, colluders, nodes), runs in sorted(
+            groups.items(), key=lambda g: (g[0][0], g[0][4], order.index(g[0][1])
                                            if g[0][1] in order else 99, g[0][3], g[0][2])):
-        honest = groups.get((model, aggregate, "none", 0), [])
+        honest = groups.get((model, aggregate, "none", 0, nodes), [])
         loss = [r["eval_loss"][-1] for r in runs]
         drop = [r["eval_loss"][0] - r["eval_loss"][-1] for r in runs]
         share = ""
         if honest:
             base = statistics.fmean(h["eval_loss"][0] - h["eval_loss"][-1] for h in honest)
             share = f"{statistics.fmean(drop) / base:.0%}" if base else ""
-        lines.append(f"| {aggregate} | {colluders} | {attack} | {spread(loss)} | {share} | "
-                     f"{spread([r['eval_accuracy'] for r in runs])} | {len(runs)} |")
+        by_seed = {h["seed"]: h for h in honest if "drift" in h}
+        ratios = [drift_ratio(r, by_seed[r["seed"]]) for r in runs
+                  if "drift" in r and r["seed"] in by_seed]
+        drifted = (f"{statistics.fmean(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+                   if ratios else "")
+        lines.append(f"| {aggregate} | {colluders} of {nodes} | {attack} | {spread(loss)} | "
+                     f"{share} | {drifted} | {spread([r['eval_accuracy'] for r in runs])} | "
+                     f"{len(runs)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -110,6 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--nodes", type=int, default=4, help="nodes, all on each round's block")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--aggregates", default=",".join(aggregator_names()))
     parser.add_argument("--scenarios", default="",
@@ -133,10 +165,11 @@ def main() -> None:
     for seed in (int(s) for s in args.seeds.split(",")):
         for aggregate in args.aggregates.split(","):
             for attack, colluders in scenarios:
-                if (args.model, aggregate, attack, colluders, seed, args.rounds) in done:
+                if (args.model, aggregate, attack, colluders, seed, args.rounds,
+                        args.nodes) in done:
                     continue
                 r = one_run(args.model, aggregate, attack, colluders, seed, args.rounds,
-                            overrides)
+                            overrides, args.nodes)
                 results.append(r)
                 path.write_text(json.dumps(results, indent=1) + "\n")
                 print(f"{aggregate:>16} {attack:>5} x{colluders} seed {seed}: eval loss "

@@ -42,7 +42,7 @@ from fedcybgd.baselines import (
 )
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.loading import load_tokenizer
-from fedcybgd.protocol.dp import epsilon
+from fedcybgd.protocol.dp import NoiseKey, epsilon
 from fedcybgd.protocol.message_size import message_bytes
 from fedcybgd.protocol.prior import ClassPriorSpec, with_class_prior
 from fedcybgd.server.common import (
@@ -95,6 +95,9 @@ class CheckedFedAvg(FedAvg):
         The most examples a node can train on in a round (local steps x batch size).
     seed : int
         Seeds node sampling (over nodes in node-key order).
+    sampling_secret : NoiseKey, optional
+        Draw the sample from this server-side secret instead (central DP: its amplification
+        by sampling holds only against someone who cannot predict the sample from ``seed``).
     class_prior, classes
         The class shares the nodes' training aims at (as :class:`~fedcybgd.strategies.fedcybgd.
         FedCyBGD`'s), sent in every round's config.
@@ -109,9 +112,11 @@ class CheckedFedAvg(FedAvg):
     def __init__(self, reference: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  max_examples: float = math.inf, seed: int = 0,
                  class_prior: ClassPriorSpec | None = None, classes: int = 0,
-                 client_lr: Callable[[int], float] | None = None, **kwargs: Any) -> None:
+                 client_lr: Callable[[int], float] | None = None,
+                 sampling_secret: NoiseKey | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reference = reference
+        self.sampling_secret = sampling_secret
         self.client_lr = client_lr
         self.max_examples = max_examples
         self.seed = seed
@@ -162,7 +167,8 @@ class CheckedFedAvg(FedAvg):
             log.warning("round %d: only %d of %d connected nodes told their node key; "
                         "sampling %d instead of %d", server_round, len(ordered),
                         len(connected), len(ordered), size)
-        rng = random.Random(f"{self.seed}:nodes:{server_round}")
+        rng = (self.sampling_secret.rng(f"nodes/{server_round}") if self.sampling_secret
+               else random.Random(f"{self.seed}:nodes:{server_round}"))
         return rng.sample(ordered, min(size, len(ordered)))
 
     def _check(self, reply: Message, metric_keys: set[str] | None) -> None:
@@ -350,6 +356,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         classes=classes,
         client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
                                     run.warmup_rounds),
+        sampling_secret=NoiseKey() if run.dp == "central" else None,
     )
     # With DP the budget may allow fewer rounds than asked (FedAvgPrivacy.rounds_within)
     privacy = FedAvgPrivacy.of(run, population)
