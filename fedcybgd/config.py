@@ -695,6 +695,14 @@ class NodeConfig:
     max_chain_mb: float = setting(16384.0, gt=0, doc=(
         "most MB the install deltas of one round's chained downloads (`download-chain`) decode "
         "to, all together: the work of applying them one after another"))
+    max_micro_batches: int = setting(256, ge=1, doc=(
+        "pipeline stages: most micro-batches of one stage message (run config `micro-batches`)"))
+    max_row_tokens: int = setting(8192, ge=8, doc=(
+        "pipeline stages: most tokens of one row (run config `max-seq-len`), and so of the "
+        "activations a stage takes"))
+    max_activation_mb: float = setting(2048.0, gt=0, doc=(
+        "pipeline stages: most MB of activations (or gradients) one stage message carries, all "
+        "micro-batches together"))
 
     def __post_init__(self) -> None:
         normalize(self)

@@ -9,7 +9,14 @@ whose replay costs minutes. Each such demand is capped by a key of the node's ow
 ``max-local-steps`` training steps of a round (run config ``local-steps``) and the steps the
                     instruction's ``local-steps`` lets one downloaded step log hold
 ``max-lr``          the round's learning rate (instruction ``lr``, else run config ``lr``)
-``max-batch-size``  rows of one training batch (run config ``batch-size``)
+``max-batch-size``  rows of one training batch (run config ``batch-size``), and of the
+                    activations a pipeline stage takes
+``max-micro-batches`` micro-batches of one pipeline stage message (run config
+                    ``micro-batches``)
+``max-row-tokens``  tokens of one row of a pipeline stage (run config ``max-seq-len``), and so
+                    of the activations it takes
+``max-activation-mb`` bytes of the activations (or gradients) one pipeline stage message
+                    carries, all micro-batches together
 ``max-replay-steps`` steps replayed from all of one instruction's step-log downloads
 ``max-replay-logs`` step logs (the chains' length) of one instruction's step-log downloads
 ``max-download-mb`` payload bytes of one instruction's downloads, all records together
@@ -155,6 +162,37 @@ def check_replay_steps(counted: int, node: NodeConfig) -> None:
     if counted > node.max_replay_steps:
         raise beyond("instruction record 'download-logs' (steps to replay)",
                      f"at least {counted}", "max-replay-steps", node.max_replay_steps)
+
+
+def check_pipeline(run: RunConfig, node: NodeConfig) -> None:
+    """Check a pipeline stage's work (``strategy = "pipeline"``) against the node's limits,
+    beyond :func:`check_training`'s: the micro-batches of one message, the tokens of a row, and
+    AdamW's weight decay, which at ``lr x weight-decay`` above 1 would flip and grow the
+    weights every step whatever the rate's limit.
+
+    Raises
+    ------
+    Refusal
+        A value beyond its limit, named.
+    """
+    if run.micro_batches > node.max_micro_batches:
+        raise beyond("run-config 'micro-batches'", run.micro_batches, "max-micro-batches",
+                     node.max_micro_batches)
+    if run.max_seq_len > node.max_row_tokens:
+        raise beyond("run-config 'max-seq-len'", run.max_seq_len, "max-row-tokens",
+                     node.max_row_tokens)
+    if run.lr * run.weight_decay > 1:
+        raise Refusal(f"run-config 'lr' x 'weight-decay' = {run.lr:g} x {run.weight_decay:g} "
+                      "is above 1: AdamW's decay would scale the weights by "
+                      f"{1 - run.lr * run.weight_decay:g} every step")
+
+
+def check_activation_bytes(total: int, node: NodeConfig) -> None:
+    """Refuse a pipeline stage message whose activations (or gradients) take ``total`` bytes,
+    all micro-batches together, over ``max-activation-mb``; read before any is decoded."""
+    if total > node.max_activation_mb * MB:
+        raise beyond("instruction record 'activations'", f"{total / MB:.2f} MB",
+                     "max-activation-mb", f"{node.max_activation_mb:g}")
 
 
 def enforced_budget(node: NodeConfig, cgroup: CgroupMemory | None) -> NodeConfig:

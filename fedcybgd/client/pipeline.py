@@ -139,6 +139,10 @@ class Stage:
                 if parts[2] != "step" and value.shape != p.shape:
                     raise ValueError(f"stage state: {name!r} has shape {tuple(value.shape)}, "
                                      f"its parameter {tuple(p.shape)}")
+                if parts[2] == "step" and (value.numel() != 1 or float(value) < 0):
+                    raise ValueError(f"stage state: {name!r} is not a step count")
+                if parts[2] == "exp_avg_sq" and bool((value < 0).any()):
+                    raise ValueError(f"stage state: {name!r} holds negative second moments")
                 self.optimizer.state[p][parts[2]] = value.clone()
             elif name not in own or own[name].shape != value.shape:
                 raise ValueError(f"stage state: {name!r} is not a tensor of this stage's chunk "

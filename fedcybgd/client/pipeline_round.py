@@ -18,12 +18,14 @@ Between messages the stage keeps its chunk, AdamW's state and the ``F`` inputs a
 will need under the node's cache folder (``pipeline/run-<id>/stage-<k>``), removed after the
 stage's last message (``final``), whose reply carries the trained chunk; a checkpoint
 (``checkpoint``) reply carries the chunk and AdamW's state. Every value the server sends is
-checked; a bad one gets a ``refused`` reply naming it and changes nothing.
+checked, and every message passes the node's own limits (:mod:`fedcybgd.client.limits`: those
+of a training round, the micro-batches, the tokens of a row and the activations' bytes),
+whatever the run config asks: a bad value or one beyond a limit gets a ``refused`` reply naming
+it and changes nothing.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import shutil
@@ -35,6 +37,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from safetensors.torch import load_file, save_file
 
+from fedcybgd.client import limits
+from fedcybgd.client.limits import Refusal
 from fedcybgd.client.pipeline import BACKPROP, Stage, StageConfig
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.core.atomic import make_dirs
@@ -49,10 +53,6 @@ STATUS_OK = "ok"
 STATUS_REFUSED = "refused"
 
 
-class Refused(ValueError):
-    """The instruction cannot be carried out: the text names the field and why."""
-
-
 @dataclass(frozen=True)
 class StageInstruction:
     """A checked ``train.pipeline`` instruction."""
@@ -65,28 +65,28 @@ class StageInstruction:
 
 
 def read_instruction(record: ConfigRecord | None, run: RunConfig) -> StageInstruction:
-    """The instruction, every field checked against the run config (:class:`Refused`)."""
+    """The instruction, every field checked against the run config (:class:`Refusal`)."""
     if record is None:
-        raise Refused(f"no '{act.PIPELINE}' record in the message")
+        raise Refusal(f"no '{act.PIPELINE}' record in the message")
     values = dict(record)
     stage, kind, step, final = (values.get(k) for k in ("stage", "kind", "step", "final"))
     checkpoint = values.get("checkpoint", False)
     if not isinstance(stage, int) or isinstance(stage, bool) or not (
             0 <= stage < run.pipeline_stages):
-        raise Refused(f"instruction field 'stage' = {stage!r}: not in 0.."
+        raise Refusal(f"instruction field 'stage' = {stage!r}: not in 0.."
                       f"{run.pipeline_stages - 1}")
     if kind not in ("F", "B", "R"):
-        raise Refused(f"instruction field 'kind' = {kind!r}: must be 'F', 'B' or 'R'")
+        raise Refusal(f"instruction field 'kind' = {kind!r}: must be 'F', 'B' or 'R'")
     if kind == "B" and run.pipeline_schedule not in BACKPROP:
-        raise Refused(f"instruction field 'kind' = 'B': schedule {run.pipeline_schedule!r} "
+        raise Refusal(f"instruction field 'kind' = 'B': schedule {run.pipeline_schedule!r} "
                       "has no backward")
     if not isinstance(step, int) or isinstance(step, bool) or not (
             0 <= step < run.num_server_rounds):
-        raise Refused(f"instruction field 'step' = {step!r}: not in 0.."
+        raise Refusal(f"instruction field 'step' = {step!r}: not in 0.."
                       f"{run.num_server_rounds - 1} (num-server-rounds)")
     for name, flag in (("final", final), ("checkpoint", checkpoint)):
         if not isinstance(flag, bool):
-            raise Refused(f"instruction field {name!r} = {flag!r}: must be true or false")
+            raise Refusal(f"instruction field {name!r} = {flag!r}: must be true or false")
     assert isinstance(final, bool) and isinstance(checkpoint, bool)
     return StageInstruction(stage, kind, step, final, checkpoint)
 
@@ -114,15 +114,35 @@ def _reply(msg: Message, status: str, reason: str = "",
 
 
 def handle(msg: Message, context: Context) -> Message:
-    """Do one stage message (module docstring); a ``refused`` reply names a bad input."""
+    """Do one stage message (module docstring); a ``refused`` reply names a bad input or a
+    value beyond one of the node's limits."""
     run = RunConfig.from_run_config(context.run_config)
     node = NodeConfig.from_node_config(context.node_config)
     try:
         ins = read_instruction(msg.content.config_records.get(act.PIPELINE), run)
+        check_limits(msg, run, node)
         return _work(msg, context, run, node, ins)
-    except (Refused, act.ActivationError) as err:
+    except (Refusal, act.ActivationError) as err:
         log.warning("pipeline: refused a message (%s)", err)
         return _reply(msg, STATUS_REFUSED, str(err))
+
+
+def check_limits(msg: Message, run: RunConfig, node: NodeConfig) -> None:
+    """The message's work against the node's own limits, before any is done: a training
+    round's (:func:`fedcybgd.client.limits.check_training`: learning rate, batch size), the
+    pipeline's (micro-batches, tokens of a row, weight decay) and the bytes of the activations
+    and of a restored state it carries, read from their sizes alone."""
+    limits.check_training(run, node)
+    limits.check_pipeline(run, node)
+    record = msg.content.config_records.get(act.ACTIVATIONS)
+    if record is not None:
+        sizes = [len(v) if isinstance(v, bytes) else -1 for v in record.values()]
+        if -1 in sizes:
+            raise Refusal(f"'{act.ACTIVATIONS}' holds a value that is not bytes")
+        limits.check_activation_bytes(sum(sizes), node)
+    state = msg.content.array_records.get(act.STAGE_STATE)
+    if state is not None:
+        limits.check_download_bytes({act.STAGE_STATE: state}, node)
 
 
 def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
@@ -130,7 +150,7 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
     started = time.perf_counter()
     task = build_task(run)
     model = load_model(run.model)
-    hidden = int(model.config.hidden_size)
+    hidden, vocab = int(model.config.hidden_size), int(model.config.vocab_size)
     stage = Stage(model, StageConfig(ins.stage, run.pipeline_stages, run.pipeline_schedule,
                                      run.lr, run.weight_decay, run.pipeline_aux_layers), task)
     folder = stage_dir(node, context.run_id, ins.stage)
@@ -143,7 +163,7 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
     loaded_s = time.perf_counter() - started
     m = run.micro_batches
     mbs = list(range(ins.step * m, (ins.step + 1) * m))
-    inputs = _inputs(msg, run, node, stage, ins, mbs, folder, hidden, task)
+    inputs = _inputs(msg, run, node, stage, ins, mbs, folder, hidden, vocab, task)
     outputs: dict[str, bytes] = {}
     work = time.perf_counter()
     if ins.kind == "F":
@@ -159,7 +179,7 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
         if run.pipeline_schedule not in BACKPROP:
             stage.step()
     else:
-        grads = {} if stage.last else _decoded(msg, "B", mbs, hidden, task, run)
+        grads = {} if stage.last else _decoded(msg, "B", mbs, hidden, vocab, task, run)
         for mb in reversed(mbs):
             batch, states = inputs[mb]
             stage.forward(mb, batch, states)
@@ -195,11 +215,11 @@ def _restore(msg: Message, stage: Stage, folder: Path, state_file: Path) -> Mess
         try:
             tensors = dict(record.to_torch_state_dict())
         except (ValueError, TypeError) as err:
-            raise Refused(f"'{act.STAGE_STATE}' is not a set of tensors: {err}") from err
+            raise Refusal(f"'{act.STAGE_STATE}' is not a set of tensors: {err}") from err
         try:
             stage.load_state(tensors)
         except ValueError as err:
-            raise Refused(str(err)) from err
+            raise Refusal(str(err)) from err
     for stale in folder.glob("input-*.bin"):
         stale.unlink()
     tmp = folder / "stage.safetensors.tmp"
@@ -208,42 +228,43 @@ def _restore(msg: Message, stage: Stage, folder: Path, state_file: Path) -> Mess
     return _reply(msg, STATUS_OK, "", {}, {"loss": math.nan})
 
 
-def _decoded(msg: Message, kind: str, mbs: list[int], hidden: int, task: object,
+def _decoded(msg: Message, kind: str, mbs: list[int], hidden: int, vocab: int, task: object,
              run: RunConfig) -> dict[int, tuple[torch.Tensor, Batch | None]]:
-    """The message's ``kind`` entries for ``mbs``, decoded and checked (at most
-    ``batch-size`` rows of ``max-seq-len`` tokens each)."""
+    """The message's ``kind`` entries for ``mbs``, decoded and checked: at most ``batch-size``
+    rows of ``max-seq-len`` tokens each (:func:`check_limits` has held both to the node's own
+    limits), token ids in the model's vocabulary."""
     record = msg.content.config_records.get(act.ACTIVATIONS)
     if record is None:
-        raise Refused(f"no '{act.ACTIVATIONS}' record in a {kind} message")
+        raise Refusal(f"no '{act.ACTIVATIONS}' record in a {kind} message")
     want = {f"mb.{mb}" for mb in mbs}
     if set(record) != want:
-        raise Refused(f"'{act.ACTIVATIONS}' holds {sorted(record)[:4]}, expected "
+        raise Refusal(f"'{act.ACTIVATIONS}' holds {sorted(record)[:4]}, expected "
                       f"{sorted(want)[:4]}")
     out = {}
     for mb in mbs:
         data = record[f"mb.{mb}"]
         if not isinstance(data, bytes):
-            raise Refused(f"'{act.ACTIVATIONS}' entry mb.{mb} is not bytes")
-        got_kind, got_mb, tensor, batch = act.decode(data, hidden, act_limit(run), task)
+            raise Refusal(f"'{act.ACTIVATIONS}' entry mb.{mb} is not bytes")
+        got_kind, got_mb, tensor, batch = act.decode(data, hidden, act_limit(run, hidden), task,
+                                                     vocab)
         if (got_kind, got_mb) != (kind, mb):
-            raise Refused(f"entry mb.{mb} holds {got_kind}{got_mb}")
+            raise Refusal(f"entry mb.{mb} holds {got_kind}{got_mb}")
         if tensor.shape[0] > run.batch_size or tensor.shape[1] > run.max_seq_len:
-            raise Refused(f"entry mb.{mb} has shape {tuple(tensor.shape)}: more than "
+            raise Refusal(f"entry mb.{mb} has shape {tuple(tensor.shape)}: more than "
                           f"batch-size = {run.batch_size} rows of max-seq-len = "
                           f"{run.max_seq_len} tokens")
         out[mb] = (tensor, batch)
     return out
 
 
-def act_limit(run: RunConfig) -> int:
-    """The most bytes one micro-batch's message may take: fp32 states (or gradients) of
-    ``batch-size x max-seq-len`` tokens of up to 16,384 dimensions, and the batch's tensors."""
-    tokens = run.batch_size * run.max_seq_len
-    return tokens * 16_384 * 4 + tokens * 64 + (1 << 20)
+def act_limit(run: RunConfig, hidden: int) -> int:
+    """The most bytes one micro-batch's message may take (:func:`fedcybgd.protocol.activations
+    .max_bytes`): ``batch-size x max-seq-len`` tokens of the model's ``hidden`` size."""
+    return act.max_bytes(run.batch_size, run.max_seq_len, hidden)
 
 
 def _inputs(msg: Message, run: RunConfig, node: NodeConfig, stage: Stage,
-            ins: StageInstruction, mbs: list[int], folder: Path, hidden: int,
+            ins: StageInstruction, mbs: list[int], folder: Path, hidden: int, vocab: int,
             task: object) -> dict[int, tuple[Batch, torch.Tensor | None]]:
     """Each micro-batch's ``(batch, states)``: stage 0 from its own data (the same batches for
     a step's ``F`` and ``B``), the others from the ``F`` message, kept on disk for ``B``."""
@@ -251,11 +272,11 @@ def _inputs(msg: Message, run: RunConfig, node: NodeConfig, stage: Stage,
         from fedcybgd.client.local_data import training_batches
 
         batches = training_batches(run, node, run.seed)
-        skipped = itertools.islice(batches, mbs[0], mbs[-1] + 1)
-        return {mb: (batch, None) for mb, batch in zip(mbs, skipped, strict=True)}
+        batches.step = mbs[0]  # the n-th batch without drawing the n before it
+        return {mb: (next(batches), None) for mb in mbs}
     if ins.kind == "F":
         record = msg.content.config_records.get(act.ACTIVATIONS)
-        decoded = _decoded(msg, "F", mbs, hidden, task, run)
+        decoded = _decoded(msg, "F", mbs, hidden, vocab, task, run)
         if run.pipeline_schedule in BACKPROP:  # kept for the backward's recomputation
             assert record is not None
             for mb in mbs:
@@ -271,8 +292,9 @@ def _inputs(msg: Message, run: RunConfig, node: NodeConfig, stage: Stage,
     for mb in mbs:
         path = folder / f"input-{mb}.bin"
         if not path.exists():
-            raise Refused(f"a backward of micro-batch {mb} before its forward on this node")
-        _, _, states, batch = act.decode(path.read_bytes(), hidden, act_limit(run), task)
+            raise Refusal(f"a backward of micro-batch {mb} before its forward on this node")
+        _, _, states, batch = act.decode(path.read_bytes(), hidden, act_limit(run, hidden), task,
+                                         vocab)
         assert batch is not None
         kept[mb] = (batch, states)
     return kept

@@ -9,11 +9,14 @@ Down (``B``): ``grad`` ``[B, T, H]``, the gradient of the loss with respect to `
 
 Safetensors, never pickle: a stage on another device is untrusted input. :func:`decode` checks
 names, dtypes and shapes against each other and against the receiver's hidden size and byte
-limit, and raises :class:`ActivationError` naming what is wrong.
+limit (:func:`max_bytes`), token ids against its vocabulary, and raises :class:`ActivationError`
+naming what is wrong. :func:`batch_digest` names a micro-batch's tensors, so the server can
+check that a stage passes on the batch stage 0 sent it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
@@ -44,6 +47,14 @@ class ActivationError(ValueError):
     """A stage's message is malformed: the text says which tensor and what is wrong."""
 
 
+def max_bytes(rows: int, tokens: int, hidden_size: int) -> int:
+    """The most bytes one micro-batch's message may take: float32 states (or gradients) of
+    ``rows x tokens`` tokens of ``hidden_size`` dimensions, the batch's tensors (at most 64
+    bytes a token: ids, mask, scored positions and their targets) and 1 MiB for the header and
+    the per-row and per-class tensors."""
+    return rows * tokens * (hidden_size * 4 + 64) + (1 << 20)
+
+
 def encode(kind: str, mb: int, tensor: torch.Tensor, batch: Batch | None = None,
            dtype: str = "float32") -> bytes:
     """``kind`` ``"F"`` (``tensor`` = states, with ``batch``) or ``"B"`` (``tensor`` = grad) of
@@ -64,18 +75,20 @@ def encode(kind: str, mb: int, tensor: torch.Tensor, batch: Batch | None = None,
     return st_save(tensors, metadata={"kind": kind, "mb": str(mb)})
 
 
-def decode(data: bytes, hidden_size: int, max_bytes: int,
-           task: object = None) -> tuple[str, int, torch.Tensor, Batch | None]:
+def decode(data: bytes, hidden_size: int, limit: int, task: object = None,
+           vocab_size: int | None = None) -> tuple[str, int, torch.Tensor, Batch | None]:
     """``(kind, mb, float32 tensor, batch or None)`` from :func:`encode`'s bytes, checked.
 
-    The batch gets ``task`` (the receiver's own task object).
+    ``limit``: the most bytes the message may take (:func:`max_bytes`). The batch gets ``task``
+    (the receiver's own task object); with ``vocab_size`` its token ids must be in
+    ``0..vocab_size - 1``, and its labels index its classes.
     """
-    if len(data) > max_bytes:
-        raise ActivationError(f"message of {len(data):,} bytes exceeds the limit {max_bytes:,}")
+    if len(data) > limit:
+        raise ActivationError(f"message of {len(data):,} bytes exceeds the limit {limit:,}")
     try:
         tensors = st_load(data)
         meta = _metadata(data)
-    except (SafetensorError, ValueError, RuntimeError, struct.error) as err:
+    except (SafetensorError, ValueError, RuntimeError, struct.error, UnicodeDecodeError) as err:
         raise ActivationError(f"not a safetensors activation message: {err}") from err
     kind, mb_text = meta.get("kind"), meta.get("mb", "")
     if kind not in ("F", "B"):
@@ -100,7 +113,10 @@ def decode(data: bytes, hidden_size: int, max_bytes: int,
     value = value.float()
     if kind == "B":
         return kind, int(mb_text), value, None
-    return kind, int(mb_text), value, _batch(tensors, value.shape[:2], task)
+    batch = _batch(tensors, value.shape[:2], task)
+    if vocab_size is not None:
+        _check_ids(batch, vocab_size)
+    return kind, int(mb_text), value, batch
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -120,7 +136,9 @@ def _batch(tensors: dict[str, torch.Tensor], shape: torch.Size, task: object) ->
         if key not in tensors:
             raise ActivationError(f"a forward message lacks '{key}'")
     for key, value in tensors.items():
-        if key in _INT_KEYS and value.dtype not in (torch.int64, torch.int32, torch.bool):
+        allowed = (torch.int64, torch.int32, torch.bool) if key == "attention_mask" else (
+            torch.int64, torch.int32)
+        if key in _INT_KEYS and value.dtype not in allowed:
             raise ActivationError(f"'{key}' has dtype {value.dtype}, not an integer type")
     for key in ("input_ids", "attention_mask"):
         if tuple(tensors[key].shape) != (rows, tokens):
@@ -149,6 +167,45 @@ def _batch(tensors: dict[str, torch.Tensor], shape: torch.Size, task: object) ->
                  tensors["target_ids"], tensors["labels"], tensors["class_token_ids"],
                  tensors.get("class_log_prior"), tensors.get("score_rows"),
                  tensors.get("score_positions"), task)
+
+
+def _check_ids(batch: Batch, vocab_size: int) -> None:
+    """Token ids inside the vocabulary, the classes' prior one number a class, labels indexing
+    the classes: what the receiver's embedding and loss index with."""
+    for key in ("input_ids", "target_ids", "class_token_ids"):
+        value = getattr(batch, key)
+        if value.numel() and (int(value.min()) < 0 or int(value.max()) >= vocab_size):
+            raise ActivationError(f"'{key}' holds token ids outside 0..{vocab_size - 1}")
+    classes = batch.class_token_ids
+    if classes.dim() != 1:
+        raise ActivationError(f"'class_token_ids' has shape {tuple(classes.shape)}, expected "
+                              "[classes]")
+    prior = batch.class_log_prior
+    if prior is not None:
+        if prior.dtype not in FLOAT_DTYPES.values() or prior.shape != classes.shape:
+            raise ActivationError(f"'class_log_prior' is {prior.dtype} {tuple(prior.shape)}, "
+                                  f"expected a float per class {tuple(classes.shape)}")
+        if not bool(torch.isfinite(prior).all()):
+            raise ActivationError("'class_log_prior' holds non-finite values")
+    labels = batch.labels
+    low = 0 if prior is not None else -1  # the adjusted loss indexes the classes by label
+    if labels.numel() and classes.numel() and (
+            int(labels.min()) < low or int(labels.max()) >= classes.numel()):
+        raise ActivationError(f"'labels' outside {low}..{classes.numel() - 1} (the classes)")
+
+
+def batch_digest(batch: Batch) -> str:
+    """A digest of the micro-batch's tensors (:data:`BATCH_KEYS`: names, dtypes, shapes and
+    values): equal digests, equal batches."""
+    digest = hashlib.sha256()
+    for key in BATCH_KEYS:
+        value = getattr(batch, key)
+        if value is None:
+            continue
+        value = value.detach().contiguous().cpu()
+        digest.update(f"{key}:{value.dtype}:{tuple(value.shape)};".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
 
 
 def peek(data: bytes) -> tuple[str, int]:

@@ -28,6 +28,15 @@ goes on as usual. The other stages go on meanwhile. ``summary.json`` lists every
 the stage, the nodes, the step, the steps replayed (the lost work) and the seconds it took. A
 stage 0 spare trains on its own data, so its replayed steps are not the lost ones exactly.
 With no spare left, the run ends ``failed`` naming the stage and why.
+
+Hostile stages: every reply passes :mod:`fedcybgd.server.pipeline_replies` before any of it is
+used or relayed, so a malformed reply, or activations that are not what the receiving stage
+must get, fail their sender (which a spare replaces; a spare that fails while taking over is
+replaced by the next) and never reach an honest stage. Bounded memory: a stage is sent its next
+forward (backward) only once its neighbour has taken the last one it relayed there, so the
+server holds at most one step's relayed bytes per stage (``summary.json``'s
+``relay_peak_bytes``), and the inputs kept for replays live on disk
+(:mod:`fedcybgd.server.pipeline_replay`).
 """
 
 from __future__ import annotations
@@ -35,7 +44,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +61,14 @@ from fedcybgd.protocol.pipeline import stage_layers
 from fedcybgd.server.common import Evaluator, require_nodes, resolve_output_dir
 from fedcybgd.server.metrics import MetricsWriter, run_status, write_summary
 from fedcybgd.server.outputs import prepare_output_dir
+from fedcybgd.server.pipeline_replay import ReplayLog
+from fedcybgd.server.pipeline_replies import Asked, ReplyReader, StageFailed
 from fedcybgd.strategies.pipeline import Op, plan
 
+__all__ = ["StageFailed", "run_pipeline_server"]
 log = logging.getLogger(__name__)
 MESSAGE_TYPE = "train.pipeline"
 POLL_S = 0.05
-
-
-class StageFailed(RuntimeError):
-    """A stage refused or failed a message: the text names the stage, the step and why."""
 
 
 def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
@@ -88,6 +95,8 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
         driver.play()
     except StageFailed as err:
         failure = str(err)
+    finally:
+        driver.replay.close()
     record: dict[str, Any] = {"round": run.num_server_rounds}
     if failure is None:
         state: dict[str, torch.Tensor] = {}
@@ -107,6 +116,7 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
         "bytes_down": sum(r.get("bytes_down", 0) for r in driver.rows.values()),
         "bytes_up": sum(r.get("bytes_up", 0) for r in driver.rows.values()),
         "recoveries": driver.recoveries,
+        "relay_peak_bytes": driver.relay_peak,
         "wall_s": time.perf_counter() - started, "output_dir": str(out),
         "run_config": run.to_run_config(),
     }
@@ -125,14 +135,6 @@ def own_tensors(model: torch.nn.Module, stages: int) -> list[dict[str, tuple[int
             for a, b in stage_layers(stack.num_layers, stages)]
 
 
-@dataclass
-class Sent:
-    """A message the server keeps for a replay: the stage's operation and its inputs."""
-
-    op: Op
-    inputs: dict[str, bytes] | None
-
-
 class Driver:
     """Plays the schedule over the grid (module docstring)."""
 
@@ -147,27 +149,38 @@ class Driver:
                     plan(run.pipeline_schedule, self.count, 1, run.num_server_rounds)]
         self.cursor = [0] * self.count
         self.busy: dict[str, tuple[int, Op, float]] = {}  # message id -> (stage, op, sent)
+        # relayed bytes waiting for their stage: (stage, kind, step) -> checked activations
         self.inbox: dict[tuple[int, str, int], dict[str, bytes]] = {}
-        self.sent: list[list[Sent]] = [[] for _ in range(self.count)]  # since the checkpoint
+        self.relay_peak = 0  # the most bytes the inbox held at once
+        self.replay = ReplayLog(out / "pipeline-relay", self.count)  # since the checkpoint
         self.checkpoint_step = [0] * self.count
         self.checkpoints = out / "pipeline-checkpoints"
         self.chunks: dict[int, dict[str, torch.Tensor]] = {}
         self.rows: dict[int, dict[str, Any]] = {}
         self.recoveries: list[dict[str, Any]] = []
         self.own = own_tensors(model, self.count)
+        self.reader = ReplyReader(run, model, self.own)
 
     # -- the schedule ------------------------------------------------------------------------
     def _last_of_step(self, k: int, op: Op) -> bool:
         return not any(o.mb == op.mb for o in self.ops[k][self.ops[k].index(op) + 1:])
 
-    def _message(self, k: int, op: Op, inputs: dict[str, bytes] | None,
-                 replay: bool = False) -> Message:
+    def _asked(self, k: int, op: Op, replay: bool = False) -> Asked:
+        """What ``op``'s message asks of stage ``k``'s reply (a replay's output is dropped)."""
         every = self.run.pipeline_checkpoint_every
         last = self._last_of_step(k, op)
+        target = k + 1 if op.kind == "F" else k - 1
+        return Asked(
+            relay=target if 0 <= target < self.count and not replay else None,
+            final=op == self.ops[k][-1] and not replay,
+            checkpoint=bool(every) and last and (op.mb + 1) % every == 0 and not replay)
+
+    def _message(self, k: int, op: Op, inputs: dict[str, bytes] | None,
+                 replay: bool = False) -> Message:
+        asked = self._asked(k, op, replay)
         content = RecordDict({act.PIPELINE: ConfigRecord({
-            "stage": k, "kind": op.kind, "step": op.mb,
-            "final": op == self.ops[k][-1] and not replay,
-            "checkpoint": bool(every) and last and (op.mb + 1) % every == 0 and not replay})})
+            "stage": k, "kind": op.kind, "step": op.mb, "final": asked.final,
+            "checkpoint": asked.checkpoint})})
         if inputs is not None:
             content[act.ACTIVATIONS] = ConfigRecord(dict(inputs))
         return Message(content, dst_node_id=self.nodes[k], message_type=MESSAGE_TYPE)
@@ -179,21 +192,33 @@ class Driver:
     def _send(self, k: int, op: Op, inputs: dict[str, bytes] | None) -> None:
         msg = self._message(k, op, inputs)
         self._row(op.mb)["bytes_down"] += message_bytes(msg)
+        self.replay.add(k, op, inputs)
         (mid,) = self.grid.push_messages([msg])
         self.busy[mid] = (k, op, time.perf_counter())
-        self.sent[k].append(Sent(op, inputs))
+
+    def _ready(self, k: int) -> Op | None:
+        """Stage ``k``'s next operation if it can be sent now: the stage is free, its input is
+        there, and the stage its output goes to has taken the last one relayed to it (so the
+        server holds at most one step's relayed bytes per stage)."""
+        if self.cursor[k] >= len(self.ops[k]) or any(s == k for s, _, _ in self.busy.values()):
+            return None
+        op = self.ops[k][self.cursor[k]]
+        needs = k > 0 if op.kind == "F" else k < self.count - 1
+        if needs and (k, op.kind, op.mb) not in self.inbox:
+            return None
+        target = k + 1 if op.kind == "F" else k - 1
+        if any(t == target and kind == op.kind for t, kind, _ in self.inbox):
+            return None
+        return op
 
     def play(self) -> None:
         """Every stage's messages, each sent as soon as its input is there and its stage free."""
         while any(c < len(o) for c, o in zip(self.cursor, self.ops, strict=True)) or self.busy:
             for k in range(self.count):
-                if self.cursor[k] >= len(self.ops[k]) or any(
-                        s == k for s, _, _ in self.busy.values()):
+                op = self._ready(k)
+                if op is None:
                     continue
-                op = self.ops[k][self.cursor[k]]
                 needs = k > 0 if op.kind == "F" else k < self.count - 1
-                if needs and (k, op.kind, op.mb) not in self.inbox:
-                    continue
                 self._send(k, op, self.inbox.pop((k, op.kind, op.mb)) if needs else None)
                 self.cursor[k] += 1
             replies = list(self.grid.pull_messages(list(self.busy)))
@@ -202,7 +227,12 @@ class Driver:
                 time.sleep(POLL_S)
                 continue
             for reply in replies:
-                k, op, sent = self.busy.pop(reply.metadata.reply_to_message_id)
+                entry = self.busy.pop(reply.metadata.reply_to_message_id, None)
+                if entry is None:  # not a reply to a message in flight: nothing to take
+                    log.warning("pipeline: ignored a reply to message %s, not in flight",
+                                reply.metadata.reply_to_message_id)
+                    continue
+                k, op, sent = entry
                 try:
                     self._take(reply, k, op, sent)
                 except StageFailed as err:
@@ -222,6 +252,7 @@ class Driver:
         row = self._row(step)
         row["round_s"] = time.perf_counter() - self.started
         self.writer.write(row)
+        self.reader.forget(step)
 
     def _check_timeouts(self) -> None:
         now = time.perf_counter()
@@ -232,61 +263,25 @@ class Driver:
                                      f"in {self.run.round_timeout:g} s (round-timeout)")
 
     # -- replies -----------------------------------------------------------------------------
-    def _check(self, reply: Message, k: int, op: Op) -> None:
-        where = f"stage {k} (node {self.nodes[k]}), {op.kind} of step {op.mb + 1}"
-        if reply.has_error():
-            raise StageFailed(f"{where}: the node failed ({reply.error.reason})")
-        status = reply.content.config_records.get(act.PIPELINE)
-        if status is None or status.get("status") != "ok":
-            reason = str(status.get("reason")) if status is not None else "no status"
-            raise StageFailed(f"{where}: refused ({reason})")
-
     def _take(self, reply: Message, k: int, op: Op, sent: float) -> None:
-        """Check a stage's reply; route its outputs to the neighbour; keep what it carries."""
-        self._check(reply, k, op)
+        """Check a stage's reply (:mod:`fedcybgd.server.pipeline_replies`); route its outputs
+        to the neighbour; keep what it carries."""
+        asked = self._asked(k, op)
+        got = self.reader.read(reply, k, self.nodes[k], op, asked)
         row = self._row(op.mb)
         row["bytes_up"] += message_bytes(reply)
         row["stage_s"][k] += time.perf_counter() - sent
-        metrics = reply.content.metric_records.get(act.PIPELINE_METRICS)
-        if metrics is not None and k == self.count - 1:
-            loss = float(metrics["loss"])  # type: ignore[arg-type]
-            if math.isfinite(loss):
-                row["train_loss"] = loss
-        where = f"stage {k} (node {self.nodes[k]}), {op.kind} of step {op.mb + 1}"
-        target = k + 1 if op.kind == "F" else k - 1
-        if 0 <= target < self.count:
-            outputs = reply.content.config_records.get(act.ACTIVATIONS)
-            m = self.run.micro_batches
-            want = {f"mb.{mb}" for mb in range(op.mb * m, (op.mb + 1) * m)}
-            if outputs is None or set(outputs) != want or not all(
-                    isinstance(v, bytes) for v in outputs.values()):
-                got = "none" if outputs is None else sorted(outputs)[:4]
-                raise StageFailed(f"{where}: the reply's activations are {got}, expected "
-                                  f"bytes for {sorted(want)[:4]}")
-            self.inbox[(target, op.kind, op.mb)] = dict(outputs)  # type: ignore[arg-type]
-        chunk = reply.content.array_records.get(act.CHUNK)
-        if chunk is not None:
-            self.chunks[k] = self._checked(where, k, dict(chunk.to_torch_state_dict()))
-        state = reply.content.array_records.get(act.STAGE_STATE)
-        if state is not None:
-            self._keep_checkpoint(k, op, dict(state.to_torch_state_dict()))
-
-    def _checked(self, where: str, k: int,
-                 tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A stage's trained chunk, checked: exactly its layers' tensors, in their shapes, finite
-        (a stage cannot write another stage's layers or break the model's)."""
-        own = self.own[k]
-        if set(tensors) != set(own):
-            extra = sorted(set(tensors) - set(own))[:3]
-            missing = sorted(set(own) - set(tensors))[:3]
-            raise StageFailed(f"{where}: the chunk's tensors are not the stage's (unexpected "
-                              f"{extra}, missing {missing})")
-        for name, value in tensors.items():
-            if tuple(value.shape) != own[name] or not bool(torch.isfinite(value).all()):
-                raise StageFailed(f"{where}: chunk tensor {name!r} has shape "
-                                  f"{tuple(value.shape)} (expected {own[name]}) or non-finite "
-                                  "values")
-        return tensors
+        if k == self.count - 1 and math.isfinite(got.loss):
+            row["train_loss"] = got.loss
+        if asked.relay is not None:
+            assert got.outputs is not None
+            self.inbox[(asked.relay, op.kind, op.mb)] = got.outputs
+            held = sum(len(v) for entry in self.inbox.values() for v in entry.values())
+            self.relay_peak = max(self.relay_peak, held)
+        if got.chunk is not None:
+            self.chunks[k] = got.chunk
+        if got.state is not None:
+            self._keep_checkpoint(k, op, got.state)
 
     def _keep_checkpoint(self, k: int, op: Op, state: dict[str, torch.Tensor]) -> None:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -295,7 +290,7 @@ class Driver:
         save_file(state, str(tmp), metadata={"step": str(op.mb + 1)})
         tmp.replace(path)
         self.checkpoint_step[k] = op.mb + 1
-        self.sent[k] = [s for s in self.sent[k] if s.op.mb > op.mb]
+        self.replay.checkpoint(k, op.mb)
 
     # -- recovery ----------------------------------------------------------------------------
     def _spare(self) -> int | None:
@@ -304,42 +299,60 @@ class Driver:
         return free[0] if free else None
 
     def _recover(self, k: int, op: Op, reason: str) -> None:
-        """Move stage ``k`` to a spare node (module docstring); ``StageFailed`` if none."""
-        began = time.perf_counter()
-        self.failed.add(self.nodes[k])
-        spare = self._spare()
-        if spare is None:
-            raise StageFailed(f"{reason}; no spare node to take stage {k} over")
-        log.warning("%s; stage %d moves to node %d from the checkpoint of step %d", reason, k,
-                    spare, self.checkpoint_step[k])
-        failed_node, self.nodes[k] = self.nodes[k], spare
+        """Move stage ``k`` to a spare node (module docstring), the next spare if one fails
+        while taking over; ``StageFailed`` when none is left."""
+        redo = self.replay.ops(k)
+        assert redo and redo[-1] == op  # the failed message was the stage's latest
+        while True:
+            began = time.perf_counter()
+            failed_node = self.nodes[k]
+            self.failed.add(failed_node)
+            spare = self._spare()
+            if spare is None:
+                raise StageFailed(f"{reason}; no spare node to take stage {k} over")
+            log.warning("%s; stage %d moves to node %d from the checkpoint of step %d", reason,
+                        k, spare, self.checkpoint_step[k])
+            self.nodes[k] = spare
+            record = {"stage": k, "failed_node": failed_node, "spare_node": spare,
+                      "step": op.mb + 1, "checkpoint_step": self.checkpoint_step[k],
+                      "replayed": len(redo) - 1, "reason": reason}
+            try:
+                self._take_over(k, redo[:-1])
+            except StageFailed as err:  # the spare failed too: the next one takes over
+                self.recoveries.append({**record, "recovery_s": time.perf_counter() - began,
+                                        "spare_failed": str(err)})
+                reason = str(err)
+                continue
+            _, inputs = self.replay.pop(k)
+            self._send(k, op, inputs)  # this one's output goes on as usual
+            self.recoveries.append({**record, "recovery_s": time.perf_counter() - began})
+            return
+
+    def _take_over(self, k: int, replays: list[Op]) -> None:
+        """Restore stage ``k`` on its (new) node from its checkpoint, then replay ``replays``
+        (their outputs went on already and are dropped)."""
         restore = RecordDict({act.PIPELINE: ConfigRecord(
             {"stage": k, "kind": "R", "step": self.checkpoint_step[k], "final": False,
              "checkpoint": False})})
         path = self.checkpoints / f"stage-{k}.safetensors"
         if self.checkpoint_step[k] and path.exists():
             restore[act.STAGE_STATE] = ArrayRecord(load_file(str(path)))
-        self._call(k, Message(restore, dst_node_id=spare, message_type=MESSAGE_TYPE),
+        self._call(k, Message(restore, dst_node_id=self.nodes[k], message_type=MESSAGE_TYPE),
                    Op("R", self.checkpoint_step[k]))
-        redo = self.sent[k]
-        assert redo and redo[-1].op == op  # the failed message was the stage's latest
-        for entry in redo[:-1]:  # their outputs went on already
-            self._call(k, self._message(k, entry.op, entry.inputs, replay=True), entry.op)
-        self.sent[k] = redo[:-1]
-        self._send(k, op, redo[-1].inputs)  # this one's output goes on as usual
-        self.recoveries.append({
-            "stage": k, "failed_node": failed_node, "spare_node": spare, "step": op.mb + 1,
-            "checkpoint_step": self.checkpoint_step[k], "replayed": len(redo) - 1,
-            "recovery_s": time.perf_counter() - began, "reason": reason})
+        for op in replays:
+            inputs = self.replay.inputs(k, op)
+            self._call(k, self._message(k, op, inputs, replay=True), op)
 
-    def _call(self, k: int, msg: Message, op: Op) -> Message:
-        """Send ``msg`` and wait for its reply; a failure here fails the run."""
+    def _call(self, k: int, msg: Message, op: Op) -> None:
+        """Send ``msg`` and wait for its reply, checked (its outputs are dropped);
+        ``StageFailed`` if it fails or none comes in time."""
         (mid,) = self.grid.push_messages([msg])
         deadline = time.perf_counter() + self.run.round_timeout
         while time.perf_counter() < deadline:
             for reply in self.grid.pull_messages([mid]):
-                self._check(reply, k, op)
-                return reply
+                self.reader.read(reply, k, self.nodes[k], op,
+                                 Asked(None, final=False, checkpoint=False, replay=True))
+                return
             time.sleep(POLL_S)
         raise StageFailed(f"stage {k} (node {self.nodes[k]}): no reply to {op.kind} of step "
                           f"{op.mb + 1} while recovering, in {self.run.round_timeout:g} s")
