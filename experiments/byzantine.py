@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import tempfile
 import time
@@ -36,6 +35,7 @@ from typing import Any
 
 from fedcybgd.harness.byzantine import ATTACKS, Colluders, Federation
 from fedcybgd.strategies import aggregator_names
+from fedcybgd.strategies.aggregate import AUTO
 
 OUT = Path(__file__).parent / "results" / "byzantine"
 # (attack, colluders of 4): the honest run, then each attack
@@ -58,14 +58,6 @@ def config(model: str, aggregate: str, seed: int, rounds: int, out: Path,
             "seed": seed, "output-dir": str(out), **overrides}
 
 
-def drift(fed: Federation) -> float:
-    """RMS of the trained blocks' difference from the pretrained model."""
-    names = [n for b in fed.strategy.cycle for n in fed.strategy.block_map.info(b).param_names]
-    total = sum(float((fed.strategy.weights[n].detach().double() - fed.pretrained[n].double())
-                      .square().sum()) for n in names)
-    return math.sqrt(total / sum(fed.pretrained[n].numel() for n in names))
-
-
 def one_run(model: str, aggregate: str, attack: str, colluders: int, seed: int,
             rounds: int, overrides: dict[str, Any], nodes: int = 4) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,7 +74,7 @@ def one_run(model: str, aggregate: str, attack: str, colluders: int, seed: int,
             for reason, count in (entry.dropped or {}).items():
                 drops[reason] = drops.get(reason, 0) + count
             losses.append(float(fed.evaluate().loss))
-            drifts.append(drift(fed))
+            drifts.append(fed.drift())
         last = fed.evaluate()
     return {"model": model, "aggregate": aggregate, "attack": attack, "colluders": colluders,
             "nodes": nodes, "seed": seed, "rounds": rounds, "overrides": overrides,
@@ -143,7 +135,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--nodes", type=int, default=4, help="nodes, all on each round's block")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--aggregates", default=",".join(aggregator_names()))
+    parser.add_argument("--aggregates", default=",".join(a for a in aggregator_names()
+                                                         if a != AUTO))
     parser.add_argument("--scenarios", default="",
                         help="e.g. none:0,push:1,push:2 (default: every scenario)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -402,10 +402,12 @@ class RunConfig:
     max_update_ratio: float = setting(0.5, ge=0, le=10, doc=(
         "refuse a delta whose RMS exceeds this share of the block's own weights' RMS (a wipe, a "
         "sign flip, a huge value), from round 1 on; 0 = off"))
-    aggregate: str = setting("mean", doc=(
-        "how the copies of a block merge when `clients-per-block > 1`: `mean`, `median`, "
-        "`trimmed-mean`, `geometric-median`, `centered-clip`, or a plug-in aggregator "
-        "(`plugin-modules`); checked at server start"))
+    aggregate: str = setting("auto", doc=(
+        "how the copies of a block merge when `clients-per-block > 1`: `auto` (`median`: a "
+        "colluding minority of a block's nodes stays within a small multiple of an honest run's "
+        "drift; under `dp`, DP's mean of clipped deltas), `mean`, `median`, `trimmed-mean`, "
+        "`geometric-median`, `centered-clip`, or a plug-in aggregator (`plugin-modules`); "
+        "checked at server start"))
     trim_fraction: float = setting(0.2, ge=0, lt=0.5, doc=(
         "share cut at each end by `trimmed-mean` (at least one value at each end from 3 copies "
         "on)"))
@@ -495,8 +497,9 @@ class RunConfig:
                 problems.append((True, str(err)))
         if self.dp in ("central", "local"):
             problems += [
-                (self.aggregate != "mean", f"aggregate = {self.aggregate!r}: dp's noise is "
-                                           "calibrated to a mean of clipped deltas; use 'mean'"),
+                (self.aggregate not in ("mean", "auto"),
+                 f"aggregate = {self.aggregate!r}: dp's noise is calibrated to a mean of "
+                 "clipped deltas; use 'auto' or 'mean'"),
                 (self.upload_codec == "seedlog", "upload-codec = 'seedlog': a step log is not a "
                                                  "clipped delta; upload weights"),
             ]

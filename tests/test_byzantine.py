@@ -266,3 +266,31 @@ def test_decoded_forged_upload_keeps_the_honest_header(tiny_run_config, tmp_path
             was.spec, was.block, was.base_version, was.target_version)
         start = fed.strategy.block_tensors(block)
         decode(payload, base=start, expect_block=block, max_bytes=len(payload))
+
+
+# --------------------------------------------------------- the default bounds a minority
+@pytest.mark.parametrize("kind", ["push", "flip"])
+def test_with_the_defaults_two_colluders_of_five_stay_near_the_honest_drift(
+        kind, tiny_run_config, tmp_path):
+    # Prepare: five nodes on each round's block, `aggregate` left at its default; two of them
+    # collude every round (push: just under the screen's bounds along one direction; flip:
+    # their honest update reversed, 4x), from every block's first visit on
+    config = shared_block(tiny_run_config, **{"clients-per-round": 5, "clients-per-block": 5})
+    rounds = 2 * 4  # two visits of each of the 4 layer blocks
+
+    def drifts(colluders: int, where: str) -> list[float]:
+        fed = Federation(config, tmp_path / where, nodes=5)
+        attack = Colluders(set(fed.node_ids()[:colluders]), kind=kind) if colluders else None
+        out = []
+        for server_round in range(1, rounds + 1):
+            fed.play(server_round, attack)
+            out.append(fed.drift())
+        assert attack is None or attack.forged == colluders * rounds
+        return out
+
+    # Execute
+    honest, attacked = drifts(0, "honest"), drifts(2, "attacked")
+    # Assert: in every round, first visits included, the attacked model is within 3x of the
+    # honest run's distance from the pretrained one
+    ratios = [a / h for a, h in zip(attacked, honest, strict=True)]
+    assert max(ratios) <= 3.0, ratios

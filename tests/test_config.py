@@ -264,7 +264,7 @@ def test_a_run_config_built_in_code_is_checked_as_strictly():
 def test_robustness_and_output_keys():
     run = RunConfig()
     assert (run.overwrite, run.max_update_norm, run.outlier_factor, run.aggregate,
-            run.trim_fraction) == (False, 0.0, 10.0, "mean", 0.2)
+            run.trim_fraction) == (False, 0.0, 10.0, "auto", 0.2)
     for name in aggregator_names():
         assert RunConfig.from_run_config({"aggregate": name}).aggregate == name
     # Whether a name is registered, the server checks (plug-ins register more); its form, here

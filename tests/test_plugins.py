@@ -108,10 +108,11 @@ def _main(grid: Any, run_config: dict[str, Any]) -> None:
 
 def test_the_builtins_are_registered_under_their_config_names_as_the_same_functions():
     assert schedule_names()[:4] == ("ascending", "descending", "random", "spread")
-    assert aggregator_names()[:5] == ("mean", "median", "trimmed-mean", "geometric-median",
-                                      "centered-clip")
+    assert aggregator_names()[:6] == ("auto", "mean", "median", "trimmed-mean",
+                                      "geometric-median", "centered-clip")
     assert build_aggregator("mean") is weighted_mean
     assert build_aggregator("median") is coordinate_median
+    assert build_aggregator("auto") is coordinate_median  # the default: a robust merge
     # trimmed-mean is made per run with its trim-fraction: the same numbers as the function
     uploads = [(1.0, {"w": torch.tensor([float(i), -float(i)])}) for i in range(5)]
     assert torch.equal(build_aggregator("trimmed-mean", 0.2)(uploads)["w"],

@@ -250,7 +250,7 @@ def test_local_dp_noise_comes_from_the_node_not_the_server():
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [
-    ({"aggregate": "median"}, "use 'mean'"),
+    ({"aggregate": "median"}, "use 'auto' or 'mean'"),
     ({"upload-codec": "seedlog", "download-codec": "fp32"}, "not a clipped delta"),
     ({"dp-noise-multiplier": 0.0}, "adds no noise"),
     ({"strategy": "fedavg", "dp": "local"}, "only dp = 'central'"),

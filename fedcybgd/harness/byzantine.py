@@ -169,6 +169,15 @@ class Federation:
     def eval_loss(self) -> float:
         return float(self.evaluate().loss)
 
+    def drift(self) -> float:
+        """How far the cycle's blocks moved from the pretrained model: the RMS of the
+        difference over all their weights."""
+        names = [n for b in self.strategy.cycle
+                 for n in self.strategy.block_map.info(b).param_names]
+        total = sum(float((self.strategy.weights[n].detach().double()
+                           - self.pretrained[n].double()).square().sum()) for n in names)
+        return math.sqrt(total / sum(self.pretrained[n].numel() for n in names))
+
     def block_rms(self, block: str) -> float:
         tensors = self.strategy.block_tensors(block)
         return l2_norm(tensors) / math.sqrt(numel(tensors))

@@ -18,6 +18,13 @@ update screen, :mod:`~fedcybgd.strategies.screen`, bounds every single upload fi
   upload's difference from it clipped to the median such distance, so each upload pulls at most
   as far as a typical honest one (centered clipping, Karimireddy et al. 2021); ``f < n/2``.
 
+- ``auto`` (the default): ``median``. It keeps a colluding minority of a block's nodes within a
+  small multiple of an honest run's drift, first visits included, at a cost to honest runs
+  inside the seed spread (RESULTS.md, "Colluding nodes"). Under ``dp`` every aggregate gives way
+  to DP's mean of clipped deltas (:class:`~fedcybgd.strategies.privacy.DpMean`), whose clip
+  bounds each node; ``auto`` is the one robust setting that lets it, so a DP run needs no
+  ``aggregate`` of its own.
+
 Flower's Krum and Bulyan need ``n >= 2f + 3`` (Bulyan ``4f + 3``) nodes on the same block, more
 than a block is shared by in practice, so they are not offered; a plug-in can add them.
 
@@ -174,7 +181,9 @@ def build_aggregator(name: str, trim_fraction: float = 0.2) -> Aggregator:
 
 
 # The built-ins, registered first, in this order.
+AUTO = "auto"
 _BUILTINS: dict[str, AggregatorFactory] = {
+    AUTO: lambda **_: coordinate_median,
     "mean": lambda **_: weighted_mean,
     "median": lambda **_: coordinate_median,
     "trimmed-mean": lambda *, trim_fraction, **_: trimmed_mean(trim_fraction),
