@@ -177,7 +177,8 @@ class LMTask(Task):
         texts = check_text(frame, field).tolist()
         texts = [t if t.endswith("\n") else t + "\n" for t in texts]
         tokenizer = self.tokenizer()
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # verbose=False: a whole file is longer than the model's context; it is cut below
+        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         lead = leading_special_ids(tokenizer)
         keys = frame[group].tolist() if group is not None else [0] * len(frame)
         records = frame[columns].to_dict("records")
