@@ -6,7 +6,8 @@ evaluated on the held-out test split every ``eval-every`` rounds; a checkpoint a
 ``metrics.jsonl`` line are written. At the end the model is saved with ``save_pretrained`` and
 ``summary.json`` is written. With ``resume = true`` the run goes on from its checkpoint, read
 back and checked against the model and the run config first (:mod:`fedcybgd.server.resume`);
-a finished run resumed writes the summary it wrote. ``strategy = "fedavg"`` runs the baselines
+a finished run resumed writes the summary it wrote, with one more segment. A run stopped before
+its end writes a summary that says so (:mod:`fedcybgd.server.stops`). ``strategy = "fedavg"`` runs the baselines
 instead (:mod:`fedcybgd.server.baselines`): :data:`RUNNERS` maps each ``strategy`` to its
 runner, for the ServerApp and the experiments harness alike.
 """
@@ -35,7 +36,7 @@ from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model, load_tokenizer, read_tensors, safetensors_index
 from fedcybgd.model.precision import Precision
 from fedcybgd.server.baselines import run_fedavg
-from fedcybgd.server.checkpoint import Checkpointer
+from fedcybgd.server.checkpoint import Checkpointer, CheckpointError
 from fedcybgd.server.common import (
     Evaluator,
     class_prior_of,
@@ -45,13 +46,21 @@ from fedcybgd.server.common import (
     write_samples,
 )
 from fedcybgd.server.early_stop import EarlyStop
-from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
+from fedcybgd.server.metrics import (
+    MetricsWriter,
+    Segments,
+    run_status,
+    run_totals,
+    stopped_status,
+    write_summary,
+)
 from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
 from fedcybgd.server.pipeline import run_pipeline_server
 from fedcybgd.server.plots import plot_run
-from fedcybgd.server.preflight import check_data
+from fedcybgd.server.preflight import check_data, check_model
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.server.resume import Resumed, checkpoint_state, read_checkpoint
+from fedcybgd.server.stops import STOPS, stop_handling, stop_reason
 from fedcybgd.server.trackers import Trackers
 from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict, installed_any
 from fedcybgd.strategies.fedcybgd import FedCyBGD
@@ -111,6 +120,8 @@ def run_server(
 ) -> dict[str, Any]:
     """Run a whole FedCyBGD training; returns the summary it also writes.
 
+    A run stopped before its end (SIGTERM, Ctrl-C, Flower's stop, an exception; see
+    :mod:`fedcybgd.server.stops`) writes a summary that says so, then raises what stopped it.
     ``on_checkpoint_file`` is called after each checkpoint file is written (a seam for crash
     tests, see :class:`fedcybgd.server.checkpoint.Checkpointer`).
     """
@@ -144,6 +155,9 @@ def run_server(
     elif run.resume:
         log.info("resume requested but %s holds no checkpoint: starting fresh",
                  checkpointer.root)
+    # this start of the server, after those the checkpoint records
+    segments = Segments(resumed.segments if resumed else (),
+                        resumed.round if resumed else None, since=started)
 
     strategy = build_strategy(run, blocks, weights, lineage, base_hash,
                               ModelShape.of(model, blocks), device=str(device))
@@ -163,7 +177,85 @@ def run_server(
                     resumed.round)
         writer.write(dict(resumed.record))
     evaluator = Evaluator(run, stack, blocks, device)
+    stop = StopRecord(run, out, writer, segments, checkpointer)
+    with stop_handling(stop.write):
+        try:
+            summary, failure = _train(run, out, strategy, blocks, model, writer, evaluator,
+                                      checkpointer, resumed, first_round, lineage, base_hash,
+                                      segments, stop, watch=ReplyWatch(grid))
+        except STOPS as err:
+            stop.write(stop_reason(err))
+            raise
+    plot_run(out, writer.records, f"FedCyBGD-{run.update_rule}, {run.model}, seed {run.seed}")
+    trackers.finish(summary, [out / "summary.json", out / "metrics.jsonl", out / "plots.png"])
+    if failure is not None:
+        log.error("run failed: %s", failure)
+        raise RunFailed(failure)
+    print_summary_table(summary)
+    return summary
 
+
+class StopRecord:
+    """What a run stopped before its end writes: ``summary.json`` with ``"status": "stopped"``,
+    its figures so far, and its segment's end in the checkpoint (so the resume after it lists
+    the segment as stopped, with its whole wall time)."""
+
+    def __init__(self, run: RunConfig, out: Path, writer: MetricsWriter, segments: Segments,
+                 checkpointer: Checkpointer) -> None:
+        self.run, self.out, self.writer = run, out, writer
+        self.segments, self.checkpointer = segments, checkpointer
+        self.initial: Any = None  # the evaluation before round 1, once known
+        self.last_eval: Any = None  # the latest evaluation
+        self.in_round: int | None = None  # the round running (sent, not yet checkpointed)
+        self.finished = False  # the run's own summary is written: nothing to add
+
+    def write(self, reason: str) -> None:
+        """Write the stopped summary (and the segment's end), once the run has a metrics file
+        and until it has written its own summary."""
+        if self.finished:
+            return
+        last = self.checkpointer.round or 0
+        rows = self.writer.records
+        listed = self.segments.listed(last, "stopped")
+        summary: dict[str, Any] = {
+            "model": self.run.model,
+            "update_rule": self.run.update_rule,
+            "rounds": self.run.num_server_rounds,
+            "rounds_run": max((int(r["round"]) for r in rows), default=0),
+            **run_totals(rows),
+            "initial_eval_loss": getattr(self.initial, "loss", None),
+            "initial_eval_accuracy": getattr(self.initial, "accuracy", None),
+            "final_eval_loss": getattr(self.last_eval, "loss", None),
+            "final_eval_accuracy": getattr(self.last_eval, "accuracy", None),
+            "wall_s": self.segments.wall_s(),
+            "segments": listed,
+            "output_dir": str(self.out),
+            "run_config": self.run.to_run_config(),
+            **stopped_status(reason, last, self.in_round),
+        }
+        write_summary(self.out, summary)
+        log.error("run %s after round %d; %s wrote why; resume = true goes on from round %d",
+                  reason, last, self.out / "summary.json", last + 1)
+        if self.checkpointer.exists():
+            end_segment(self.checkpointer, listed)
+
+
+def end_segment(checkpointer: Checkpointer, segments: list[dict[str, Any]]) -> None:
+    """Record in the checkpoint how this segment ended (a damaged checkpoint is left as it is,
+    and said: its resume refuses it by name anyway)."""
+    try:
+        checkpointer.amend("segments", segments)
+    except CheckpointError as err:
+        log.warning("could not record the segment's end in the checkpoint: %s", err)
+
+
+def _train(run: RunConfig, out: Path, strategy: FedCyBGD, blocks: BlockMap, model: Any,
+           writer: MetricsWriter, evaluator: Evaluator, checkpointer: Checkpointer,
+           resumed: Resumed | None, first_round: int, lineage: str, base_hash: str,
+           segments: Segments, stop: StopRecord, watch: ReplyWatch
+           ) -> tuple[dict[str, Any], str | None]:
+    """The rounds, the final model and the summary; returns the summary and the failure, if
+    the run failed (:mod:`fedcybgd.server.verdict`)."""
     if resumed is not None:
         initial = resumed.initial_eval
     else:
@@ -177,6 +269,7 @@ def run_server(
     last_eval, last_eval_round = initial, 0
     if resumed is not None and resumed.last_eval is not None:
         last_eval, last_eval_round = resumed.last_eval, resumed.round
+    stop.initial, stop.last_eval = initial, last_eval
     if resumed is not None and first_round > run.num_server_rounds and \
             last_eval_round != resumed.round:
         # Nothing left to train, and the checkpoint's model was not evaluated: do it now.
@@ -186,7 +279,7 @@ def run_server(
 
     # A run that trains nothing fails (fedcybgd.server.verdict has the rule): the watch keeps
     # each round's replies for it.
-    watch, verdict = ReplyWatch(grid), Verdict(installed=installed_any(writer.records))
+    verdict = Verdict(installed=installed_any(writer.records))
     # The early-stop state is a function of the evaluations so far (a resumed run's rows too)
     early = EarlyStop.of(run, writer.records)
     failure: str | None = None
@@ -200,6 +293,11 @@ def run_server(
             failure = verdict.at_end(server_round - 1,
                                      run_totals(writer.records)["dropped"])
             break
+        # Before any instruction goes out: a resume after a kill must not trust what the
+        # checkpoint says these nodes hold (fedcybgd.server.resume)
+        messages = list(messages)
+        checkpointer.note_sent(m.metadata.dst_node_id for m in messages)
+        stop.in_round = server_round
         replies = watch.send_and_receive(messages, timeout=run.round_timeout)
         strategy.aggregate_train(server_round, replies)
         record = strategy.history[-1]
@@ -207,6 +305,7 @@ def run_server(
         if is_last or (run.eval_every and server_round % run.eval_every == 0):
             eval_start = time.perf_counter()
             last_eval, last_eval_round = evaluator(), server_round
+            stop.last_eval = last_eval
             record.eval_loss, record.eval_accuracy = last_eval.loss, last_eval.accuracy
             record.eval_examples = last_eval.examples
             record.extra.update(eval_extras(last_eval))
@@ -220,8 +319,10 @@ def run_server(
             server_round,
             strategy.checkpoint_tensors(),
             checkpoint_state(lineage, base_hash, strategy, initial,
-                             (last_eval_round, last_eval), run, row),
+                             (last_eval_round, last_eval), run, row,
+                             segments.listed(server_round)),
         )
+        stop.in_round = None
         writer.write(row)
         print_progress(row, run.num_server_rounds)
         failure = verdict.after_round(server_round, watch.take_round(), bool(record.accepted))
@@ -248,11 +349,13 @@ def run_server(
     privacy = privacy_summary(run, strategy)
     if privacy and failure is None:
         write_bytes(final_dir / "privacy.json", json.dumps(privacy, indent=1).encode())
+    rounds_run = max((int(r["round"]) for r in writer.records), default=0)
+    listed = segments.listed(rounds_run, "completed" if failure is None else "failed")
     summary = {
         "model": run.model,
         "update_rule": run.update_rule,
         "rounds": run.num_server_rounds,
-        "rounds_run": max((int(r["round"]) for r in writer.records), default=0),
+        "rounds_run": rounds_run,
         **run_totals(writer.records),
         # round 0's and the last round's evaluations (either may come from the checkpoint)
         "initial_eval_loss": initial.loss,
@@ -261,7 +364,8 @@ def run_server(
         "final_eval_accuracy": last_eval.accuracy,
         "eval_examples": last_eval.examples,  # the rows the final evaluation rests on
         "final_samples": list(last_eval.samples),  # a generative task's answers, else []
-        "wall_s": time.perf_counter() - started,
+        "wall_s": segments.wall_s(),  # every segment's (a resumed run's earlier ones too)
+        "segments": listed,
         "blocks": blocks.names,
         "cycle": strategy.cycle,
         "block_versions": strategy.versions,
@@ -272,15 +376,12 @@ def run_server(
         **run_status(failure, writer.records),
     }
     write_summary(out, summary)
+    stop.finished = True
+    if checkpointer.exists():
+        end_segment(checkpointer, listed)
     if failure is None:
         write_model_card(final_dir, summary)
-    plot_run(out, writer.records, f"FedCyBGD-{run.update_rule}, {run.model}, seed {run.seed}")
-    trackers.finish(summary, [out / "summary.json", out / "metrics.jsonl", out / "plots.png"])
-    if failure is not None:
-        log.error("run failed: %s", failure)
-        raise RunFailed(failure)
-    print_summary_table(summary)
-    return summary
+    return summary, failure
 
 
 def privacy_summary(run: RunConfig, strategy: FedCyBGD) -> dict[str, Any]:
@@ -327,9 +428,10 @@ RUNNERS: dict[str, Runner] = {"fedcybgd": run_server, "fedavg": run_fedavg,
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Flower entry point: validate the run config (update rules and their plug-in modules
-    included) and the data (:mod:`fedcybgd.server.preflight`) before anything else, then run
-    the ``strategy``'s runner."""
+    included), the model and the data (:mod:`fedcybgd.server.preflight`) before anything else,
+    then run the ``strategy``'s runner."""
     configure_logging()
     run = RunConfig.from_run_config(context.run_config)
+    check_model(run)
     check_data(run)
     RUNNERS[run.strategy](grid, run)

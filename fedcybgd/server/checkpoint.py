@@ -14,6 +14,12 @@ wrong is a :class:`CheckpointError` naming the file.
 
 Crash tests: ``on_file_written`` is called after every file the checkpoint writes (block files
 first, ``state.json`` last), so a test can stop the server between any two of them.
+
+Beside the checkpoint, ``sent.json`` names the nodes sent instructions since it was saved
+(:meth:`Checkpointer.note_sent`, written before a round's instructions go out, removed by the
+next save): a server killed mid-round leaves nodes that may have applied that round's downloads,
+and its resume must not take the checkpoint's record of what they hold on trust
+(:meth:`Checkpointer.read_sent`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,7 @@ from fedcybgd.core.checksum import content_checksum
 log = logging.getLogger(__name__)
 
 STATE = "state.json"
+SENT = "sent.json"  # the nodes sent instructions since the checkpoint was saved
 FORMAT = 2  # 2: block files named and verified by content checksum
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CHECKSUM = re.compile(r"[0-9a-f]{64}")
@@ -131,6 +138,13 @@ class Checkpointer:
         # content never changes within one process, so it is hashed once.
         self._checksums: dict[tuple[str, int], str] = {}
         self._referenced: set[str] = set()  # files of the last checkpoint saved or loaded
+        self._round: int | None = None  # the round of the checkpoint saved or loaded
+        self._sent: set[int] = set()  # nodes sent instructions since that checkpoint
+
+    @property
+    def round(self) -> int | None:
+        """The round of the checkpoint last saved or read (``None``: neither yet)."""
+        return self._round
 
     def exists(self) -> bool:
         """Is there a complete checkpoint?"""
@@ -165,8 +179,66 @@ class Checkpointer:
                 self._written(path)
         body = {**state, "format": FORMAT, "round": server_round, "blocks": entries}
         write_bytes(self.root / STATE, json.dumps(body, indent=1).encode())
+        self._round, self._sent = server_round, set()
         self._written(self.root / STATE)
+        # the nodes sent instructions before it answered them all: the state records them now
+        (self.root / SENT).unlink(missing_ok=True)
         self._prune({e["file"] for e in entries.values()})
+
+    def note_sent(self, nodes: Iterable[int]) -> None:
+        """Record, durably and before a round's instructions go out, that ``nodes`` are sent
+        them (added to those sent since the checkpoint: a resumed round killed again keeps the
+        nodes of the round lost before it)."""
+        self._sent |= set(nodes)
+        make_dirs(self.root)
+        body = {"after_round": self._round or 0, "nodes": sorted(str(n) for n in self._sent)}
+        write_bytes(self.root / SENT, json.dumps(body).encode())
+
+    def read_sent(self) -> set[int]:
+        """The nodes :meth:`note_sent` recorded since the checkpoint :meth:`read_state` read
+        (none: nothing was sent since it, or the record is of an earlier checkpoint, which
+        its own state answers for); call after :meth:`read_state`.
+
+        Raises
+        ------
+        CheckpointError
+            ``sent.json`` is unreadable, malformed, or of a round after the checkpoint's.
+        """
+        path = self.root / SENT
+        assert self._round is not None, "read_sent() before read_state()"
+        if not path.exists():
+            return set()
+        try:
+            body = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError) as err:
+            raise CheckpointError(f"checkpoint file {path} is unreadable: {err}") from err
+        after = body.get("after_round") if isinstance(body, dict) else None
+        nodes = body.get("nodes") if isinstance(body, dict) else None
+        if not _is_int(after) or not 0 <= after <= self._round or \
+                not isinstance(nodes, list) or \
+                not all(isinstance(n, str) and n.isdecimal() and len(n) <= 20 for n in nodes):
+            raise CheckpointError(
+                f"checkpoint file {path} is malformed: {_short(body)}, expected after_round "
+                f"(0..{self._round}, the checkpoint's round) and the nodes (ids as strings)")
+        if after < self._round:
+            log.info("checkpoint: %s is of round %d's checkpoint, before this one's (%d): "
+                     "the state answers for its nodes", path, after, self._round)
+            return set()
+        self._sent = {int(n) for n in nodes}
+        return set(self._sent)
+
+    def amend(self, key: str, value: Any) -> None:
+        """Set ``key`` of the saved ``state.json`` to ``value`` (a JSON value), the rest of it
+        and the block files as they are on disk (a stopped run records how its segment ended).
+
+        Raises
+        ------
+        CheckpointError
+            ``state.json`` cannot be read back (see :meth:`read_state`).
+        """
+        state = self.read_state()
+        state[key] = value
+        write_bytes(self.root / STATE, json.dumps(state, indent=1).encode())
 
     def _written(self, path: Path) -> None:
         if self.on_file_written is not None:
@@ -176,7 +248,7 @@ class Checkpointer:
         """Remove the files the new ``state.json`` does not name, each one logged."""
         removed = False
         for path in sorted(self.root.iterdir()):
-            if path.name in keep or path.name == STATE:
+            if path.name in keep or path.name in (STATE, SENT):
                 continue
             if path.is_dir() or path.is_symlink():
                 log.warning("checkpoint: leaving %s alone (not a file this checkpoint wrote)",
@@ -249,6 +321,7 @@ class Checkpointer:
                                   f"{_short(entries)}, expected an object of block entries")
         for name, entry in entries.items():
             self._check_entry(name, entry)
+        self._round = server_round
         return state
 
     def _check_entry(self, name: str, entry: Any) -> None:

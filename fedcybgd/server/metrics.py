@@ -1,18 +1,26 @@
-"""The run's outputs other tools read: ``metrics.jsonl`` (one line per round), ``summary.json``."""
+"""The run's outputs other tools read: ``metrics.jsonl`` (one line per round), ``summary.json``,
+and the run's segments that ``summary.json`` lists (:class:`Segments`)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from fedcybgd.core.atomic import append_line, make_dirs, write_bytes
 from fedcybgd.strategies.record import run_totals
 
-__all__ = ["MetricsWriter", "run_status", "run_totals", "write_summary"]
+__all__ = ["SEGMENT_ENDS", "MetricsWriter", "Segments", "run_status", "run_totals",
+           "stopped_status", "write_summary"]
+
+# How a segment ended. "interrupted": it ended without recording how (SIGKILL, out of memory, a
+# power cut); the resume after it says so, and its wall_s runs to its last checkpoint.
+SEGMENT_ENDS = ("completed", "failed", "stopped", "interrupted")
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +108,48 @@ class MetricsWriter:
             self.on_row(record)
 
 
+class Segments:
+    """The run's segments: one per start of the server, fresh or resumed, each with the
+    checkpoint round it resumed after (``None``: a fresh start), the rounds it completed
+    (``first_round`` to ``last_round``; ``last_round = first_round - 1`` when none), its wall
+    time, how it ended (:data:`SEGMENT_ENDS`, ``None`` while it runs) and when it started (UTC).
+
+    Parameters
+    ----------
+    earlier : Sequence[Mapping]
+        The segments before this one, as the checkpoint resumed keeps them (its last one's
+        ``end`` is ``None`` when it ended without recording how: it becomes "interrupted").
+    resumed_after : int or None
+        The checkpoint's round this segment resumes after; ``None``: a fresh start.
+    since : float, optional
+        When this segment started, by ``time.perf_counter()`` (default: now).
+    """
+
+    def __init__(self, earlier: Sequence[Mapping[str, Any]] = (),
+                 resumed_after: int | None = None, since: float | None = None) -> None:
+        self.earlier = [{**s, "end": s["end"] or "interrupted"} for s in earlier]
+        self.resumed_after = resumed_after
+        self._clock = time.perf_counter() if since is None else since
+        self._started = datetime.now(UTC).isoformat(timespec="seconds")
+
+    def elapsed(self) -> float:
+        """This segment's wall time so far, in seconds."""
+        return time.perf_counter() - self._clock
+
+    def listed(self, last_round: int, end: str | None = None) -> list[dict[str, Any]]:
+        """Every segment, this one as far as ``last_round`` (the last round it completed) and,
+        once it has ended, how (``end``)."""
+        first = (self.resumed_after or 0) + 1
+        return [*self.earlier, {"resumed_after": self.resumed_after, "first_round": first,
+                                "last_round": max(last_round, first - 1),
+                                "wall_s": self.elapsed(), "end": end,
+                                "started": self._started}]
+
+    def wall_s(self) -> float:
+        """The run's wall time: every segment's, this one's so far."""
+        return sum(float(s["wall_s"]) for s in self.earlier) + self.elapsed()
+
+
 def run_status(failure: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The summary's status keys: ``"status": "completed"``, or ``"failed"`` with the
     ``reason`` and ``last_round``, the last round that ran (see :mod:`fedcybgd.server.verdict`).
@@ -108,6 +158,17 @@ def run_status(failure: str | None, rows: list[dict[str, Any]]) -> dict[str, Any
         return {"status": "completed"}
     last = max((int(r["round"]) for r in rows), default=0)
     return {"status": "failed", "reason": failure, "last_round": last}
+
+
+def stopped_status(reason: str, last_round: int, in_round: int | None) -> dict[str, Any]:
+    """The summary's status keys of a run that stopped before its end: ``"status": "stopped"``,
+    why, ``last_round`` (the last round its checkpoint holds: what a resume goes on from),
+    ``stopped_in_round`` (the round it was running, redone by a resume; ``None`` between
+    rounds) and how to go on."""
+    return {"status": "stopped", "reason": reason, "last_round": last_round,
+            "stopped_in_round": in_round,
+            "resume": f"start it again with resume = true and the same output-dir: it goes on "
+                      f"from round {last_round + 1}"}
 
 
 def write_summary(output_dir: Path, summary: dict[str, Any]) -> Path:

@@ -8,11 +8,21 @@ of :data:`HARMLESS_CHANGES` may differ, and a refusal names every other key that
 the model's parameter (name, shape and dtype; nothing is broadcast or cast into place), and the
 strategy's own state is restored under the same rule: anything malformed is a
 :class:`~fedcybgd.server.checkpoint.CheckpointError` naming the file.
+
+A hard kill costs no round. The rounds after the checkpoint are redone, with the seeds, samples
+and plans they had; but their nodes may have moved on: a node sent an instruction after the
+checkpoint may hold the blocks it downloaded then, or not. Those nodes (``sent.json``, see
+:mod:`fedcybgd.server.checkpoint`) are *unconfirmed* in the strategy's node book until they
+reply, and their downloads go against the pretrained block, carrying exactly what the plan
+would leave them holding (:mod:`fedcybgd.strategies.downloads`): the redone round drops no
+upload, and the run ends with the uninterrupted run's model. The checkpoint also keeps the
+run's segments (:class:`~fedcybgd.server.metrics.Segments`), which ``summary.json`` lists.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -24,6 +34,7 @@ import torch
 from fedcybgd.config import ConfigError, RunConfig, run_config_keys
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.server.checkpoint import (
+    SENT,
     STATE,
     Checkpointer,
     CheckpointError,
@@ -31,9 +42,12 @@ from fedcybgd.server.checkpoint import (
     Layout,
     TensorSpec,
 )
+from fedcybgd.server.metrics import SEGMENT_ENDS
 from fedcybgd.strategies.fedcybgd import INSTALL_PAYLOAD, SERVER_STATE, FedCyBGD
 from fedcybgd.strategies.quantized_install import RESIDUAL
 from fedcybgd.tasks.objective import EvalResult
+
+log = logging.getLogger(__name__)
 
 # Run-config keys a resume may change, each with why that is harmless: none of them changes
 # the weights the rounds compute or what the recorded figures measure. Every other key
@@ -57,7 +71,9 @@ HARMLESS_CHANGES: dict[str, str] = {
 # Schedules whose rates do not depend on num-server-rounds (see HARMLESS_CHANGES).
 _ROUNDS_FREE_SCHEDULES = ("constant",)
 _ABSENT = "(absent)"
-_JSON_KINDS: dict[type, str] = {dict: "an object", str: "a string"}  # in _Fields' messages
+_JSON_KINDS: dict[type, str] = {dict: "an object", str: "a string",
+                                 list: "a list"}  # in _Fields' messages
+_SEGMENT_KEYS = {"resumed_after", "first_round", "last_round", "wall_s", "end", "started"}
 # Moments of the server optimizer's per-block state (fedcybgd.strategies.server_step), fp32.
 _MOMENTS = ("m", "v", RESIDUAL)
 # What a malformed strategy state makes its loaders raise; each becomes a CheckpointError.
@@ -93,6 +109,11 @@ class Resumed:
         Checkpoint entry -> its tensors (see :meth:`FedCyBGD.checkpoint_tensors`).
     path : Path
         The checkpoint's ``state.json`` (for messages).
+    unconfirmed : set of int
+        Nodes sent instructions after the checkpoint was saved (their holdings may be past
+        what it records); every node it records, for a checkpoint that kept no such record.
+    segments : list of dict
+        The run's segments up to the checkpoint (see :class:`~fedcybgd.server.metrics.Segments`).
     """
 
     round: int
@@ -105,9 +126,12 @@ class Resumed:
     run_config: dict[str, Any]
     blocks: dict[str, dict[str, torch.Tensor]]
     path: Path
+    unconfirmed: frozenset[int] = frozenset()
+    segments: tuple[dict[str, Any], ...] = ()
 
     def install(self, strategy: FedCyBGD) -> None:
-        """Put the saved blocks and the strategy's state into ``strategy``.
+        """Put the saved blocks and the strategy's state into ``strategy``; the nodes sent
+        instructions after the checkpoint become unconfirmed in its node book.
 
         Raises
         ------
@@ -121,6 +145,7 @@ class Resumed:
         except _MALFORMED as err:
             raise CheckpointError(f"checkpoint state {self.path} is malformed: the strategy's "
                                   f"state cannot be restored ({_short(err)})") from err
+        strategy.nodes.unconfirmed |= self.unconfirmed
 
 
 def checkpoint_state(
@@ -131,10 +156,13 @@ def checkpoint_state(
     last_eval: tuple[int, EvalResult] | None,
     run: RunConfig,
     record: dict[str, Any],
+    segments: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The JSON state :meth:`Checkpointer.save` writes beside the blocks (what
-    :func:`read_checkpoint` reads back); ``last_eval`` is the latest evaluation and its round."""
+    :func:`read_checkpoint` reads back); ``last_eval`` is the latest evaluation and its round,
+    ``segments`` the run's (:meth:`~fedcybgd.server.metrics.Segments.listed`)."""
     return {
+        "segments": segments or [],
         "lineage": lineage,
         "base_hash": base_hash,
         "strategy": strategy.state(),
@@ -150,8 +178,9 @@ def read_checkpoint(checkpointer: Checkpointer, run: RunConfig, blocks: BlockMap
                     weights: Mapping[str, torch.Tensor], base_hash: str) -> Resumed:
     """Read the checkpoint back for ``run`` on the model of ``weights``, cut into ``blocks``.
 
-    In this order: ``state.json`` and each of its fields; the pretrained weights (by
-    ``base_hash``); the run config; then each block file against the model.
+    In this order: ``state.json`` and each of its fields; the nodes sent instructions since
+    (``sent.json``); the pretrained weights (by ``base_hash``); the run config; then each
+    block file against the model.
 
     Raises
     ------
@@ -193,6 +222,16 @@ def read_checkpoint(checkpointer: Checkpointer, run: RunConfig, blocks: BlockMap
                                or record["round"] != server_round):
         raise CheckpointError(f"checkpoint state {path} is malformed: its record is of round "
                               f"{_short(record.get('round'))}, its round is {server_round}")
+    segments = _segments(fields.get("segments", list, optional=True) or [], server_round, path)
+    unconfirmed = checkpointer.read_sent()
+    if "unconfirmed" not in strategy:
+        # written before the checkpoint kept the nodes it sent to: none is vouched for
+        holdings = strategy.get("holdings")
+        unconfirmed |= _node_ids(holdings if isinstance(holdings, dict) else {}, path)
+    if unconfirmed:
+        log.info("resume: %d node(s) were sent instructions after the checkpoint (%s); "
+                 "their downloads go from the pretrained blocks until they reply",
+                 len(unconfirmed), checkpointer.root / SENT)
     if saved_hash != base_hash:
         raise ResumeRefused(
             f"resume: the checkpoint in {checkpointer.root} was made from other pretrained "
@@ -204,7 +243,7 @@ def read_checkpoint(checkpointer: Checkpointer, run: RunConfig, blocks: BlockMap
     saved_blocks = checkpointer.load_blocks(
         state, checkpoint_layout(blocks, weights, run.install_chain))
     return Resumed(server_round, lineage, saved_hash, strategy, initial, last, record,
-                   saved_config, saved_blocks, path)
+                   saved_config, saved_blocks, path, frozenset(unconfirmed), tuple(segments))
 
 
 def check_run_config(saved: Mapping[str, Any], run: RunConfig, checkpoint_round: int,
@@ -315,6 +354,43 @@ def _check_versions(entries: Mapping[str, Mapping[str, Any]], strategy: Mapping[
             raise CheckpointError(f"{where}: entry {name!r} is at version {entry['version']}, "
                                   f"but block {block!r} is at version "
                                   f"{_short(versions.get(block, 0))}")
+
+
+def _node_ids(keys: Mapping[str, Any], path: Path) -> set[int]:
+    if not all(isinstance(n, str) and n.isdecimal() for n in keys):
+        raise CheckpointError(f"checkpoint state {path} is malformed: the strategy's holdings "
+                              "are not keyed by node ids")
+    return {int(n) for n in keys}
+
+
+def _segments(raw: list[Any], server_round: int, path: Path) -> list[dict[str, Any]]:
+    """The run's segments in ``state.json``, each checked (see
+    :class:`~fedcybgd.server.metrics.Segments`): rounds within 0..``server_round``, a finite
+    wall time, a known end; only the last may lack its end (it ended without recording how)."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint state {path} is malformed: segments {why}")
+
+    def count(value: Any, high: int) -> bool:
+        return type(value) is int and 0 <= value <= high
+
+    for index, segment in enumerate(raw):
+        if not isinstance(segment, dict) or set(segment) != _SEGMENT_KEYS:
+            raise bad(f"entry {index} = {_short(segment)}, expected the keys "
+                      f"{', '.join(sorted(_SEGMENT_KEYS))}")
+        after, first, last = (segment["resumed_after"], segment["first_round"],
+                              segment["last_round"])
+        wall, end, started = segment["wall_s"], segment["end"], segment["started"]
+        if not (after is None or count(after, server_round)) or \
+                not count(first, server_round + 1) or not count(last, server_round) or \
+                last < first - 1 or \
+                not isinstance(wall, (int, float)) or isinstance(wall, bool) or \
+                not 0 <= wall < math.inf or \
+                not (end in SEGMENT_ENDS or (end is None and index == len(raw) - 1)) or \
+                not isinstance(started, str) or len(started) > 64:
+            raise bad(f"entry {index} = {_short(segment)}: rounds must lie within "
+                      f"0..{server_round}, wall_s be a finite number >= 0, end one of "
+                      f"{', '.join(SEGMENT_ENDS)}")
+    return [dict(s) for s in raw]
 
 
 class _Fields:

@@ -19,6 +19,12 @@ downloads (``download-codec = "seedlog"``) a block whose every install since the
 copy was made from step logs goes as those logs (:mod:`fedcybgd.protocol.seedsync`), when the
 node's z fingerprint and torch are the server's and the logs weigh less than a sixteenth of the
 block in fp32 (below any int4 delta of it).
+
+A node the server cannot vouch for (``unconfirmed``: it was sent an instruction whose reply never
+came back, so it may or may not have applied that instruction's downloads, e.g. the round a
+killed server lost) is sent every block of its plan as one lossless payload against the
+pretrained block, which every node holds: the very content the plan would leave it holding, so
+its copy ends bit for bit what it would have been, whatever it held before.
 """
 
 from __future__ import annotations
@@ -31,7 +37,15 @@ from typing import Any
 
 from flwr.app import ArrayRecord
 
-from fedcybgd.compression import encode, payload_to_array, raw_fp32_bytes, read_header, uses_base
+from fedcybgd.compression import (
+    decode,
+    encode,
+    payload_from_array,
+    payload_to_array,
+    raw_fp32_bytes,
+    read_header,
+    uses_base,
+)
 from fedcybgd.protocol import Holding, chain_key
 from fedcybgd.protocol.seedsync import encode_chain
 from fedcybgd.strategies.versions import BlockVersions
@@ -97,12 +111,16 @@ class DownloadPlanner:
     max_replay : float
         Most replay work, in passes over the block, a chain of step logs may cost a node; a
         costlier chain is sent as weights (0: no cap).
+    unconfirmed : Callable[[int], bool], optional
+        Whether what a node holds is unconfirmed (see the module docstring): its downloads
+        then go against the pretrained block.
     """
 
     def __init__(self, versions: BlockVersions, *, exact_codec: str, download_codec: str,
                  fraction: float = 1.0, seed: int = 0, max_staleness: int = 0,
                  log_downloads: Callable[[int], bool] | None = None,
-                 max_replay: float = 0.0) -> None:
+                 max_replay: float = 0.0,
+                 unconfirmed: Callable[[int], bool] | None = None) -> None:
         if not 0 < fraction <= 1:
             raise ValueError(f"download-fraction must be in (0, 1], got {fraction}")
         if max_staleness < 0:
@@ -117,6 +135,7 @@ class DownloadPlanner:
         self.max_staleness = max_staleness
         self.log_downloads = log_downloads
         self.max_replay = max_replay
+        self.unconfirmed = unconfirmed
 
     def dropped(self, frozen: list[str], server_round: int, node: int) -> list[str]:
         """The frozen blocks kept after random dropping (all of them at ``fraction = 1``)."""
@@ -146,6 +165,16 @@ class DownloadPlanner:
         ``frozen_chains=False`` sends frozen blocks no chain of install deltas.
         """
         payloads = {} if payloads is None else payloads
+        if self.unconfirmed is not None and self.unconfirmed(node):
+            return self.restated(self._plan(server_round, node, assigned, held, payloads,
+                                            download_codec, max_staleness, frozen_chains),
+                                 held, payloads)
+        return self._plan(server_round, node, assigned, held, payloads, download_codec,
+                          max_staleness, frozen_chains)
+
+    def _plan(self, server_round: int, node: int, assigned: str, held: Mapping[str, Holding],
+              payloads: PayloadCache, download_codec: str | None, max_staleness: int | None,
+              frozen_chains: bool) -> Download:
         codec = download_codec or self.download_codec
         staleness = self.max_staleness if max_staleness is None else max_staleness
         exact, frozen = stale_blocks(self.versions, held, assigned, staleness)
@@ -199,3 +228,40 @@ class DownloadPlanner:
             out.bytes += len(payload)
             out.raw_bytes += raw_fp32_bytes(tensors)
         return out
+
+    def restated(self, planned: Download, held: Mapping[str, Holding],
+                 payloads: PayloadCache) -> Download:
+        """``planned`` with every block it sends (weights, a chain of install deltas, step logs)
+        as one ``exact_codec`` payload against the pretrained block, carrying exactly what
+        ``planned`` leaves the node holding: decodable whatever the node holds now."""
+        out = Download(expect=dict(planned.expect))
+        sent = [*planned.arrays.keys(), *planned.logs.keys(),
+                *(key.rpartition("#")[0] for key in planned.chained)]
+        for block in dict.fromkeys(sent):
+            target = planned.expect[block]
+            key: tuple[Any, ...] = ("restated", block, target)
+            if key not in payloads:
+                payloads[key] = encode(self._content(block, target, planned, held),
+                                       self.exact_codec, block=block,
+                                       target_version=target.version, base_version=0,
+                                       base=self.versions.pretrained(block))
+            out.arrays[block] = payload_to_array(payloads[key])
+            out.bytes += len(payloads[key])
+            out.raw_bytes += raw_fp32_bytes(self.versions.tensors(block))
+        return out
+
+    def _content(self, block: str, target: Holding, planned: Download,
+                 held: Mapping[str, Holding]) -> dict[str, Any]:
+        """The tensors ``planned`` leaves the node holding of ``block`` (``target``): the global
+        block when that is its current version exactly, else its weights payload decoded
+        against the base it was encoded from (a lossy copy of a frozen block)."""
+        if target == self.versions.current(block):
+            return self.versions.tensors(block)
+        payload = payload_from_array(planned.arrays[block])
+        header = read_header(payload, max_bytes=len(payload))
+        base_version, base = self.versions.base_for(block, held.get(block))
+        if uses_base(header.spec) and header.base_version != base_version:
+            raise AssertionError(f"block {block}: planned from version {header.base_version}, "
+                                 f"its base is version {base_version}")
+        return decode(payload, base=base if uses_base(header.spec) else None,
+                      expect_block=block, max_bytes=len(payload)).tensors

@@ -272,7 +272,8 @@ class FedCyBGD(Strategy):
             fraction=download_fraction, seed=seed, max_staleness=max_staleness,
             log_downloads=(lambda node: (self.nodes.zo.get(node)
                                          or self.sampler.keys.zo.get(node)) == self.zo)
-            if log_downloads else None, max_replay=seedlog_max_replay)
+            if log_downloads else None, max_replay=seedlog_max_replay,
+            unconfirmed=lambda node: node in self.nodes.unconfirmed)
         self.budget = (TrafficBudget(int(traffic_budget_mb * 2**20), self.downloads, upload_codec)
                        if traffic_budget_mb > 0 else None)
         self.sampler = NodeSampler(seed, secret=self.noise_key)
@@ -526,6 +527,7 @@ class FedCyBGD(Strategy):
             arrived.append((block, (node, got, rms)))
         for node, block in live.awaiting.items():
             drops.add(node, f"upload of block {block}", Dropped(NO_REPLY, "timeout or lost"))
+            self.nodes.unconfirmed.add(node)  # it may have applied the downloads it was sent
         live.awaiting = {}
         self.installer.close(live, arrived, drops)
         if self.privacy is not None and live.sent:
@@ -600,6 +602,7 @@ class FedCyBGD(Strategy):
         return {**self.blocks.state(), "schedule": self.schedule.state(),
                 "holdings": nodes["holdings"], "excluded": nodes["excluded"],
                 "budgets": nodes["budgets"], "promised": nodes["promised"],
+                "unconfirmed": nodes["unconfirmed"],
                 "retry_seeds": dict(self.installer.retry_seeds),
                 "update_sizes": self.screen.state(), "node_keys": self.sampler.state(),
                 "class_counts": self.sampler.keys.counts_state(),

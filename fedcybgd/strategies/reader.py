@@ -64,6 +64,10 @@ class NodeBook:
     # node -> blocks it self-syncs (credited in ``holdings``; told in its next instruction)
     promised: dict[int, dict[str, selfsync.Promotion]] = field(default_factory=dict)
     zo: dict[int, str] = field(default_factory=dict)  # node -> its "<torch>|<z fingerprint>"
+    # Nodes sent an instruction whose reply never came back (lost, timed out, the node's app
+    # crashed, or the round a killed server lost): each may or may not have applied that
+    # instruction's downloads, so ``holdings`` is unconfirmed until its next reply.
+    unconfirmed: set[int] = field(default_factory=set)
 
     def state(self) -> dict[str, Any]:
         """JSON-able state (node ids as strings)."""
@@ -73,6 +77,7 @@ class NodeBook:
             "budgets": {str(n): mb for n, mb in self.budgets.items()},
             "promised": {str(n): selfsync.dump_promotions(p) for n, p in self.promised.items()},
             "zo": {str(n): zo for n, zo in self.zo.items()},
+            "unconfirmed": sorted(str(n) for n in self.unconfirmed),
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -83,6 +88,12 @@ class NodeBook:
         self.promised = {int(n): selfsync.load_promotions(t)
                          for n, t in state.get("promised", {}).items()}
         self.zo = {int(n): str(zo) for n, zo in state.get("zo", {}).items()}
+        unconfirmed = state.get("unconfirmed", [])
+        if not isinstance(unconfirmed, list) or \
+                not all(isinstance(n, str) and n.isdecimal() for n in unconfirmed):
+            raise ValueError(f"unconfirmed nodes = {unconfirmed!r:.80}, expected a list of "
+                             "node ids")
+        self.unconfirmed = {int(n) for n in unconfirmed}
 
 
 @dataclass
@@ -156,6 +167,7 @@ class ReplyReader:
         """Take what the node says it holds and its budget; return its status."""
         # what it holds is what it says now: an earlier self-sync promise is settled
         self.nodes.promised.pop(node, None)
+        self.nodes.unconfirmed.discard(node)
         try:
             self.nodes.holdings[node] = protocol.load_holdings(
                 text(state, protocol.HOLDINGS, max_len=1 << 20))
@@ -179,10 +191,13 @@ class ReplyReader:
         ``codec`` is the upload codec the node was asked for (default: ``upload_codec``); a
         weights payload must be exactly what the round asked for (:meth:`check_bound`)."""
         if reply.has_error():
+            # the node may have applied its downloads before its app failed
+            self.nodes.unconfirmed.add(node)
             raise Dropped(CLIENT_ERROR, str(reply.error.reason)[:500])
         content = reply.content
         state = content.config_records.get(protocol.STATE)
         if state is None:
+            self.nodes.unconfirmed.add(node)
             raise Dropped(MALFORMED, "no state record")
         status = self.note_state(node, state)
         reason = text(state, protocol.REASON, default="")
