@@ -57,7 +57,7 @@ from fedcybgd.server.metrics import (
 from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
 from fedcybgd.server.pipeline import run_pipeline_server
 from fedcybgd.server.plots import plot_run
-from fedcybgd.server.preflight import check_data, check_model
+from fedcybgd.server.preflight import check_data
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.server.resume import Resumed, checkpoint_state, read_checkpoint
 from fedcybgd.server.stops import STOPS, stop_handling, stop_reason
@@ -428,10 +428,9 @@ RUNNERS: dict[str, Runner] = {"fedcybgd": run_server, "fedavg": run_fedavg,
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Flower entry point: validate the run config (update rules and their plug-in modules
-    included), the model and the data (:mod:`fedcybgd.server.preflight`) before anything else,
-    then run the ``strategy``'s runner."""
+    included) and the data (:mod:`fedcybgd.server.preflight`) before anything else, then run
+    the ``strategy``'s runner."""
     configure_logging()
     run = RunConfig.from_run_config(context.run_config)
-    check_model(run)
     check_data(run)
     RUNNERS[run.strategy](grid, run)
