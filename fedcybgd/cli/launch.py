@@ -5,7 +5,10 @@ or its ServerApp raised. This launcher runs it, prints its output as it comes (a
 then asks the SuperLink for the run's final status (``flwr ls SUPERLINK --run-id ID --format
 json``) and exits with :data:`EXIT_CODES`'s status. A failed run prints the line that says why
 (:func:`fedcybgd.deploy.diagnose.failure_line`); a run the SuperLink refused to start prints the
-SuperLink's reason and, for a misspelt run-config key, the closest key the app has.
+SuperLink's reason and, for a misspelt run-config key, the closest key the app has. Before
+Flower starts anything, the app's run config with the overrides and its model are checked
+(:func:`fedcybgd.server.preflight.launch_refusal`): a value of the wrong type or a model no one
+could load is one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ from fedcybgd.deploy.diagnose import (
 )
 
 COMPLETED = "finished:completed"
-EXIT_OK, EXIT_FAILED, EXIT_UNKNOWN, EXIT_INTERRUPTED = 0, 1, 3, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_ARGUMENTS, EXIT_UNKNOWN, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_CODES = ((EXIT_OK, "the run finished:completed"),
               (EXIT_FAILED, "the run failed or was stopped, or no run was started"),
-              (2, "bad arguments"),
+              (EXIT_BAD_ARGUMENTS, "bad arguments, or a run config or model that cannot work "
+                                   "(named before anything starts)"),
               (EXIT_UNKNOWN, "the run's final status could not be read"),
               (EXIT_INTERRUPTED, "interrupted (the run goes on unless --stop-on-interrupt)"))
 STATUS_WAIT_S = 60.0  # how long to wait for "finished" once the log stream has ended
@@ -193,6 +197,12 @@ def log_dir_of(launch: Launch) -> Path:
 def launch(launch: Launch) -> int:
     """Run ``launch``; returns the exit status (:data:`EXIT_CODES`)."""
     env = launch.environment()
+    from fedcybgd.server.preflight import launch_refusal  # torch: only once a run is asked for
+
+    refusal = launch_refusal(launch.app, launch.run_config, launch.superlink, env)
+    if refusal is not None:  # before Flower starts anything
+        say(refusal, sys.stderr)
+        return EXIT_BAD_ARGUMENTS
     home = flower_home(env)
     # where the managed local SuperLink logs (flwr may create it, and its config, on this run)
     local_log = local_superlink_log(home, launch.superlink) or \

