@@ -20,11 +20,11 @@ copy was made from step logs goes as those logs (:mod:`fedcybgd.protocol.seedsyn
 node's z fingerprint and torch are the server's and the logs weigh less than a sixteenth of the
 block in fp32 (below any int4 delta of it).
 
-A node the server cannot vouch for (``unconfirmed``: it was sent an instruction whose reply never
-came back, so it may or may not have applied that instruction's downloads, e.g. the round a
-killed server lost) is sent every block of its plan as one lossless payload against the
-pretrained block, which every node holds: the very content the plan would leave it holding, so
-its copy ends bit for bit what it would have been, whatever it held before.
+A node the server cannot vouch for (``unconfirmed``: it was sent instructions in the round a
+killed server lost, so it may or may not have applied that round's downloads) is sent every
+block of its plan as one lossless payload against the pretrained block, which every node holds:
+the very content the plan would leave it holding, so its copy ends bit for bit what it would
+have been, whatever it held before.
 """
 
 from __future__ import annotations

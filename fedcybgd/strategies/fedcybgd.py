@@ -527,7 +527,6 @@ class FedCyBGD(Strategy):
             arrived.append((block, (node, got, rms)))
         for node, block in live.awaiting.items():
             drops.add(node, f"upload of block {block}", Dropped(NO_REPLY, "timeout or lost"))
-            self.nodes.unconfirmed.add(node)  # it may have applied the downloads it was sent
         live.awaiting = {}
         self.installer.close(live, arrived, drops)
         if self.privacy is not None and live.sent:

@@ -64,9 +64,9 @@ class NodeBook:
     # node -> blocks it self-syncs (credited in ``holdings``; told in its next instruction)
     promised: dict[int, dict[str, selfsync.Promotion]] = field(default_factory=dict)
     zo: dict[int, str] = field(default_factory=dict)  # node -> its "<torch>|<z fingerprint>"
-    # Nodes sent an instruction whose reply never came back (lost, timed out, the node's app
-    # crashed, or the round a killed server lost): each may or may not have applied that
-    # instruction's downloads, so ``holdings`` is unconfirmed until its next reply.
+    # Nodes sent instructions in a round a killed server lost (fedcybgd.server.resume): each may
+    # or may not have applied that round's downloads, so ``holdings`` is unconfirmed for them
+    # until their next reply.
     unconfirmed: set[int] = field(default_factory=set)
 
     def state(self) -> dict[str, Any]:
@@ -191,13 +191,10 @@ class ReplyReader:
         ``codec`` is the upload codec the node was asked for (default: ``upload_codec``); a
         weights payload must be exactly what the round asked for (:meth:`check_bound`)."""
         if reply.has_error():
-            # the node may have applied its downloads before its app failed
-            self.nodes.unconfirmed.add(node)
             raise Dropped(CLIENT_ERROR, str(reply.error.reason)[:500])
         content = reply.content
         state = content.config_records.get(protocol.STATE)
         if state is None:
-            self.nodes.unconfirmed.add(node)
             raise Dropped(MALFORMED, "no state record")
         status = self.note_state(node, state)
         reason = text(state, protocol.REASON, default="")
