@@ -7,11 +7,14 @@ status are the SuperNode's). Checked, in order:
 * the SuperLink address is ``HOST:PORT``;
 * TLS: the CA certificate file exists and holds a PEM certificate; or ``--insecure`` (then no
   node key, which Flower refuses without TLS);
-* the node's private key (``--auth-key``) exists, is readable only by its owner (like ssh, a
-  key others can read is refused: ``chmod 600``) and is an EC private key (OpenSSH or PEM);
+* the node's private key (``--auth-key``) exists, is not the public half (``node_key.pub``),
+  is readable only by its owner (like ssh, a key others can read is refused: ``chmod 600``) and
+  is an EC private key (OpenSSH or PEM);
 * the node's own data (``--data``) exists and can be read, if given;
 * the node config these flags make is valid (:class:`fedcybgd.config.NodeConfig`: ranges,
   names, a device the node has);
+* the node's Runtime API port (``--port``) is free on 127.0.0.1: a second node on one machine
+  needs a port of its own;
 * ``flower-supernode`` is installed.
 
 Every flag can also come from a TOML file (``--config node.toml``: the same names, dashes, no
@@ -21,10 +24,12 @@ leading ``--``); a flag given on the command line wins.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import shlex
 import shutil
+import socket
 import stat
 import sys
 import tomllib
@@ -34,6 +39,7 @@ from typing import Any
 from fedcybgd.deploy.commands import supernode_command
 
 DEFAULT_PORT = 9094  # the node's own Runtime API port (its SuperExec dials it; local only)
+RUNTIME_HOST = "127.0.0.1"  # where flower-supernode listens on that port (its default host)
 # flag -> node-config key (the rest are connection settings)
 NODE_KEYS = {"data": "data-path", "memory_budget_mb": "memory-budget-mb", "node_key": "node-key",
              "cache_dir": "cache-dir", "update_rule": "update-rule", "device": "device",
@@ -146,6 +152,7 @@ def plan(settings: dict[str, Any]) -> list[str]:
     port = int(settings.get("port") or DEFAULT_PORT)
     if not 0 < port < 65536:
         raise NodeSetupError(f"--port {port} is not a port number")
+    _check_port(port)
     command = supernode_command(superlink=str(superlink), port=port, node_config=values,
                                 root_certificates=ca, auth_private_key=key)
     executable = _supernode_executable()
@@ -211,6 +218,12 @@ def _check_private_key(path: Path) -> Path:
     if not path.is_file():
         raise NodeSetupError(f"--auth-key {path}: no such file (make one with ssh-keygen -t "
                              "ecdsa -b 384 -N '' -f node_key)")
+    if _is_public_key(path):
+        private = path.with_suffix("") if path.suffix == ".pub" else None
+        give = (f": --auth-key {private}" if private is not None and private.is_file()
+                else " (the file without .pub that ssh-keygen wrote beside it)")
+        raise NodeSetupError(f"--auth-key {path}: this is a public key, the half the operator "
+                             f"registers; give the node's private key{give}")
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         raise NodeSetupError(f"--auth-key {path}: readable by others (mode {mode:o}); a "
@@ -227,6 +240,49 @@ def _check_private_key(path: Path) -> Path:
         raise NodeSetupError(f"--auth-key {path}: not an unencrypted EC private key "
                              "(OpenSSH or PEM)")
     return path.resolve()
+
+
+def _is_public_key(path: Path) -> bool:
+    """Whether ``path`` holds a public key (OpenSSH's one line, or PEM)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise NodeSetupError(f"--auth-key {path}: cannot be read ({err.strerror})") from None
+    for load in (serialization.load_ssh_public_key, serialization.load_pem_public_key):
+        try:
+            load(data)
+            return True
+        except (ValueError, TypeError, UnsupportedAlgorithm):
+            continue  # not this format; the private-key check below names what it is
+    return False
+
+
+def _check_port(port: int) -> None:
+    """The Runtime API port is free where flower-supernode will listen (a listening socket
+    there, such as another node's, holds it)."""
+    if _port_free(port):
+        return
+    spare = next((p for p in range(port + 1, min(port + 100, 65536)) if _port_free(p)), None)
+    raise NodeSetupError(
+        f"--port {port}: {RUNTIME_HOST}:{port} is in use (another fedcybgd node or SuperNode "
+        f"on this machine?); each node on a machine needs its own Runtime API port"
+        + (f", e.g. --port {spare}" if spare is not None else ""))
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the SuperNode's server
+        try:
+            s.bind((RUNTIME_HOST, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                return False
+            raise NodeSetupError(f"--port {port}: cannot listen on {RUNTIME_HOST}:{port} "
+                                 f"({err.strerror})") from None
+    return True
 
 
 def _supernode_executable() -> str:
