@@ -22,7 +22,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (  # (label, summary key, format)
     ("eval loss after", "final_eval_loss", ".4f"),
     ("MiB down", "bytes_down", "mib"),
     ("MiB up", "bytes_up", "mib"),
-    ("client peak MB", "client_peak_mem_mb", ".0f"),
+    ("client peak MiB", "client_peak_mem_mb", ".0f"),
     ("mean round s", "mean_round_s", ".1f"),
     ("dp epsilon", "dp_epsilon", ".3g"),
     ("early stop", "early_stop", "s"),

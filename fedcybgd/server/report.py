@@ -1,4 +1,8 @@
-"""Human-readable progress lines and the final table (rich), printed by the ServerApp."""
+"""Human-readable progress lines and the final table (rich), printed by the ServerApp.
+
+Sizes are in MiB (2**20 bytes), as ``fedcybgd report`` shows them: traffic from the byte
+counts, memory from the ``*_mem_mb`` figures, which are MiB too.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ from rich.table import Table
 _console = Console(highlight=False, soft_wrap=True)
 
 
-def _mb(value: float | int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:,.1f} MB"
+def _mib(value: float | int | None) -> str:
+    """A byte count in MiB."""
+    return "-" if value is None else f"{value / 2**20:,.1f} MiB"
 
 
 def print_progress(record: dict[str, Any], total_rounds: int) -> None:
@@ -26,8 +31,8 @@ def print_progress(record: dict[str, Any], total_rounds: int) -> None:
         f"[{bar}] round {done}/{total_rounds}",
         f"blocks {','.join(record.get('blocks', [])) or '-'}",
         f"loss {record['train_loss']:.4f}" if record.get("train_loss") is not None else "loss -",
-        f"down {_mb(record['bytes_down'])} up {_mb(record['bytes_up'])}",
-        f"mem {record['client_peak_mem_mb']:.0f} MB",
+        f"down {_mib(record['bytes_down'])} up {_mib(record['bytes_up'])}",
+        f"mem {record['client_peak_mem_mb']:.0f} MiB",
         f"{record['round_s']:.1f} s",
     ]
     if record.get("eval_accuracy") is not None:
@@ -66,10 +71,15 @@ def print_summary_table(summary: dict[str, Any]) -> None:
         table.add_row("eval examples", str(summary["eval_examples"]))
     table.add_row("rounds", str(summary["rounds"]))
     table.add_row("bytes down (sent / as fp32)",
-                  f"{_mb(summary['bytes_down'])} / {_mb(summary['bytes_down_raw'])}")
+                  f"{_mib(summary['bytes_down'])} / {_mib(summary['bytes_down_raw'])}")
     table.add_row("bytes up (sent / as fp32)",
-                  f"{_mb(summary['bytes_up'])} / {_mb(summary['bytes_up_raw'])}")
-    table.add_row("client peak memory", f"{summary['client_peak_mem_mb']:.0f} MB")
+                  f"{_mib(summary['bytes_up'])} / {_mib(summary['bytes_up_raw'])}")
+    table.add_row("client peak memory", f"{summary['client_peak_mem_mb']:.0f} MiB")
+    if summary.get("dp"):  # the privacy spent, as summary.json and privacy.json record it
+        epsilon, delta = summary.get("dp_epsilon"), summary.get("dp_delta")
+        table.add_row(f"dp epsilon ({summary['dp']})",
+                      ("-" if epsilon is None else f"{float(epsilon):.3g}")
+                      + ("" if delta is None else f" at delta {float(delta):g}"))
     if summary.get("mean_round_s") is not None:
         table.add_row("mean round time", f"{summary['mean_round_s']:.1f} s")
     table.add_row("outputs", summary["output_dir"])
