@@ -2,7 +2,7 @@
 
     fedcybgd run [APP] [SUPERLINK] [--run-config ...] [--federation-config ...]
     fedcybgd node --superlink HOST:PORT --root-certificates CA --auth-key KEY [...]
-    fedcybgd export FOLDER --gguf OUT.gguf [--type f16]
+    fedcybgd export DIR --gguf OUT.gguf [--type f16]
     fedcybgd report OUTPUT_DIR [OUTPUT_DIR ...]
     fedcybgd plots OUTPUT_DIR
     fedcybgd demo | certs | deploy-local | gateway [their own flags; --help]
@@ -66,9 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_parser(commands)
     export = commands.add_parser(
         "export",
-        help="Write a trained model (a run's final/ folder) as one GGUF file.",
+        help="Write a trained model (a run's output-dir, or its final/) as one GGUF file.",
         description=(
-            "Write a Hugging Face model folder (a run's final/) as GGUF, the file llama.cpp-"
+            "Write a run's model (its output-dir, whose final/ holds the model, or any Hugging "
+            "Face model folder) as GGUF, the file llama.cpp-"
             "class runtimes load on a device: hyperparameters, the tokenizer with its chat "
             "template, and the weights at the chosen type. Families: llama (SmolLM2), "
             "mistral, qwen2. Every tensor is checked first (present, with the config's shape; "
@@ -76,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
             "line naming the tensor (exit status 2) and no file is written."
         ),
     )
-    export.add_argument("folder", metavar="FOLDER", help="The model folder, e.g. "
-                        "outputs/demo/final.")
+    export.add_argument("folder", metavar="DIR", help="A run's output-dir (its final/ is "
+                        "exported, e.g. outputs/demo) or a model folder (e.g. "
+                        "outputs/demo/final).")
     export.add_argument("--gguf", required=True, metavar="OUT", help="The GGUF file to write.")
     export.add_argument("--type", default="f16", choices=("f32", "f16", "q8_0", "q4_1"),
                         help="Weight type: f32, f16 (default), q8_0 or q4_1 (1-D tensors "
@@ -178,16 +180,24 @@ def _config_docs(path: str | None, check: bool) -> int:
 
 
 def _export(folder: str, out: str, kind: str) -> int:
-    """``fedcybgd export``: a refused or failed export is one line on stderr and exit status 2,
-    with no file left behind (see :func:`fedcybgd.model.export.export_gguf`)."""
+    """``fedcybgd export``: ``folder`` is a model folder, or a run's output-dir whose
+    ``final/`` is one. A refused or failed export is one line on stderr and exit status 2, with
+    no file left behind (see :func:`fedcybgd.model.export.export_gguf`)."""
     from pathlib import Path
 
     from fedcybgd.model.export import ExportError, export_gguf
 
     source = Path(folder)
+    if not (source / "config.json").is_file() and (source / "final" / "config.json").is_file():
+        source = source / "final"  # a run's output-dir: its model
+    if not (source / "config.json").is_file() and (source / "summary.json").is_file():
+        print(f"fedcybgd export: {source} is a run's output-dir without a final/ model (a "
+              "failed or unfinished run leaves none: its summary.json has the status)",
+              file=sys.stderr)
+        return 2
     if not (source / "config.json").is_file():
-        print(f"fedcybgd export: {source} holds no model (no config.json); give a run's "
-              "final/ folder", file=sys.stderr)
+        print(f"fedcybgd export: {source} holds no model (no config.json, nor a final/ with "
+              "one); give a run's output-dir or its final/ folder", file=sys.stderr)
         return 2
     try:
         written = export_gguf(source, Path(out), kind)
