@@ -159,6 +159,7 @@ def local_hub(hub_cache, monkeypatch) -> Iterator[type[_Hub]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read once, at its import
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     try:
@@ -190,6 +191,7 @@ def test_a_hub_that_refuses_connections_is_named(hub_cache, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     with pytest.raises(loading.ModelNameError, match="could not be reached"):
@@ -358,6 +360,18 @@ def test_export_takes_a_run_s_output_folder(tmp_path):
     assert done.returncode == 0, done.stderr
     assert out.stat().st_size > 0
     assert done.stderr == ""
+
+
+def test_export_of_a_run_that_left_no_model_says_so(tmp_path, capsys):
+    from fedcybgd.cli import main
+
+    # Prepare: a failed run's output folder: a summary, no final/
+    (tmp_path / "summary.json").write_text('{"status": "failed"}')
+    # Execute / Assert
+    assert main(["export", str(tmp_path), "--gguf", str(tmp_path / "m.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "without a final/ model" in err
+    assert not (tmp_path / "m.gguf").exists()
 
 
 # -- docs -------------------------------------------------------------------------------------
