@@ -23,6 +23,7 @@ from fedcybgd.client.app import app as client_app
 from fedcybgd.config import RunConfig
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.server.app import run_server
+from fedcybgd.server.stops import Terminated
 
 ROUNDS = 3
 
@@ -110,4 +111,118 @@ def test_a_kill_anywhere_in_a_round_costs_no_round(straight, tiny_run_config, tm
     assert [r.get("accepted") for r in resumed] == [r.get("accepted") for r in uninterrupted]
     a, b = weights(out_a), weights(tmp_path / "killed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the summary: two segments, the first ended without a word at its last checkpoint
+    checkpointed = kill_round if nth_file == "state.json" else kill_round - 1
     assert summary["status"] == "completed"
+    assert [(s["resumed_after"], s["first_round"], s["last_round"], s["end"])
+            for s in summary["segments"]] == [(None, 1, checkpointed, "interrupted"),
+                                              (checkpointed, checkpointed + 1, ROUNDS,
+                                               "completed")]
+    assert summary["wall_s"] == pytest.approx(sum(s["wall_s"] for s in summary["segments"]))
+    assert json.loads((tmp_path / "killed" / "summary.json").read_text())["segments"] == \
+        summary["segments"]
+
+
+CHILD = textwrap.dedent("""
+    import json, os, signal, sys
+    from pathlib import Path
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.config import RunConfig
+    from fedcybgd.harness.loopback import LoopbackGrid
+    from fedcybgd.server.app import run_server
+from fedcybgd.server.stops import Terminated
+
+    config, cache, kill_round, sig = json.loads(sys.argv[1])
+    saves = []
+
+    def hook(path):
+        if path.name == "state.json":
+            saves.append(path)
+        elif len(saves) == kill_round - 1:  # the round's first file: its nodes have trained
+            os.kill(os.getpid(), getattr(signal, sig))
+
+    grid = LoopbackGrid(client_app, 4, config, node_config=lambda i: {"cache-dir": cache})
+    run_server(grid, RunConfig.from_run_config(config), on_checkpoint_file=hook)
+""")
+
+
+def run_child(config: dict[str, Any], cache: Path, kill_round: int, sig: str
+              ) -> subprocess.CompletedProcess[str]:
+    """The run in a process of its own, which sends itself ``sig`` at the first checkpoint file
+    of ``kill_round``."""
+    return subprocess.run([sys.executable, "-c", CHILD,
+                           json.dumps([config, str(cache), kill_round, sig])],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_server_process_killed_by_sigkill_mid_round_resumes_to_the_uninterrupted_model(
+        straight, tiny_run_config, tmp_path):
+    # Prepare: a real SIGKILL of the server's process in round 3, after its nodes trained
+    out_a, _ = straight
+    config = config_for(tiny_run_config, tmp_path / "killed")
+    child = run_child(config, tmp_path / "cache", 3, "SIGKILL")
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert not (tmp_path / "killed" / "summary.json").exists()  # SIGKILL cannot be caught
+    # Execute
+    summary = run(dict(config, resume=True), tmp_path / "cache")
+    # Assert: round 3 redone without a drop; the uninterrupted model
+    assert [r.get("dropped") for r in rows(tmp_path / "killed")] == \
+        [r.get("dropped") for r in rows(out_a)]
+    a, b = weights(out_a), weights(tmp_path / "killed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [s["end"] for s in summary["segments"]] == ["interrupted", "completed"]
+
+
+def stop_in_round_2(how: str) -> Callable[[Path], None]:
+    """A checkpoint-file hook that stops the run at round 2's first file: SIGTERM to this
+    process, Ctrl-C, or an error."""
+    saves = []
+
+    def stop(path: Path) -> None:
+        if path.name == "state.json":
+            saves.append(path)
+        elif len(saves) == 1:
+            if how == "SIGTERM":
+                os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this returns
+            if how == "Ctrl-C":
+                raise KeyboardInterrupt
+            if how == "error":
+                raise OSError(28, "No space left on device")
+
+    return stop
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("how", "raised", "reason"), [
+    ("SIGTERM", Terminated, "stopped by SIGTERM"),
+    ("Ctrl-C", KeyboardInterrupt, "stopped by SIGINT (Ctrl-C)"),
+    ("error", OSError, "stopped by an error: OSError: [Errno 28] No space left on device"),
+])
+def test_a_stopped_run_writes_a_summary_that_says_so(tiny_run_config, tmp_path, how, raised,
+                                                     reason):
+    # Prepare
+    config = dict(tiny_run_config, **{"num-server-rounds": 2})
+    out = Path(config["output-dir"])
+    # Execute: stopped in round 2, after round 1's checkpoint
+    with pytest.raises(raised):
+        run(config, tmp_path / "cache", on_checkpoint_file=stop_in_round_2(how))
+    # Assert: summary.json says it stopped, why, at which round, and how to go on
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["reason"] == reason
+    assert (summary["last_round"], summary["stopped_in_round"], summary["rounds_run"]) == \
+        (1, 2, 1)
+    assert "resume = true" in summary["resume"] and "round 2" in summary["resume"]
+    assert [(s["resumed_after"], s["last_round"], s["end"]) for s in summary["segments"]] == \
+        [(None, 1, "stopped")]
+    assert summary["wall_s"] == summary["segments"][0]["wall_s"] > 0
+    assert summary["initial_eval_loss"] is not None
+    assert not (out / "final").exists()
+    if how != "SIGTERM":
+        return
+    # and the resume after it lists the stopped segment, then its own
+    resumed = run(dict(config, resume=True), tmp_path / "cache")
+    assert [(s["resumed_after"], s["first_round"], s["last_round"], s["end"])
+            for s in resumed["segments"]] == [(None, 1, 1, "stopped"), (1, 2, 2, "completed")]
+    assert resumed["wall_s"] == pytest.approx(summary["wall_s"] +
+                                              resumed["segments"][1]["wall_s"])

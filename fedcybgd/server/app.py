@@ -7,9 +7,9 @@ evaluated on the held-out test split every ``eval-every`` rounds; a checkpoint a
 ``summary.json`` is written. With ``resume = true`` the run goes on from its checkpoint, read
 back and checked against the model and the run config first (:mod:`fedcybgd.server.resume`);
 a finished run resumed writes the summary it wrote, with one more segment. A run stopped before
-its end writes a summary that says so (:mod:`fedcybgd.server.stops`). ``strategy = "fedavg"`` runs the baselines
-instead (:mod:`fedcybgd.server.baselines`): :data:`RUNNERS` maps each ``strategy`` to its
-runner, for the ServerApp and the experiments harness alike.
+its end writes a summary that says so (:mod:`fedcybgd.server.stops`). ``strategy = "fedavg"``
+runs the baselines instead (:mod:`fedcybgd.server.baselines`): :data:`RUNNERS` maps each
+``strategy`` to its runner, for the ServerApp and the experiments harness alike.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from fedcybgd.server.metrics import (
 from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
 from fedcybgd.server.pipeline import run_pipeline_server
 from fedcybgd.server.plots import plot_run
-from fedcybgd.server.preflight import check_data
+from fedcybgd.server.preflight import check_data, check_model
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.server.resume import Resumed, checkpoint_state, read_checkpoint
 from fedcybgd.server.stops import STOPS, stop_handling, stop_reason
@@ -227,7 +227,7 @@ class StopRecord:
             "initial_eval_accuracy": getattr(self.initial, "accuracy", None),
             "final_eval_loss": getattr(self.last_eval, "loss", None),
             "final_eval_accuracy": getattr(self.last_eval, "accuracy", None),
-            "wall_s": self.segments.wall_s(),
+            "wall_s": Segments.wall_s(listed),
             "segments": listed,
             "output_dir": str(self.out),
             "run_config": self.run.to_run_config(),
@@ -364,7 +364,7 @@ def _train(run: RunConfig, out: Path, strategy: FedCyBGD, blocks: BlockMap, mode
         "final_eval_accuracy": last_eval.accuracy,
         "eval_examples": last_eval.examples,  # the rows the final evaluation rests on
         "final_samples": list(last_eval.samples),  # a generative task's answers, else []
-        "wall_s": segments.wall_s(),  # every segment's (a resumed run's earlier ones too)
+        "wall_s": Segments.wall_s(listed),  # every segment's (a resumed run's earlier ones too)
         "segments": listed,
         "blocks": blocks.names,
         "cycle": strategy.cycle,
@@ -428,9 +428,10 @@ RUNNERS: dict[str, Runner] = {"fedcybgd": run_server, "fedavg": run_fedavg,
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Flower entry point: validate the run config (update rules and their plug-in modules
-    included) and the data (:mod:`fedcybgd.server.preflight`) before anything else, then run
-    the ``strategy``'s runner."""
+    included), the model and the data (:mod:`fedcybgd.server.preflight`) before anything else,
+    then run the ``strategy``'s runner."""
     configure_logging()
     run = RunConfig.from_run_config(context.run_config)
+    check_model(run)
     check_data(run)
     RUNNERS[run.strategy](grid, run)
