@@ -11,7 +11,6 @@ import copy
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -27,18 +26,11 @@ from fedcybgd.model.loading import load_tokenizer
 from fedcybgd.model.precision import FrozenBlocks, Precision
 from fedcybgd.protocol.prior import ClassPriorSpec
 from fedcybgd.server.eval_cache import EvalCache, eval_cache_root, eval_key
+from fedcybgd.server.output_dir import resolve_output_dir as resolve_output_dir  # the runners'
 from fedcybgd.tasks.base import build_task
 from fedcybgd.tasks.objective import EvalResult
 
 log = logging.getLogger(__name__)
-
-
-def resolve_output_dir(path: str) -> Path:
-    """Relative output dirs are taken from ``FEDCYBGD_OUTPUT_ROOT`` (default: the cwd)."""
-    out = Path(path).expanduser()
-    if not out.is_absolute():
-        out = Path(os.environ.get("FEDCYBGD_OUTPUT_ROOT", os.getcwd())) / out
-    return out
 
 
 class Evaluator:

@@ -14,13 +14,12 @@ from typing import Any
 
 from fedcybgd.config import ConfigError
 from fedcybgd.core.atomic import fsync_dir, make_dirs, write_bytes
+from fedcybgd.server.output_dir import earlier_outputs, name_entries, output_dir_refusal
 
 log = logging.getLogger(__name__)
 
 # What a run writes in its output folder; ``overwrite = true`` removes these and nothing else.
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoint", "final", "samples")
-# Written there by the launcher (fedcybgd.deploy.local) before the ServerApp starts.
-LAUNCHER_ENTRIES = ("logs",)
 
 
 class OutputDirError(ConfigError):
@@ -45,32 +44,24 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, can_resume: boo
         ``out`` holds entries besides the launcher's logs and neither key allows using it, or
         both keys are set, or ``resume`` is asked of a strategy that keeps no checkpoint.
     """
-    if resume and overwrite:
-        raise OutputDirError("resume = true and overwrite = true contradict each other: "
-                             "set one of them")
-    if out.exists() and not out.is_dir():
-        raise OutputDirError(f"output-dir {out} is a file, not a folder")
-    entries = sorted(p for p in out.iterdir() if p.name not in LAUNCHER_ENTRIES) \
-        if out.exists() else []
+    refusal = output_dir_refusal(out, resume, overwrite)
+    if refusal is not None:
+        raise OutputDirError(refusal)
+    log.info("outputs: %s", out)
+    entries = earlier_outputs(out)
     if not entries:
         if resume and not can_resume:
             log.info("resume = true, but this strategy keeps no checkpoint and %s holds no "
                      "outputs: starting fresh", out)
         make_dirs(out)
         return
-    names = ", ".join(p.name for p in entries[:6]) + (", ..." if len(entries) > 6 else "")
     if resume:
         if can_resume:
             return
         raise OutputDirError(
-            f"output-dir {out} holds earlier outputs ({names}) and this strategy keeps no "
-            "checkpoint, so resume = true cannot continue that run: set overwrite = true to "
-            "replace them, or choose another output-dir"
-        )
-    if not overwrite:
-        raise OutputDirError(
-            f"output-dir {out} is not empty ({names}): set resume = true to continue the run "
-            "there, overwrite = true to replace its outputs, or choose another output-dir"
+            f"output-dir {out} holds earlier outputs ({name_entries(entries)}) and this "
+            "strategy keeps no checkpoint, so resume = true cannot continue that run: set "
+            "overwrite = true to replace them, or choose another output-dir"
         )
     for path in entries:
         if path.name not in RUN_OUTPUTS:
