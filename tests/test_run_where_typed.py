@@ -6,7 +6,8 @@ folder the command was typed in, and the launcher says where; without ``output-d
 does not collide with the demo's outputs; a run that fails at its start leaves no folder; a run
 needing more nodes than the simulation has, or a folder holding another run, is refused before
 anything starts; a local SuperLink of another environment is refused. In process: each
-environment gets a local SuperLink of its own.
+environment gets a local SuperLink of its own, and ``deploy-local`` takes a relative
+``output-dir`` from where it was typed too.
 """
 
 from __future__ import annotations
@@ -249,3 +250,15 @@ def test_a_superlink_at_an_address_of_its_own_is_left_to_its_operator(tmp_path):
                                       'address = "10.0.0.5:9093"\ninsecure = true\n')
     # Execute, Assert
     assert local_superlink(Launch(), {"FLWR_HOME": str(home)}, bin_dir=tmp_path) is None
+
+
+def test_deploy_local_takes_a_relative_output_dir_from_where_it_was_typed(tmp_path, monkeypatch):
+    # Prepare
+    from fedcybgd.deploy.local import output_dir_of
+
+    monkeypatch.delenv("FEDCYBGD_OUTPUT_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    # Execute, Assert
+    assert output_dir_of("output-dir='outputs/x'", ROOT / "unused") == \
+        tmp_path.resolve() / "outputs" / "x"
+    assert output_dir_of("", Path("elsewhere")) == tmp_path.resolve() / "elsewhere"

@@ -54,6 +54,7 @@ from fedcybgd.deploy.commands import (
 )
 from fedcybgd.deploy.control import Control, DeployError, healthy
 from fedcybgd.deploy.diagnose import failure_line
+from fedcybgd.server.output_dir import resolve_output_dir
 
 PROJECT = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT_DIR = PROJECT / "outputs" / "deploy-local"
@@ -477,10 +478,10 @@ class LocalDeployment:
 
 
 def output_dir_of(run_config: str, default: Path) -> Path:
-    """The run's output folder: ``output-dir`` of ``run_config`` (relative ones are taken from
-    the project, as the ServerApp does with ``FEDCYBGD_OUTPUT_ROOT``), else ``default``."""
-    out = Path(str(parse_config(run_config).get("output-dir", default))).expanduser()
-    return (out if out.is_absolute() else PROJECT / out).resolve()
+    """The run's output folder: ``output-dir`` of ``run_config``, else ``default``; a relative
+    one is taken from the folder the command was typed in (or ``$FEDCYBGD_OUTPUT_ROOT``), as
+    ``fedcybgd run`` takes it, and the run is given the absolute path."""
+    return resolve_output_dir(str(parse_config(run_config).get("output-dir", default))).resolve()
 
 
 # What a run writes in its output folder (listed after a run, those this run wrote).
@@ -539,7 +540,10 @@ def run_deployment(
         defaults["overwrite"] = True
     if "clients-per-round" not in parse_config(run_config):
         defaults["clients-per-round"] = min(int(app_default("clients-per-round") or nodes), nodes)
-    overrides = merge_config(defaults, run_config)
+    # the folder as resolved here, whatever the ServerApp's working folder
+    overrides = merge_config(merge_config(defaults, run_config),
+                             format_config({"output-dir": str(output_dir)}))
+    print(f"output-dir: {output_dir}", flush=True)
     print(f"logs: {logs}", flush=True)
     try:
         with LocalDeployment(state, logs, tls=tls, threads_per_process=threads,
