@@ -7,7 +7,7 @@ json``) and exits with :data:`EXIT_CODES`'s status. A failed run prints the line
 (:func:`fedcybgd.deploy.diagnose.failure_line`); a run the SuperLink refused to start prints the
 SuperLink's reason and, for a misspelt run-config key, the closest key the app has. Before
 Flower starts anything, the app's run config with the overrides and its model are checked
-(:func:`fedcybgd.server.preflight.launch_refusal`): a value of the wrong type or a model no one
+(:func:`fedcybgd.cli.precheck.launch_refusal`): a value of the wrong type or a model no one
 could load is one line and exit status 2.
 
 On Flower's managed local SuperLink (a connection whose address is ``:local:``, e.g. ``local``)
@@ -567,7 +567,7 @@ def fresh_folder(taken: Path) -> Path:
 def launch(launch: Launch) -> int:
     """Run ``launch``; returns the exit status (:data:`EXIT_CODES`)."""
     env = launch.environment()
-    from fedcybgd.server.preflight import launch_refusal  # torch: only once a run is asked for
+    from fedcybgd.cli.precheck import launch_refusal  # torch: only once a run is asked for
 
     refusal = launch_refusal(launch.app, launch.run_config, launch.superlink, env)
     if refusal is not None:  # before Flower starts anything
