@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -24,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from fedcybgd.cli.launch import Launch, local_superlink
+from fedcybgd.cli import build_parser
+from fedcybgd.cli.launch import Launch, local_superlink, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -262,3 +265,63 @@ def test_deploy_local_takes_a_relative_output_dir_from_where_it_was_typed(tmp_pa
     assert output_dir_of("output-dir='outputs/x'", ROOT / "unused") == \
         tmp_path.resolve() / "outputs" / "x"
     assert output_dir_of("", Path("elsewhere")) == tmp_path.resolve() / "elsewhere"
+
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md"]
+
+
+def documented_runs() -> list[tuple[str, str]]:
+    """Every ``fedcybgd run`` command of the pages' bash blocks: ``(page, command)``, the
+    command's continuation lines joined (a ``\\`` at the end, or a quote still open)."""
+    runs = []
+    for page in PAGES:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            command = ""
+            for line in block.replace("\\\n", " ").split("\n"):
+                if command:
+                    command += "\n" + line
+                elif re.match(r"^(cd \S+ && )?\S*fedcybgd run ", line):
+                    command = line
+                else:
+                    continue
+                try:
+                    shlex.split(command)
+                except ValueError:  # a quote still open: the command goes on
+                    continue
+                runs.append((page.relative_to(ROOT).as_posix(), command))
+                command = ""
+    return runs
+
+
+def test_the_pages_run_the_app_on_the_local_superlink_through_fedcybgd_run():
+    # Plain `flwr run` exits 0 while a run fails, and uses Flower's SuperLink for the machine
+    plain = [(page.name, line) for page in PAGES
+             for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
+             for line in block.splitlines() if re.match(r"^\s*flwr run \S+ local\b", line)]
+    assert plain == []
+
+
+@pytest.mark.parametrize(("page", "command"), [
+    pytest.param(page, command, id=f"{page}-{n}")
+    for n, (page, command) in enumerate(documented_runs())])
+def test_a_documented_command_passes_the_launcher_s_checks_after_the_demo(
+        page, command, tmp_path, monkeypatch):
+    # Prepare: the folder it is typed in after `make demo` (outputs/demo taken), the app's
+    # folder as the page says, a private Flower home and ports
+    here = tmp_path / "typed-here"
+    (here / "outputs" / "demo").mkdir(parents=True)
+    (here / "outputs" / "demo" / "summary.json").write_text("{}")
+    folder, line = ROOT, command
+    if (cd := re.match(r"cd (\S+) && (.*)", command, flags=re.S)) is not None:
+        folder, line = ROOT / cd.group(1), cd.group(2)
+    args = build_parser().parse_args(shlex.split(line.replace("$PWD", str(here)))[1:])
+    monkeypatch.chdir(folder)
+    env = private_env(tmp_path / "flwr-home")
+    run = Launch(app=args.app, superlink=args.superlink, run_config=args.run_config,
+                 federation_config=args.federation_config, federation=args.federation)
+    # Execute: everything the launcher decides before flwr run (nodes, output folder)
+    submission = prepare(run, env, cwd=here)
+    # Assert: its own SuperLink, enough nodes, a folder of its own under where it was typed
+    assert submission.local is not None, (page, command)
+    assert submission.output_dir is not None and submission.output_dir.is_relative_to(here)
+    assert submission.output_dir != here / "outputs" / "demo"
