@@ -20,10 +20,16 @@ import torch
 from safetensors.torch import load_file
 
 from fedcybgd.client.app import app as client_app
+from fedcybgd.compression import decode, payload_from_array, read_header
 from fedcybgd.config import RunConfig
 from fedcybgd.harness.loopback import LoopbackGrid
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.loading import load_model
 from fedcybgd.server.app import run_server
+from fedcybgd.server.checkpoint import SENT, Checkpointer, CheckpointError
 from fedcybgd.server.stops import Terminated
+from fedcybgd.strategies.downloads import DownloadPlanner
+from fedcybgd.strategies.versions import BlockVersions
 
 ROUNDS = 3
 
@@ -226,3 +232,85 @@ def test_a_stopped_run_writes_a_summary_that_says_so(tiny_run_config, tmp_path, 
             for s in resumed["segments"]] == [(None, 1, 1, "stopped"), (1, 2, 2, "completed")]
     assert resumed["wall_s"] == pytest.approx(summary["wall_s"] +
                                               resumed["segments"][1]["wall_s"])
+
+
+# ------------------------------------------------------------------- the parts, on their own
+
+
+def test_an_unconfirmed_node_gets_the_planned_content_from_the_pretrained_block():
+    # Prepare: a node holds layer.1 and layer.2 exactly at version 1; both are now at version
+    # 2; it trains layer.2 (exact) and gets layer.1 frozen (a lossy delta against its copy)
+    model = load_model("tiny-llama")
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    versions = BlockVersions(BlockMap(model, 1), weights)
+    held = {}
+    for version in (1, 2):
+        for block in ("layer.1", "layer.2"):
+            moved = {k: v + 0.01 * version for k, v in versions.tensors(block).items()}
+            versions.install(block, moved, version=version)
+            if version == 1:
+                held[block] = versions.current(block)
+    sure = DownloadPlanner(versions, exact_codec="xor+zstd", download_codec="delta+int8+zstd")
+    unsure = DownloadPlanner(versions, exact_codec="xor+zstd",
+                             download_codec="delta+int8+zstd", unconfirmed=lambda node: True)
+    # Execute
+    planned = sure.plan(3, node=1, assigned="layer.2", held=held)
+    restated = unsure.plan(3, node=1, assigned="layer.2", held=held)
+    # Assert: the same holdings after, each payload from version 0, decoding to what the
+    # planned one decodes to on the node's copy (bit for bit, the lossy frozen copy too)
+    assert restated.expect == planned.expect
+    assert set(restated.arrays.keys()) == set(planned.arrays.keys()) == {"layer.1", "layer.2"}
+    for block in ("layer.1", "layer.2"):
+        ours = payload_from_array(restated.arrays[block])
+        theirs = payload_from_array(planned.arrays[block])
+        assert read_header(ours, max_bytes=len(ours)).base_version == 0
+        assert read_header(theirs, max_bytes=len(theirs)).base_version == 1
+        a = decode(ours, base=versions.pretrained(block), max_bytes=len(ours)).tensors
+        b = decode(theirs, base=versions.base_for(block, held[block])[1],
+                   max_bytes=len(theirs)).tensors
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert planned.expect["layer.1"] != versions.current("layer.1")  # lossy, and still equal
+    assert restated.bytes > planned.bytes
+
+
+def test_the_nodes_sent_since_the_checkpoint_are_read_back_and_checked(tmp_path):
+    # Prepare: a checkpoint of round 2, then round 3's instructions to two nodes
+    root = tmp_path / "checkpoint"
+    first = Checkpointer(root)
+    first.save(2, {}, {"x": 1})
+    first.note_sent([1003, 1001])
+    # Execute: a resume reads them; its redone round, killed again, adds its own
+    again = Checkpointer(root)
+    again.read_state()
+    sent = again.read_sent()
+    again.note_sent([1002])
+    # Assert
+    assert sent == {1001, 1003}
+    third = Checkpointer(root)
+    third.read_state()
+    assert third.read_sent() == {1001, 1002, 1003}
+    # a save answers for them (its state does), and a record of an earlier checkpoint counts
+    # for nothing
+    third.save(3, {}, {"x": 1})
+    assert not (root / SENT).exists()
+    (root / SENT).write_text(json.dumps({"after_round": 2, "nodes": ["1001"]}))
+    fourth = Checkpointer(root)
+    fourth.read_state()
+    assert fourth.read_sent() == set()
+
+
+@pytest.mark.parametrize("body", [
+    b"{", b"[]", b'{"after_round": 4, "nodes": []}', b'{"after_round": 2, "nodes": [1001]}',
+    b'{"after_round": -1, "nodes": []}', b'{"after_round": 2, "nodes": ["-1"]}',
+    b'{"after_round": true, "nodes": []}', b'{"nodes": []}', b'[' * 100_000,
+])
+def test_a_malformed_record_of_the_nodes_sent_is_a_checkpoint_error_naming_it(tmp_path, body):
+    # Prepare
+    root = tmp_path / "checkpoint"
+    Checkpointer(root).save(2, {}, {"x": 1})
+    (root / SENT).write_bytes(body)
+    reader = Checkpointer(root)
+    reader.read_state()
+    # Execute, Assert
+    with pytest.raises(CheckpointError, match=r"sent\.json"):
+        reader.read_sent()
