@@ -234,6 +234,61 @@ def test_a_stopped_run_writes_a_summary_that_says_so(tiny_run_config, tmp_path, 
                                               resumed["segments"][1]["wall_s"])
 
 
+FLOWER_CHILD = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    from flwr.supercore.exit import register_signal_handlers
+    from flwr.supercore.telemetry import EventType
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.config import RunConfig
+    from fedcybgd.harness.loopback import LoopbackGrid
+    from fedcybgd.server.app import run_server
+
+    config, cache, thread = json.loads(sys.argv[1])
+    # as Flower's ServerApp and simulation processes do: SIGINT, SIGTERM (and `flwr stop`,
+    # which its runtime turns into SIGINT) run Flower's exit handlers, then SystemExit
+    register_signal_handlers(event_type=EventType.FLWR_SERVERAPP_RUN_LEAVE,
+                             exit_message="Task stopped by user.")
+    saves = []
+
+    def hook(path):
+        if path.name == "state.json":
+            saves.append(path)
+        elif len(saves) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # on a thread of its own the run goes on until the process ends
+
+    def serve():
+        grid = LoopbackGrid(client_app, 4, config, node_config=lambda i: {"cache-dir": cache})
+        run_server(grid, RunConfig.from_run_config(config), on_checkpoint_file=hook)
+
+    if thread:  # Flower's simulation: the ServerApp on a thread, signals on the main one
+        threading.Thread(target=serve, daemon=True).start()
+        while True:
+            time.sleep(0.1)
+    serve()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("thread", [False, True], ids=["main-thread", "own-thread"])
+def test_a_run_stopped_through_flowers_exit_writes_a_stopped_summary(tiny_run_config,
+                                                                     tmp_path, thread):
+    # Prepare
+    config = dict(tiny_run_config, **{"num-server-rounds": 2})
+    out = Path(config["output-dir"])
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0")
+    # Execute: SIGTERM in round 2, under Flower's own signal handlers
+    child = subprocess.run([sys.executable, "-c", FLOWER_CHILD,
+                            json.dumps([config, str(tmp_path / "cache"), thread])],
+                           capture_output=True, text=True, timeout=600, env=env)
+    # Assert
+    assert child.returncode in (0, 1), child.stderr[-3000:]  # Flower's exit, not a signal
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "stopped", summary
+    assert summary["reason"].startswith("stopped by the Flower runtime")
+    assert (summary["last_round"], summary["stopped_in_round"]) == (1, 2)
+
+
 # ------------------------------------------------------------------- the parts, on their own
 
 
