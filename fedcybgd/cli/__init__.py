@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
             "Run a Flower App with `flwr run APP SUPERLINK --stream`, print its log as it "
             "comes, then read the run's final status (`flwr ls --run-id`). Unlike `flwr run`, "
             "the exit status tells whether the run completed; a failed or refused run prints "
-            "the line that says why and where the full log is."
+            "the line that says why and where the full log is. On the local simulation it uses "
+            "this environment's own SuperLink, takes a relative output-dir from the folder it "
+            "is typed in (a run without output-dir whose default folder is taken gets a fresh "
+            "one), and refuses a run that needs more nodes than the simulation starts."
         ),
         epilog="exit status: " + "; ".join(f"{code} {what}" for code, what in EXIT_CODES),
     )

@@ -515,9 +515,9 @@ def prepare(launch: Launch, env: dict[str, str], cwd: Path | None = None) -> Sub
                      overrides, cwd)
     if local is not None:
         prepare_home(local, env)
-        where = "this environment's own" if local.env else "as set"
-        say(f"local SuperLink: 127.0.0.1:{local.http_port}, Flower home {local.home} ({where}; "
-            f"environment {local.bin_dir})")
+        own = " (this environment's own)" if "FLWR_HOME" in local.env else ""
+        say(f"local SuperLink: 127.0.0.1:{local.http_port}, Flower home {local.home}{own}; "
+            f"environment {local.bin_dir}")
     if submission.output_dir is not None:
         say(f"outputs: {submission.output_dir}")
     return submission
