@@ -368,3 +368,14 @@ def test_a_hostile_server_trains_nothing_beyond_the_nodes_limits_in_any_round(tm
     assert [node for node, _ in grid.honest_failures] == [1001, 1003, 1004]
     assert all("max-lr" in reason for _, reason in grid.honest_failures)
     assert summary["final_eval_loss"] is None
+
+
+def test_the_pipeline_limits_are_node_config_keys_with_their_defaults():
+    from fedcybgd.config import ConfigError, NodeConfig
+
+    node = NodeConfig()
+    assert (node.max_micro_batches, node.max_row_tokens, node.max_activation_mb) == (
+        256, 8192, 2048.0)
+    for key in ("max-micro-batches", "max-row-tokens", "max-activation-mb"):
+        with pytest.raises(ConfigError, match=key):
+            NodeConfig.from_node_config({key: 0})

@@ -127,7 +127,8 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
 
 
 def own_tensors(model: torch.nn.Module, stages: int) -> list[dict[str, tuple[int, ...]]]:
-    """Per stage: the name and shape of every tensor of its chunk."""
+    """Per stage: the name and shape of every tensor of its chunk, in the order of the stage's
+    parameters (its AdamW state's ``adam.<i>`` index)."""
     stack = LayerStack(model)  # type: ignore[arg-type]
     names = {id(p): n for n, p in model.named_parameters()}
     return [{names[id(p)]: tuple(p.shape) for i in range(a, b)

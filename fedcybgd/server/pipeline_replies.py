@@ -115,7 +115,9 @@ class ReplyReader:
     def read(self, reply: Message, k: int, node: int, op: Op, asked: Asked) -> StageReply:
         """The checked reply of stage ``k`` (on ``node``) to ``op``; :class:`StageFailed`
         naming what is wrong."""
-        where = f"stage {k} (node {node}), {op.kind} of step {op.mb + 1}"
+        what = (f"restore from the checkpoint of step {op.mb}" if op.kind == "R" else
+                f"{op.kind} of step {op.mb + 1}")
+        where = f"stage {k} (node {node}), {what}"
         try:
             return self._read(reply, k, node, op, asked, where)
         except StageFailed:
