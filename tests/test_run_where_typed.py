@@ -164,13 +164,18 @@ def test_an_output_dir_holding_another_run_is_refused_before_the_run_starts(
 def test_a_run_needing_more_nodes_than_the_simulation_has_is_refused_at_once(
         tmp_path, run_config, federation, wanted, have):
     # Prepare
+    from fedcybgd.cli.demo import stop_local_superlink
+
     env = private_env(tmp_path / "flwr-home")
     out = tmp_path / "out"
     # Execute
     started = time.monotonic()
-    done = fedcybgd(env, tmp_path, "run", str(ROOT), "local", "--run-config",
-                    f"model='tiny-llama' output-dir='{out}' {run_config}", *federation,
-                    timeout=60)
+    try:
+        done = fedcybgd(env, tmp_path, "run", str(ROOT), "local", "--run-config",
+                        f"model='tiny-llama' output-dir='{out}' {run_config}", *federation,
+                        timeout=60)
+    finally:
+        stop_local_superlink(tmp_path / "flwr-home")  # none, unless it was not refused
     # Assert: refused in seconds with the fix to type; no SuperLink, no folder
     assert done.returncode == 1, said(done)
     assert time.monotonic() - started < 30
