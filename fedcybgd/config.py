@@ -117,7 +117,8 @@ class RunConfig:
     seed: int = setting(0, ge=0, lt=2**32, doc=(
         "seeds node sampling, block order, partitions and the clients' rounds"))
     output_dir: str = setting("outputs/demo", doc=(
-        "metrics, checkpoint, summary and final model (absolute under a SuperLink)"))
+        "metrics, checkpoint, summary and final model; `fedcybgd run` resolves a relative one "
+        "against the folder it is typed in (a SuperLink of one's own needs it absolute)"))
     resume: bool = setting(False, doc=(
         "continue the run in `output-dir` from its checkpoint; the run config must be the one "
         "that made it, except `num-server-rounds` (at `lr-schedule = \"constant\"`), `output-dir`, "
