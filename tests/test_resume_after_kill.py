@@ -136,7 +136,6 @@ CHILD = textwrap.dedent("""
     from fedcybgd.config import RunConfig
     from fedcybgd.harness.loopback import LoopbackGrid
     from fedcybgd.server.app import run_server
-from fedcybgd.server.stops import Terminated
 
     config, cache, kill_round, sig = json.loads(sys.argv[1])
     saves = []

@@ -46,7 +46,8 @@ TINY: dict[str, Any] = {
 }
 # summary.json keys that differ between any two runs (clocks, memory measured, folders,
 # this start's resume)
-UNSHARED = ("wall_s", "mean_round_s", "client_peak_mem_mb", "output_dir", "run_config")
+UNSHARED = ("wall_s", "mean_round_s", "client_peak_mem_mb", "output_dir", "run_config",
+            "segments")
 
 
 class ServerKilled(BaseException):
