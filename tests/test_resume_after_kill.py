@@ -293,10 +293,13 @@ def test_a_run_stopped_through_flowers_exit_writes_a_stopped_summary(tiny_run_co
 
 def test_an_unconfirmed_node_gets_the_planned_content_from_the_pretrained_block():
     # Prepare: a node holds layer.1 and layer.2 exactly at version 1; both are now at version
-    # 2; it trains layer.2 (exact) and gets layer.1 frozen (a lossy delta against its copy)
+    # 2; it trains layer.2 (exact) and gets layer.1 frozen (a lossy delta against its copy) and
+    # layer.3, which it holds pretrained, frozen (a lossy delta against the pretrained block)
     model = load_model("tiny-llama")
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     versions = BlockVersions(BlockMap(model, 1), weights)
+    versions.install("layer.3", {k: v + 0.01 for k, v in versions.tensors("layer.3").items()},
+                     version=1)
     held = {}
     for version in (1, 2):
         for block in ("layer.1", "layer.2"):
@@ -313,7 +316,10 @@ def test_an_unconfirmed_node_gets_the_planned_content_from_the_pretrained_block(
     # Assert: the same holdings after, each payload from version 0, decoding to what the
     # planned one decodes to on the node's copy (bit for bit, the lossy frozen copy too)
     assert restated.expect == planned.expect
-    assert set(restated.arrays.keys()) == set(planned.arrays.keys()) == {"layer.1", "layer.2"}
+    assert set(restated.arrays.keys()) == set(planned.arrays.keys()) == \
+        {"layer.1", "layer.2", "layer.3"}
+    assert payload_from_array(restated.arrays["layer.3"]) == \
+        payload_from_array(planned.arrays["layer.3"])  # from version 0 already: as it is
     for block in ("layer.1", "layer.2"):
         ours = payload_from_array(restated.arrays[block])
         theirs = payload_from_array(planned.arrays[block])

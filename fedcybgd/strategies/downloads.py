@@ -231,14 +231,24 @@ class DownloadPlanner:
 
     def restated(self, planned: Download, held: Mapping[str, Holding],
                  payloads: PayloadCache) -> Download:
-        """``planned`` with every block it sends (weights, a chain of install deltas, step logs)
-        as one ``exact_codec`` payload against the pretrained block, carrying exactly what
-        ``planned`` leaves the node holding: decodable whatever the node holds now."""
+        """``planned`` with every block it sends from what the node holds (a delta against its
+        copy, a chain of install deltas, step logs) sent instead as one ``exact_codec`` payload
+        against the pretrained block, carrying exactly what ``planned`` leaves the node holding:
+        decodable whatever the node holds now. A payload ``planned`` takes from the pretrained
+        block (or from nothing) is sent as it is."""
         out = Download(expect=dict(planned.expect))
         sent = [*planned.arrays.keys(), *planned.logs.keys(),
                 *(key.rpartition("#")[0] for key in planned.chained)]
         for block in dict.fromkeys(sent):
             target = planned.expect[block]
+            if block in planned.arrays:
+                payload = payload_from_array(planned.arrays[block])
+                header = read_header(payload, max_bytes=len(payload))
+                if not uses_base(header.spec) or header.base_version == 0:
+                    out.arrays[block] = planned.arrays[block]
+                    out.bytes += len(payload)
+                    out.raw_bytes += raw_fp32_bytes(self.versions.tensors(block))
+                    continue
             key: tuple[Any, ...] = ("restated", block, target)
             if key not in payloads:
                 payloads[key] = encode(self._content(block, target, planned, held),
