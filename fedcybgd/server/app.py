@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -208,6 +209,7 @@ class StopRecord:
         self.last_eval: Any = None  # the latest evaluation
         self.in_round: int | None = None  # the round running (sent, not yet checkpointed)
         self.finished = False  # the run's own summary is written: nothing to add
+        self.thread = threading.current_thread()  # the one that runs the rounds and saves
 
     def write(self, reason: str) -> None:
         """Write the stopped summary (and the segment's end), once the run has a metrics file
@@ -236,7 +238,9 @@ class StopRecord:
         write_summary(self.out, summary)
         log.error("run %s after round %d; %s wrote why; resume = true goes on from round %d",
                   reason, last, self.out / "summary.json", last + 1)
-        if self.checkpointer.exists():
+        # Only the thread that saves checkpoints may touch one (Flower's exit handler may call
+        # this from another while a save is under way; the segment then reads "interrupted")
+        if self.checkpointer.exists() and threading.current_thread() is self.thread:
             end_segment(self.checkpointer, listed)
 
 
