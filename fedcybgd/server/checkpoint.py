@@ -205,7 +205,8 @@ class Checkpointer:
             ``sent.json`` is unreadable, malformed, or of a round after the checkpoint's.
         """
         path = self.root / SENT
-        assert self._round is not None, "read_sent() before read_state()"
+        current = self._round
+        assert current is not None, "read_sent() before read_state()"
         if not path.exists():
             return set()
         try:
@@ -214,15 +215,15 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint file {path} is unreadable: {err}") from err
         after = body.get("after_round") if isinstance(body, dict) else None
         nodes = body.get("nodes") if isinstance(body, dict) else None
-        if not _is_int(after) or not 0 <= after <= self._round or \
-                not isinstance(nodes, list) or \
+        if not isinstance(after, int) or isinstance(after, bool) or \
+                not 0 <= after <= current or not isinstance(nodes, list) or \
                 not all(isinstance(n, str) and n.isdecimal() and len(n) <= 20 for n in nodes):
             raise CheckpointError(
                 f"checkpoint file {path} is malformed: {_short(body)}, expected after_round "
-                f"(0..{self._round}, the checkpoint's round) and the nodes (ids as strings)")
-        if after < self._round:
+                f"(0..{current}, the checkpoint's round) and the nodes (ids as strings)")
+        if after < current:
             log.info("checkpoint: %s is of round %d's checkpoint, before this one's (%d): "
-                     "the state answers for its nodes", path, after, self._round)
+                     "the state answers for its nodes", path, after, current)
             return set()
         self._sent = {int(n) for n in nodes}
         return set(self._sent)
