@@ -18,14 +18,11 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_resume_truth import rows, run
 
-from fedcybgd.client.app import app as client_app
 from fedcybgd.compression import decode, payload_from_array, read_header
-from fedcybgd.config import RunConfig
-from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
-from fedcybgd.server.app import run_server
 from fedcybgd.server.checkpoint import SENT, Checkpointer, CheckpointError
 from fedcybgd.server.stops import Terminated
 from fedcybgd.strategies.downloads import DownloadPlanner
@@ -44,17 +41,6 @@ def config_for(tiny_run_config: dict[str, Any], out: Path, **extra: Any) -> dict
     block it trains (a pending copy the next instruction promotes)."""
     return dict(tiny_run_config, **{"num-server-rounds": ROUNDS, "clients-per-round": 4,
                                     "clients-per-block": 1, "output-dir": str(out)}, **extra)
-
-
-def run(config: dict[str, Any], cache: Path,
-        on_checkpoint_file: Callable[[Path], None] | None = None) -> dict[str, Any]:
-    grid = LoopbackGrid(client_app, 4, config, node_config=lambda i: {"cache-dir": str(cache)})
-    return run_server(grid, RunConfig.from_run_config(config),
-                      on_checkpoint_file=on_checkpoint_file)
-
-
-def rows(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
