@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from fedcybgd.model.loading import load_model, load_tokenizer
 from fedcybgd.protocol import activations
 from fedcybgd.protocol.activations import ActivationError
 from fedcybgd.protocol.pipeline import stage_layers
+from fedcybgd.server.verdict import RunFailed
 from fedcybgd.strategies.pipeline import SCHEDULES, Op, in_flight, plan, simulate
 from fedcybgd.tasks import shares
 from fedcybgd.tasks.base import build_task
@@ -407,9 +409,12 @@ def test_with_no_spare_the_run_fails_naming_the_stage(tmp_path):
 
     config = {**FLOWER, "num-server-rounds": 2, "round-timeout": 1.0}
     grid = _DyingGrid.make(config, 2, tmp_path, node=1002, after=0)
-    summary = run_pipeline_server(grid, RunConfig.from_run_config(grid.contexts[1001].run_config))
+    with pytest.raises(RunFailed, match="no spare node"):  # `fedcybgd run` exits non-zero
+        run_pipeline_server(grid, RunConfig.from_run_config(grid.contexts[1001].run_config))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert "stage 1" in summary["reason"] and "no spare node" in summary["reason"]
+    assert not (tmp_path / "run" / "final").exists()
 
 
 def test_a_stage_cannot_write_another_stages_layers(tmp_path):
@@ -437,10 +442,50 @@ def test_a_stage_cannot_write_another_stages_layers(tmp_path):
     config = {**FLOWER, "num-server-rounds": 1, "output-dir": str(tmp_path / "run")}
     grid = Tampering(client_app, 2, config,
                      node_config=lambda i: {"cache-dir": str(tmp_path / f"cache-{i}")})
-    summary = run_pipeline_server(grid, RunConfig.from_run_config(config))
+    with pytest.raises(RunFailed):
+        run_pipeline_server(grid, RunConfig.from_run_config(config))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert "stage 1" in summary["reason"] and "not the stage's" in summary["reason"]
     assert "model.layers.0.self_attn.q_proj.weight" in summary["reason"]
+
+
+def test_a_pipeline_run_evaluates_saves_and_reports_like_any_run(model, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from fedcybgd.cli import main
+    from fedcybgd.harness.loopback import run_in_process as flower_run
+    from fedcybgd.server.common import Evaluator
+
+    # Prepare / Execute: three steps on two stages, evaluated after each
+    config = {**FLOWER, "pipeline-schedule": "gpipe", "num-server-rounds": 3, "eval-every": 1}
+    summary, rows = flower_run(config, 2, tmp_path)
+    out = Path(summary["output_dir"])
+    printed = capsys.readouterr().out
+
+    # Assert: every step evaluated; after step 1, the model one step trains in one process
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["eval_loss"] is not None and r["eval_examples"] == 32 for r in rows)
+    one_step, _ = _reference(model, {**config, "num-server-rounds": 1}, "gpipe", 2)
+    assert rows[1]["eval_loss"] == pytest.approx(one_step, rel=1e-5)
+    assert rows[3]["eval_loss"] == summary["final_eval_loss"] != rows[1]["eval_loss"]
+    # each row's seconds are its own step's (they add up to less than the run), and the
+    # stages' peak memory is reported
+    assert sum(r["round_s"] for r in rows[1:]) <= summary["wall_s"]
+    assert all(r["client_peak_mem_mb"] > 0 for r in rows[1:])
+    # final/ is the trained model, loadable as any run's, with its card
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    again = Evaluator(RunConfig.from_run_config(config), LayerStack(final))()
+    assert again.loss == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+    assert "pipeline training over 2 nodes" in (out / "final" / "README.md").read_text()
+    # progress lines and the closing table as for any run; report names the rule
+    assert "round 3/3" in printed and "Pipeline on tiny-llama (pipeline-gpipe)" in printed
+    assert (summary["update_rule"], summary["rounds_run"]) == ("pipeline-gpipe", 3)
+    assert main(["report", str(out)]) == 0
+    assert "pipeline-gpipe" in capsys.readouterr().out
+    # and exported like any run's
+    assert main(["export", str(out), "--gguf", str(tmp_path / "m.gguf"), "--type", "f32"]) == 0
+    assert (tmp_path / "m.gguf").stat().st_size > 0
 
 
 def test_nothing_of_a_finished_stage_stays_on_the_nodes(clean_run):

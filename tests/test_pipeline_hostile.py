@@ -32,6 +32,7 @@ from fedcybgd.config import RunConfig
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.protocol import activations as act
 from fedcybgd.server.pipeline import run_pipeline_server
+from fedcybgd.server.verdict import RunFailed
 
 # Three stages of tiny-llama's four layers, three steps of two micro-batches; every node holds
 # the whole data set, so runs with different spares train the same model.
@@ -86,7 +87,12 @@ class HostileGrid(LoopbackGrid):
 def _run(config: dict, nodes: int, root: Path, hostile: dict[int, Attack] | None = None,
          after: int = 1) -> tuple[dict, HostileGrid]:
     grid = HostileGrid(config, nodes, root, hostile or {}, after)
-    summary = run_pipeline_server(grid, RunConfig.from_run_config(grid.contexts[1001].run_config))
+    try:
+        summary = run_pipeline_server(grid,
+                                      RunConfig.from_run_config(grid.contexts[1001].run_config))
+    except RunFailed as err:  # a failed run writes its summary, then says why
+        summary = json.loads((root / "run" / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["reason"] == str(err)
     written = json.loads((root / "run" / "summary.json").read_text())
     assert written["status"] == summary["status"]
     return summary, grid
@@ -368,7 +374,9 @@ def test_a_hostile_server_trains_nothing_beyond_the_nodes_limits_in_any_round(tm
     assert "max-lr = 1" in summary["reason"] and "no spare node" in summary["reason"]
     assert [node for node, _ in grid.honest_failures] == [1001, 1003, 1004]
     assert all("max-lr" in reason for _, reason in grid.honest_failures)
-    assert summary["final_eval_loss"] is None
+    # the only model evaluated is the untrained one, and none is saved
+    assert summary["final_eval_loss"] == summary["initial_eval_loss"]
+    assert summary["rounds_run"] == 0 and not (tmp_path / "run" / "final").exists()
 
 
 def test_the_pipeline_limits_are_node_config_keys_with_their_defaults():

@@ -17,7 +17,9 @@ stage (``micro-batches`` micro-batches):
 Between messages the stage keeps its chunk, AdamW's state and the ``F`` inputs a backward
 will need under the node's cache folder (``pipeline/run-<id>/stage-<k>``), removed after the
 stage's last message (``final``), whose reply carries the trained chunk; a checkpoint
-(``checkpoint``) reply carries the chunk and AdamW's state. Every value the server sends is
+(``checkpoint``) reply carries the chunk and AdamW's state, an evaluation's (``chunk``) the
+chunk as trained so far. Every reply reports the node's peak resident memory during the
+message (``peak_mem_mb``). Every value the server sends is
 checked, and every message passes the node's own limits (:mod:`fedcybgd.client.limits`: those
 of a training round, the micro-batches, the tokens of a row and the activations' bytes),
 whatever the run config asks: a bad value or one beyond a limit gets a ``refused`` reply naming
@@ -42,6 +44,7 @@ from fedcybgd.client.limits import Refusal
 from fedcybgd.client.pipeline import BACKPROP, Stage, StageConfig
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.core.atomic import make_dirs
+from fedcybgd.core.measure import PeakMemory
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.loading import cache_root, load_model
 from fedcybgd.protocol import activations as act
@@ -62,6 +65,7 @@ class StageInstruction:
     step: int
     final: bool  # reply with the trained chunk
     checkpoint: bool = False  # reply with the stage's state (chunk and AdamW's)
+    chunk: bool = False  # reply with the chunk as trained so far (the server evaluates it)
 
 
 def read_instruction(record: ConfigRecord | None, run: RunConfig) -> StageInstruction:
@@ -71,6 +75,7 @@ def read_instruction(record: ConfigRecord | None, run: RunConfig) -> StageInstru
     values = dict(record)
     stage, kind, step, final = (values.get(k) for k in ("stage", "kind", "step", "final"))
     checkpoint = values.get("checkpoint", False)
+    chunk = values.get("chunk", False)
     if not isinstance(stage, int) or isinstance(stage, bool) or not (
             0 <= stage < run.pipeline_stages):
         raise Refusal(f"instruction field 'stage' = {stage!r}: not in 0.."
@@ -84,11 +89,11 @@ def read_instruction(record: ConfigRecord | None, run: RunConfig) -> StageInstru
             0 <= step < run.num_server_rounds):
         raise Refusal(f"instruction field 'step' = {step!r}: not in 0.."
                       f"{run.num_server_rounds - 1} (num-server-rounds)")
-    for name, flag in (("final", final), ("checkpoint", checkpoint)):
+    for name, flag in (("final", final), ("checkpoint", checkpoint), ("chunk", chunk)):
         if not isinstance(flag, bool):
             raise Refusal(f"instruction field {name!r} = {flag!r}: must be true or false")
-    assert isinstance(final, bool) and isinstance(checkpoint, bool)
-    return StageInstruction(stage, kind, step, final, checkpoint)
+    assert isinstance(final, bool) and isinstance(checkpoint, bool) and isinstance(chunk, bool)
+    return StageInstruction(stage, kind, step, final, checkpoint, chunk)
 
 
 def stage_dir(node: NodeConfig, run_id: int, stage: int) -> Path:
@@ -121,7 +126,8 @@ def handle(msg: Message, context: Context) -> Message:
     try:
         ins = read_instruction(msg.content.config_records.get(act.PIPELINE), run)
         check_limits(msg, run, node)
-        return _work(msg, context, run, node, ins)
+        with PeakMemory() as mem:
+            return _work(msg, context, run, node, ins, mem)
     except (Refusal, act.ActivationError) as err:
         log.warning("pipeline: refused a message (%s)", err)
         return _reply(msg, STATUS_REFUSED, str(err))
@@ -146,7 +152,7 @@ def check_limits(msg: Message, run: RunConfig, node: NodeConfig) -> None:
 
 
 def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
-          ins: StageInstruction) -> Message:
+          ins: StageInstruction, mem: PeakMemory) -> Message:
     started = time.perf_counter()
     task = build_task(run)
     model = load_model(run.model)
@@ -200,9 +206,10 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
     metrics = {"loss": sum(losses) / len(losses) if losses else math.nan,
                "load_s": loaded_s, "work_s": work_s,
                "total_s": time.perf_counter() - started,
-               "bytes_out": float(sum(len(v) for v in outputs.values()))}
+               "bytes_out": float(sum(len(v) for v in outputs.values())),
+               "peak_mem_mb": mem.peak_mb}
     return _reply(msg, STATUS_OK, "", outputs, metrics,
-                  stage.chunk_state() if ins.final else None,
+                  stage.chunk_state() if ins.final or ins.chunk else None,
                   stage.state() if ins.checkpoint else None)
 
 

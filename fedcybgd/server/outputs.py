@@ -95,9 +95,11 @@ def write_model_card(final_dir: Path, summary: dict[str, Any]) -> Path:
     run = summary.get("run_config", {})
     strategy = summary.get("strategy", "fedcybgd")
     rule = summary.get("update_rule")
-    method = (f"FedAvg over {run.get('fedavg-params', 'full')} parameters (Flower)"
-              if strategy == "fedavg" else
-              f"FedCyBGD (cycle block gradient descent), update rule `{rule}`")
+    method = {
+        "fedavg": f"FedAvg over {run.get('fedavg-params', 'full')} parameters (Flower)",
+        "pipeline": f"pipeline training over {run.get('pipeline-stages')} nodes, schedule "
+                    f"`{run.get('pipeline-schedule')}`",
+    }.get(strategy, f"FedCyBGD (cycle block gradient descent), update rule `{rule}`")
     rows = [
         ("base model", f"`{summary.get('model')}`"),
         ("method", method),

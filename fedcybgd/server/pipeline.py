@@ -11,10 +11,14 @@ soon as their input is there, so under ``zerolock`` stage 0 works on step s + 1 
 works on step s; under ``gpipe``/``1f1b`` a step's backward must reach a stage before its next
 forward (the stage steps on it), so the steps do not overlap.
 
-Every row of ``metrics.jsonl`` is one step: the last stage's loss (under ``zerolock`` its local
-objective is the true loss), each stage's seconds, the bytes each way. The last messages'
-replies carry the trained chunks; the server puts them into the model and evaluates it (and
-the untrained one, round 0), and writes ``summary.json``.
+Every row of ``metrics.jsonl`` is one step, written (with a progress line) once every stage is
+done with it: the last stage's loss (under ``zerolock`` its local objective is the true loss),
+each stage's seconds, the step's own seconds (``round_s``), the bytes each way, the stages'
+peak memory as they report it. Every ``eval-every`` steps the last message of the step asks
+each stage for its chunk as trained so far; the server puts them into its model and evaluates
+it, as it does the untrained one (round 0) and the trained one: the last messages' replies
+carry the trained chunks. The trained model is saved to ``final/`` (``save_pretrained``, with
+a model card), like any run's; ``summary.json`` and the closing table follow.
 
 Failure recovery: a stage whose message fails (the node's error, a refusal, or no reply within
 ``round-timeout``: a SuperLink answers a vanished node's message with an error once its
@@ -44,6 +48,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +59,28 @@ from safetensors.torch import load_file, save_file
 
 from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.model.layerwise import LayerStack
-from fedcybgd.model.loading import load_model
+from fedcybgd.model.loading import load_model, load_tokenizer
 from fedcybgd.protocol import activations as act
 from fedcybgd.protocol.message_size import message_bytes
 from fedcybgd.protocol.pipeline import stage_layers
-from fedcybgd.server.common import Evaluator, require_nodes, resolve_output_dir
-from fedcybgd.server.metrics import MetricsWriter, run_status, write_summary
-from fedcybgd.server.outputs import prepare_output_dir
+from fedcybgd.server.common import (
+    Evaluator,
+    eval_extras,
+    require_nodes,
+    resolve_output_dir,
+    write_samples,
+)
+from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
+from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
 from fedcybgd.server.pipeline_replay import ReplayLog
 from fedcybgd.server.pipeline_replies import Asked, ReplyReader, StageFailed
+from fedcybgd.server.plots import plot_run
+from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.server.stops import STOPS, UncheckpointedStop, stop_handling, stop_reason
+from fedcybgd.server.trackers import Trackers
+from fedcybgd.server.verdict import RunFailed
 from fedcybgd.strategies.pipeline import Op, plan
+from fedcybgd.tasks.objective import EvalResult
 
 __all__ = ["StageFailed", "run_pipeline_server"]
 log = logging.getLogger(__name__)
@@ -72,7 +89,8 @@ POLL_S = 0.05
 
 
 def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
-    """Run pipeline mode (module docstring); returns the summary it writes."""
+    """Run pipeline mode (module docstring); returns the summary it writes. A run that fails
+    (no spare left for a failed stage) writes its summary, then raises :class:`RunFailed`."""
     started = time.perf_counter()
     out = resolve_output_dir(run.output_dir)
     if run.resume:
@@ -86,10 +104,48 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
         raise ConfigError(f"pipeline-stages = {count}: the model has {stack.num_layers} "
                           "decoder layers")
     evaluator = Evaluator(run, stack)
-    writer = MetricsWriter(out)
-    initial = evaluator()
-    writer.write({"round": 0, "eval_loss": initial.loss, "eval_accuracy": initial.accuracy})
-    driver = Driver(grid, run, out, writer, started, model)
+    trackers = Trackers(run, out)  # a missing tracker package stops the run here, by name
+    writer = MetricsWriter(out, on_row=trackers.log_row)
+    head = {"model": run.model, "strategy": "pipeline",
+            "update_rule": f"pipeline-{run.pipeline_schedule}",
+            "schedule": run.pipeline_schedule, "stages": count,
+            "rounds": run.num_server_rounds, "run_config": run.to_run_config()}
+    stop = UncheckpointedStop(out, head, writer, started)
+    with stop_handling(stop.write):
+        try:
+            summary, failure = _play(grid, run, out, model, evaluator, writer, stop)
+        except STOPS as err:
+            stop.write(stop_reason(err))
+            raise
+    plot_run(out, writer.records, f"Pipeline-{run.pipeline_schedule}, {run.model}, "
+                                  f"{count} stages, seed {run.seed}")
+    trackers.finish(summary, [out / "summary.json", out / "metrics.jsonl", out / "plots.png"])
+    if failure is not None:
+        log.error("pipeline run failed: %s", failure)
+        raise RunFailed(failure)
+    print_summary_table(summary)
+    return summary
+
+
+def _play(grid: Grid, run: RunConfig, out: Path, model: Any, evaluator: Evaluator,
+          writer: MetricsWriter, stop: UncheckpointedStop) -> tuple[dict[str, Any], str | None]:
+    """The evaluations, the steps, the final model and the summary; returns the summary and
+    the failure, if the run failed."""
+    initial, cached = evaluator.initial()
+    writer.write({"round": 0, **_eval_fields(initial, cached)})
+    write_samples(out, 0, initial)
+    latest: list[dict[str, str]] = []  # the latest evaluation's sample answers
+
+    def evaluate(step: int, chunks: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The model with every stage's chunk as of ``step`` (1-based), evaluated."""
+        began = time.perf_counter()
+        model.load_state_dict(chunks, strict=False)
+        result = evaluator()
+        write_samples(out, step, result)
+        latest[:] = result.samples
+        return {**_eval_fields(result), "eval_s": time.perf_counter() - began}
+
+    driver = Driver(grid, run, out, writer, model, evaluate)
     failure = None
     try:
         driver.play()
@@ -97,33 +153,42 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
         failure = str(err)
     finally:
         driver.replay.close()
-    record: dict[str, Any] = {"round": run.num_server_rounds}
+    final_dir = out / "final"
     if failure is None:
+        last = run.num_server_rounds
         state: dict[str, torch.Tensor] = {}
         for tensors in driver.chunks.values():
             state.update(tensors)
-        model.load_state_dict(state, strict=False)
-        final = evaluator()
-        record.update(eval_loss=final.loss, eval_accuracy=final.accuracy)
-        writer.write({**driver.rows.get(run.num_server_rounds, {}), **record, "final": True})
+        row = {**driver.rows.get(last, {"round": last}), **evaluate(last, state), "final": True}
+        row["round_s"] = time.perf_counter() - driver.last_close
+        writer.write(row)
+        print_progress(row, run.num_server_rounds)
+        model.save_pretrained(final_dir)
+        load_tokenizer(run.model).save_pretrained(final_dir)
+    else:
+        remove_final(final_dir)  # an earlier attempt's model is not this run's result
     summary = {
-        "model": run.model, "strategy": "pipeline", "schedule": run.pipeline_schedule,
-        "stages": count, "nodes": driver.first_nodes, "rounds": run.num_server_rounds,
-        **run_status(failure, writer.records),
-        "initial_eval_loss": initial.loss, "initial_eval_accuracy": initial.accuracy,
-        "final_eval_loss": record.get("eval_loss"),
-        "final_eval_accuracy": record.get("eval_accuracy"),
-        "bytes_down": sum(r.get("bytes_down", 0) for r in driver.rows.values()),
-        "bytes_up": sum(r.get("bytes_up", 0) for r in driver.rows.values()),
+        **stop.head, "nodes": driver.first_nodes,
+        "rounds_run": max((int(r["round"]) for r in writer.records), default=0),
+        **run_totals(writer.records),
+        "eval_examples": writer.records[-1].get("eval_examples"),
+        "final_samples": list(latest) if failure is None else [],
         "recoveries": driver.recoveries,
         "relay_peak_bytes": driver.relay_peak,
-        "wall_s": time.perf_counter() - started, "output_dir": str(out),
-        "run_config": run.to_run_config(),
+        "wall_s": time.perf_counter() - stop.started, "output_dir": str(out),
+        **run_status(failure, writer.records),
     }
     write_summary(out, summary)
-    if failure is not None:
-        log.error("pipeline run failed: %s", failure)
-    return summary
+    stop.finished = True
+    if failure is None:
+        write_model_card(final_dir, summary)
+    return summary, failure
+
+
+def _eval_fields(result: EvalResult, cached: bool = False) -> dict[str, Any]:
+    """An evaluation as ``metrics.jsonl`` keys."""
+    return {"eval_loss": result.loss, "eval_accuracy": result.accuracy,
+            "eval_examples": result.examples, **eval_extras(result, cached)}
 
 
 def own_tensors(model: torch.nn.Module, stages: int) -> list[dict[str, tuple[int, ...]]]:
@@ -140,8 +205,15 @@ class Driver:
     """Plays the schedule over the grid (module docstring)."""
 
     def __init__(self, grid: Grid, run: RunConfig, out: Path, writer: MetricsWriter,
-                 started: float, model: torch.nn.Module) -> None:
-        self.grid, self.run, self.writer, self.started = grid, run, writer, started
+                 model: torch.nn.Module,
+                 evaluate: Callable[[int, dict[str, torch.Tensor]], dict[str, Any]]) -> None:
+        self.grid, self.run, self.writer, self.evaluate = grid, run, writer, evaluate
+        self.last_close = time.perf_counter()  # when the latest step's row was written
+        # the steps (0-based) after which the model is evaluated, besides the last
+        every = run.eval_every
+        self.eval_steps = {s for s in range(run.num_server_rounds - 1)
+                           if every and (s + 1) % every == 0}
+        self.eval_chunks: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # step -> stage
         self.count = run.pipeline_stages
         self.nodes = sorted(grid.get_node_ids())[:self.count]
         self.first_nodes = list(self.nodes)
@@ -174,21 +246,23 @@ class Driver:
         return Asked(
             relay=target if 0 <= target < self.count and not replay else None,
             final=op == self.ops[k][-1] and not replay,
-            checkpoint=bool(every) and last and (op.mb + 1) % every == 0 and not replay)
+            checkpoint=bool(every) and last and (op.mb + 1) % every == 0 and not replay,
+            chunk=last and op.mb in self.eval_steps and not replay)
 
     def _message(self, k: int, op: Op, inputs: dict[str, bytes] | None,
                  replay: bool = False) -> Message:
         asked = self._asked(k, op, replay)
         content = RecordDict({act.PIPELINE: ConfigRecord({
             "stage": k, "kind": op.kind, "step": op.mb, "final": asked.final,
-            "checkpoint": asked.checkpoint})})
+            "checkpoint": asked.checkpoint, "chunk": asked.chunk})})
         if inputs is not None:
             content[act.ACTIVATIONS] = ConfigRecord(dict(inputs))
         return Message(content, dst_node_id=self.nodes[k], message_type=MESSAGE_TYPE)
 
     def _row(self, step: int) -> dict[str, Any]:
         return self.rows.setdefault(step + 1, {"round": step + 1, "bytes_down": 0,
-                                               "bytes_up": 0, "stage_s": [0.0] * self.count})
+                                               "bytes_up": 0, "stage_s": [0.0] * self.count,
+                                               "client_peak_mem_mb": 0.0})
 
     def _send(self, k: int, op: Op, inputs: dict[str, bytes] | None) -> None:
         msg = self._message(k, op, inputs)
@@ -251,8 +325,15 @@ class Driver:
                     s == k and op.mb == step for s, op, _ in self.busy.values()):
                 return
         row = self._row(step)
-        row["round_s"] = time.perf_counter() - self.started
+        if step in self.eval_steps:
+            chunks = self.eval_chunks.pop(step)
+            row.update(self.evaluate(step + 1, {n: t for k in sorted(chunks)
+                                                for n, t in chunks[k].items()}))
+        now = time.perf_counter()
+        row["round_s"] = now - self.last_close  # this step's, its evaluation included
+        self.last_close = now
         self.writer.write(row)
+        print_progress(row, self.run.num_server_rounds)
         self.reader.forget(step)
 
     def _check_timeouts(self) -> None:
@@ -272,6 +353,8 @@ class Driver:
         row = self._row(op.mb)
         row["bytes_up"] += message_bytes(reply)
         row["stage_s"][k] += time.perf_counter() - sent
+        if got.peak_mem_mb is not None:
+            row["client_peak_mem_mb"] = max(row["client_peak_mem_mb"], got.peak_mem_mb)
         if k == self.count - 1 and math.isfinite(got.loss):
             row["train_loss"] = got.loss
         if asked.relay is not None:
@@ -279,8 +362,10 @@ class Driver:
             self.inbox[(asked.relay, op.kind, op.mb)] = got.outputs
             held = sum(len(v) for entry in self.inbox.values() for v in entry.values())
             self.relay_peak = max(self.relay_peak, held)
-        if got.chunk is not None:
+        if got.chunk is not None and asked.final:
             self.chunks[k] = got.chunk
+        elif got.chunk is not None:  # for the evaluation after this step
+            self.eval_chunks.setdefault(op.mb, {})[k] = got.chunk
         if got.state is not None:
             self._keep_checkpoint(k, op, got.state)
 

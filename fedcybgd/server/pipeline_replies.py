@@ -39,6 +39,7 @@ from fedcybgd.strategies.pipeline import Op
 
 REASON_CHARS = 300  # of a node's own text (a refusal's reason, an error) in a failure's
 LOSS_CEILING = 1e15  # a loss above this is nonsense
+PEAK_MEM_CEILING_MB = float(2**30)  # MiB: a peak above a petabyte is nonsense
 ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
 
 
@@ -61,6 +62,12 @@ class Asked:
     final: bool  # the trained chunk
     checkpoint: bool  # the stage's state
     replay: bool = False  # a replay or restore on a spare: its outputs are dropped unread
+    chunk: bool = False  # the chunk as trained so far, for an evaluation
+
+    @property
+    def wants_chunk(self) -> bool:
+        """Whether the reply must carry the stage's chunk."""
+        return self.final or self.chunk
 
 
 @dataclass
@@ -71,6 +78,7 @@ class StageReply:
     outputs: dict[str, bytes] | None  # checked activations for ``Asked.relay``
     chunk: dict[str, torch.Tensor] | None
     state: dict[str, torch.Tensor] | None
+    peak_mem_mb: float | None = None  # the node's peak RSS during the message, as it says
 
 
 @dataclass(frozen=True)
@@ -141,16 +149,16 @@ class ReplyReader:
         outputs = self._outputs(reply, k, op, asked, where)
         chunk = state = None
         arrays = reply.content.array_records
-        allowed = {name for name, wanted in ((act.CHUNK, asked.final),
+        allowed = {name for name, wanted in ((act.CHUNK, asked.wants_chunk),
                                              (act.STAGE_STATE, asked.checkpoint)) if wanted}
         unasked = sorted(set(arrays) - allowed)
         if unasked:
             raise StageFailed(f"{where}: the reply carries {unasked}, not asked for")
-        if asked.final:
+        if asked.wants_chunk:
             chunk = self._chunk(arrays.get(act.CHUNK), k, where)
         if asked.checkpoint:
             state = self._state(arrays.get(act.STAGE_STATE), k, op, where)
-        return StageReply(loss, outputs, chunk, state)
+        return StageReply(loss, outputs, chunk, state, self._peak(reply, where))
 
     # -- fields --------------------------------------------------------------------------------
     def _loss(self, reply: Message, where: str) -> float:
@@ -162,6 +170,20 @@ class ReplyReader:
         if not math.isnan(loss) and not abs(loss) <= LOSS_CEILING:
             raise StageFailed(f"{where}: the reply's loss {loss} is out of range")
         return loss
+
+    @staticmethod
+    def _peak(reply: Message, where: str) -> float | None:
+        """The node's peak memory as it reports it (only shown: a node could not report
+        one); a value that is not a plausible size of memory fails the stage."""
+        metrics = reply.content.metric_records.get(act.PIPELINE_METRICS)
+        peak = None if metrics is None else metrics.get("peak_mem_mb")
+        if peak is None:
+            return None
+        if not isinstance(peak, (int, float)) or isinstance(peak, bool) or not (
+                0 <= peak <= PEAK_MEM_CEILING_MB):
+            raise StageFailed(f"{where}: the reply's peak_mem_mb is {clipped(peak)}, not a "
+                              f"size of memory (0..{PEAK_MEM_CEILING_MB:g} MiB)")
+        return float(peak)
 
     def _outputs(self, reply: Message, k: int, op: Op, asked: Asked,
                  where: str) -> dict[str, bytes] | None:

@@ -50,7 +50,8 @@ def print_progress(record: dict[str, Any], total_rounds: int) -> None:
 
 def print_summary_table(summary: dict[str, Any]) -> None:
     """The closing table of a run."""
-    name = "FedAvg" if summary.get("strategy") == "fedavg" else "FedCyBGD"
+    name = {"fedavg": "FedAvg", "pipeline": "Pipeline"}.get(summary.get("strategy", ""),
+                                                           "FedCyBGD")
     table = Table(title=f"{name} on {summary['model']} ({summary['update_rule']})")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -70,10 +71,10 @@ def print_summary_table(summary: dict[str, Any]) -> None:
     if summary.get("eval_examples") is not None:
         table.add_row("eval examples", str(summary["eval_examples"]))
     table.add_row("rounds", str(summary["rounds"]))
-    table.add_row("bytes down (sent / as fp32)",
-                  f"{_mib(summary['bytes_down'])} / {_mib(summary['bytes_down_raw'])}")
-    table.add_row("bytes up (sent / as fp32)",
-                  f"{_mib(summary['bytes_up'])} / {_mib(summary['bytes_up_raw'])}")
+    for way in ("down", "up"):  # weights have an fp32 size to compare; activations do not
+        raw = summary.get(f"bytes_{way}_raw")
+        table.add_row(f"bytes {way} (sent / as fp32)" if raw else f"bytes {way}",
+                      f"{_mib(summary[f'bytes_{way}'])}" + (f" / {_mib(raw)}" if raw else ""))
     table.add_row("client peak memory", f"{summary['client_peak_mem_mb']:.0f} MiB")
     if summary.get("dp"):  # the privacy spent, as summary.json and privacy.json record it
         epsilon, delta = summary.get("dp_epsilon"), summary.get("dp_delta")

@@ -14,6 +14,10 @@ writes ``summary.json`` with ``"status": "stopped"``) every way a stop reaches t
 
 SIGKILL cannot be caught: the process ends where it is, its ``summary.json`` is not written,
 and the resume after it records the segment it was (:class:`~fedcybgd.server.metrics.Segments`).
+
+A FedCyBGD run's stopped summary tells how to resume it (``fedcybgd.server.app.StopRecord``);
+the runs that keep no checkpoint (the FedAvg baselines, pipeline mode) write theirs with
+:class:`UncheckpointedStop`.
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from flwr.supercore.exit import add_exit_handler
+
+from fedcybgd.server.metrics import MetricsWriter, run_totals, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +96,41 @@ def stop_handling(on_stop: Callable[[str], None]) -> Iterator[None]:
         _current.remove(on_stop)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+class UncheckpointedStop:
+    """The stopped summary of a run that keeps no checkpoint: ``"status": "stopped"``, why,
+    its figures so far, and that a new run starts from round 1 (``resume = true`` is refused
+    for these strategies).
+
+    Parameters
+    ----------
+    out : Path
+        The run's output folder.
+    head : dict
+        The summary's keys that do not change as the run goes (model, strategy, rule, ...).
+    writer : MetricsWriter
+        The run's rows so far.
+    started : float
+        When the run started (``time.perf_counter()``).
+    """
+
+    def __init__(self, out: Path, head: dict[str, Any], writer: MetricsWriter,
+                 started: float) -> None:
+        self.out, self.head, self.writer, self.started = out, head, writer, started
+        self.finished = False  # the run wrote its own summary: nothing to add
+
+    def write(self, reason: str) -> None:
+        """Write the stopped summary, until the run has written its own."""
+        if self.finished:
+            return
+        rows = self.writer.records
+        rounds_run = max((int(r["round"]) for r in rows), default=0)
+        write_summary(self.out, {
+            **self.head, "rounds_run": rounds_run, **run_totals(rows),
+            "wall_s": time.perf_counter() - self.started, "output_dir": str(self.out),
+            "status": "stopped", "reason": reason, "last_round": rounds_run,
+            "resume": f"strategy = \"{self.head.get('strategy')}\" keeps no checkpoint: a new "
+                      "run starts again from round 1"})
+        log.error("run %s after round %d; %s wrote why", reason, rounds_run,
+                  self.out / "summary.json")
