@@ -7,7 +7,11 @@ Pareto figure per task and partition, ``pareto_<task>_<partition>.png``.
 
     python experiments/payoff.py experiments/results/payoff/results.json
 
-Quality is the task's eval accuracy (exact match for a generative task). A method's quality at
+Quality is the task's eval accuracy (exact match for a generative task); for a language-modelling
+task (``task = "lm"``) it is the held-out loss per token, lower is better, and a lead is clear
+only when the leader's worst seed beats the runner-up's best by at least 0.05 nats/token
+(:data:`LOSS`); the reference text's loss before and after (the forgetting) is shown beside
+each method. A method's quality at
 a budget is, per seed, that of its last evaluation reached within the budget (round 0, the
 untrained model, is always within it); the budget ladder of each axis is every method's own
 total at its costliest seed (so all its seeds finish within its own rung; totals within 1% of
@@ -60,6 +64,42 @@ class Point:
     mb: float  # payloads both ways, cumulative
     client_s: float  # the round's slowest client training time, cumulative
     examples: int | None = None  # training examples seen in all (None: no config saved)
+    reference: float | None = None  # the reference text's loss (language modelling)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What a task's quality is: the figure shown, whether lower is better, and the lead a
+    winner's worst seed must have over the runner-up's best to be clear."""
+
+    name: str
+    lower_is_better: bool
+    clear_by: float  # in the figure's own units
+    unit: str  # of a margin: "points" (accuracy x 100) or "nats"
+
+    def shown(self, p: Point) -> float:
+        """The figure itself."""
+        return p.loss if self.lower_is_better else p.accuracy
+
+    def score(self, p: Point) -> float:
+        """Higher is better."""
+        return -p.loss if self.lower_is_better else p.accuracy
+
+    def margin(self, lead: float) -> str:
+        """A lead in ``score`` units, as the report writes it."""
+        if self.lower_is_better:
+            return f"{-lead:+.3f} {self.unit}"
+        return f"{lead * 100:+.1f} {self.unit}"
+
+
+ACCURACY = Metric("accuracy", False, 0.0, "points")
+# language modelling: held-out loss per token; a clear win is 0.05 nats/token beyond the seeds
+LOSS = Metric("held-out loss (nats/token)", True, 0.05, "nats")
+
+
+def metric_of(config: dict[str, Any]) -> Metric:
+    """The quality figure of a run config's task."""
+    return LOSS if config.get("task") == "lm" else ACCURACY
 
 
 @dataclass(frozen=True)
@@ -73,6 +113,7 @@ class Run:
     client_rounds: int
     lora: bool = False  # trains LoRA adapters, not the model's own weights
     recorded_s: float = 0.0  # client seconds a round as the run recorded them
+    metric: Metric = ACCURACY
 
     @property
     def final(self) -> Point:
@@ -103,15 +144,17 @@ def curve(result: dict[str, Any], seconds_a_round: float | None = None) -> Run:
         seconds += rec.get("client_train_s", 0.0)
         if rec.get("eval_accuracy") is not None:
             spent = seconds if seconds_a_round is None else int(rec["round"]) * seconds_a_round
+            reference = rec.get("eval_reference_loss")
             points.append(Point(int(rec["round"]), float(rec["eval_accuracy"]),
                                 float(rec["eval_loss"]), sent, spent,
-                                None if per_round is None else int(rec["round"]) * per_round))
+                                None if per_round is None else int(rec["round"]) * per_round,
+                                None if reference is None else float(reference)))
     if not points:
         raise ValueError(f"run {result['id']} has no evaluation")
     return Run(result["method"], int(result["seed"]), tuple(points),
                float(result["client_process_peak_mb"]), int(result["client_rounds"]),
                config.get("fedavg-params") == "lora",
-               mean(trained) if trained else 0.0)
+               mean(trained) if trained else 0.0, metric_of(config))
 
 
 def load_compute(folder: Path) -> dict[str, Any] | None:
@@ -149,14 +192,16 @@ def groups(results: dict[str, dict[str, Any]], compute: dict[str, Any] | None = 
 
 @dataclass(frozen=True)
 class Score:
-    """A method's quality over its seeds: accuracy, and eval loss to break a tie."""
+    """A method's quality over its seeds (``values``: higher is better, see :class:`Metric`),
+    and eval loss to break a tie."""
 
     method: str
     points: tuple[Point, ...]
+    metric: Metric = ACCURACY
 
     @property
     def values(self) -> tuple[float, ...]:
-        return tuple(p.accuracy for p in self.points)
+        return tuple(self.metric.score(p) for p in self.points)
 
     @property
     def mean(self) -> float:
@@ -172,8 +217,16 @@ class Score:
         return all(p.round == 0 for p in self.points)
 
     def cell(self) -> str:
+        if self.metric.lower_is_better:
+            shown = [self.metric.shown(p) for p in self.points]
+            return f"loss {mean(shown):.3f} [{min(shown):.3f}-{max(shown):.3f}]"
         lo, hi = min(self.values), max(self.values)
         return f"{self.mean:.3f} [{lo:.3f}-{hi:.3f}], loss {self.loss:.3f}"
+
+    def short(self) -> str:
+        """The mean and range of the figure alone."""
+        shown = [self.metric.shown(p) for p in self.points]
+        return f"{mean(shown):.3f} [{min(shown):.3f}-{max(shown):.3f}]"
 
 
 def within(run: Run, cost: Callable[[Point], float], budget: float) -> Point:
@@ -189,9 +242,12 @@ ONE_SEED, CLEAR, INSIDE = "one seed: no spread to judge by", "clear", "inside th
 
 def standing(best: Score, second: Score) -> str:
     """Whether ``best``'s lead over ``second`` exceeds the seed spread: its worst seed beats
-    the other's best."""
+    the other's best (by the metric's ``clear_by`` at least)."""
     if min(len(best.values), len(second.values)) < 2:
         return ONE_SEED
+    clear_by = best.metric.clear_by
+    if clear_by:
+        return CLEAR if min(best.values) >= max(second.values) + clear_by else INSIDE
     return CLEAR if min(best.values) > max(second.values) else INSIDE
 
 
@@ -212,7 +268,7 @@ def verdict(scores: list[Score], start: Score) -> str:
             second.values):
         spread = "a tie (the loss decides the order)"
     return (f"{best.method} {best.cell()} | {second.method} {second.cell()} | "
-            f"{margin * 100:+.1f} points | {spread} |")
+            f"{best.metric.margin(margin)} | {spread} |")
 
 
 def untrained(methods: dict[str, list[Run]]) -> Score:
@@ -220,7 +276,8 @@ def untrained(methods: dict[str, list[Run]]) -> Score:
     partition evaluates the same weights on the same rows, so any method's will do), over
     every seed any method ran."""
     per_seed = {r.seed: r.points[0] for runs in methods.values() for r in runs}
-    return Score(UNTRAINED, tuple(per_seed[seed] for seed in sorted(per_seed)))
+    metric = next(r.metric for runs in methods.values() for r in runs)
+    return Score(UNTRAINED, tuple(per_seed[seed] for seed in sorted(per_seed)), metric)
 
 
 def rungs(totals: list[tuple[float, str]]) -> list[tuple[float, list[str]]]:
@@ -245,9 +302,10 @@ def owners_of(owners: list[str], one: str, many: str) -> str:
 
 def comparisons(methods: dict[str, list[Run]]) -> list[str]:
     """The four comparisons for one task and partition, as Markdown table rows."""
-    rows = ["| budget | winner: accuracy, mean [min-max over seeds] | runner-up | margin | "
+    metric = next(r.metric for runs in methods.values() for r in runs)
+    rows = [f"| budget | winner: {metric.name}, mean [min-max over seeds] | runner-up | margin | "
             "against the seeds |", "|---|---|---|---|---|"]
-    finals = [Score(m, tuple(r.final for r in runs)) for m, runs in methods.items()]
+    finals = [Score(m, tuple(r.final for r in runs), metric) for m, runs in methods.items()]
     start = untrained(methods)
     rounds = sorted({r.client_rounds for runs in methods.values() for r in runs})
     rows.append(f"| (a) equal client-rounds ({', '.join(map(str, rounds))}) | "
@@ -259,14 +317,14 @@ def comparisons(methods: dict[str, list[Run]]) -> list[str]:
     for label, unit, cost, total in axes:
         ladder = rungs([(max(total(r) for r in runs), m) for m, runs in methods.items()])
         for budget, owners in ladder:
-            scores = [Score(m, tuple(within(r, cost, budget) for r in runs))
+            scores = [Score(m, tuple(within(r, cost, budget) for r in runs), metric)
                       for m, runs in methods.items()]
             rows.append(f"| {label} <= {budget:,.2f} {unit} "
                         f"({owners_of(owners, 'costliest seed', 'costliest seeds')}) | "
                         f"{verdict(scores, start)}")
     for budget, owners in rungs([(max(r.peak_mb for r in runs), m)
                                  for m, runs in methods.items()]):
-        fits = [Score(m, tuple(r.final for r in runs)) for m, runs in methods.items()
+        fits = [Score(m, tuple(r.final for r in runs), metric) for m, runs in methods.items()
                 if max(r.peak_mb for r in runs) <= budget * (1 + 1e-9)]
         whose = owners_of(owners, "largest", "largest")
         rows.append(f"| (c) client peak <= {budget:,.0f} MB ({whose}) | {verdict(fits, start)}")
@@ -280,22 +338,41 @@ def method_table(methods: dict[str, list[Run]], bounds: dict[str, list[Run]],
     """Each method's (and bound's) totals and final quality over seeds; with ``side_by_side``
     compute, the seconds a round the runs recorded too (their range shows the machine's drift
     between pieces)."""
+    metric = next(r.metric for table in (methods, bounds) for runs in table.values()
+                  for r in runs)
+    lm = metric.lower_is_better
     extra = " client s a round as recorded [min-max] |" if side_by_side else ""
-    rows = ["| method | seeds | start acc | final acc mean [min-max], mean loss | "
+    quality = ("start loss | final loss mean [min-max] | reference loss start -> final "
+               "(forgetting) |" if lm else "start acc | final acc mean [min-max], mean loss |")
+    rows = [f"| method | seeds | {quality} "
             f"MB on the wire | client peak MB (mean) | client compute s |{extra}",
-            "|" + "---|" * (8 if side_by_side else 7)]
+            "|" + "---|" * (7 + lm + side_by_side)]
     for label, table in (("", methods), ("bound: ", bounds)):
         for m, runs in table.items():
-            acc = Score(m, tuple(r.final for r in runs))
+            final = Score(m, tuple(r.final for r in runs), metric)
             recorded = [r.recorded_s for r in runs]
+            start = mean(metric.shown(r.points[0]) for r in runs)
+            cells = f"{start:.3f} | {final.short() if lm else final.cell()} |"
+            if lm:
+                cells += f" {forgetting(runs)} |"
             rows.append(
-                f"| {label}{m} | {len(runs)} | {mean(r.points[0].accuracy for r in runs):.3f} | "
-                f"{acc.cell()} | "
+                f"| {label}{m} | {len(runs)} | {cells} "
                 f"{mean(r.final.mb for r in runs):,.2f} | "
                 f"{mean(r.peak_mb for r in runs):,.0f} | "
                 f"{mean(r.final.client_s for r in runs):,.1f} |"
                 + (f" {min(recorded):.1f}-{max(recorded):.1f} |" if side_by_side else ""))
     return rows
+
+
+def forgetting(runs: list[Run]) -> str:
+    """The reference text's loss before training and after, mean over seeds ("-" where the
+    runs did not score one)."""
+    before = [r.points[0].reference for r in runs]
+    after = [r.final.reference for r in runs]
+    if any(v is None for v in before + after):
+        return "-"
+    first, last = mean(v for v in before if v is not None), mean(v for v in after if v is not None)
+    return f"{first:.3f} -> {last:.3f} ({last - first:+.3f})"
 
 
 def _at(runs: list[Run], examples: int) -> Score | None:
@@ -304,7 +381,7 @@ def _at(runs: list[Run], examples: int) -> Score | None:
     points = [next((p for p in r.points if p.examples == examples), None) for r in runs]
     if any(p is None for p in points):
         return None
-    return Score(runs[0].method, tuple(p for p in points if p is not None))
+    return Score(runs[0].method, tuple(p for p in points if p is not None), runs[0].metric)
 
 
 def learning_curve(methods: dict[str, list[Run]], bounds: dict[str, list[Run]]) -> list[str]:
@@ -322,7 +399,8 @@ def learning_curve(methods: dict[str, list[Run]], bounds: dict[str, list[Run]]) 
     per_client_round = (fed.points[-1].examples or 0) // max(1, fed.client_rounds)
     names = list(methods) + [f"bound: {m}" for m in bounds]
     lines = ["### Learning curve", "",
-             "Accuracy mean [min-max over seeds] after each number of training examples (and "
+             f"{fed.metric.name.capitalize()}: mean [min-max over seeds] after each number of "
+             "training examples (and "
              "the client-rounds they are); the leader among the federated methods, its margin "
              "over the runner-up and whether its worst seed beats the runner-up's best.", "",
              f"| client-rounds (examples) | {' | '.join(names)} | ahead | margin | "
@@ -331,11 +409,10 @@ def learning_curve(methods: dict[str, list[Run]], bounds: dict[str, list[Run]]) 
     for examples in seen:
         scores = {m: _at(rs, examples) for m, rs in methods.items()}
         scores.update({f"bound: {m}": _at(rs, examples) for m, rs in bounds.items()})
-        cells = [f"{s.mean:.3f} [{min(s.values):.3f}-{max(s.values):.3f}]" if s else "-"
-                 for s in scores.values()]
+        cells = [s.short() if s else "-" for s in scores.values()]
         ranked = sorted((s for m, s in scores.items() if s and not m.startswith("bound: ")),
                         key=lambda s: (-s.mean, s.loss))
-        lead = (f"{ranked[0].method} | {(ranked[0].mean - ranked[1].mean) * 100:+.1f} points | "
+        lead = (f"{ranked[0].method} | {fed.metric.margin(ranked[0].mean - ranked[1].mean)} | "
                 f"{standing(ranked[0], ranked[1])}" if len(ranked) > 1 else " | | ")
         rounds = examples / per_client_round if per_client_round else 0
         lines.append(f"| {rounds:g} ({examples:,}) | {' | '.join(cells)} | {lead} |")
@@ -363,9 +440,11 @@ def crossing(pairs: list[tuple[int, Score, Score]], per_client_round: int) -> li
              "against the seeds |", "|---|---|---|---|---|"]
     for examples, full, lora in pairs:
         lead, other = (full, lora) if full.mean >= lora.mean else (lora, full)
-        lines.append(f"| {rounds(examples)} | {full.method} {full.mean:.3f} | "
-                     f"{lora.method} {lora.mean:.3f} | {(full.mean - lora.mean) * 100:+.1f} "
-                     f"points | {standing(lead, other)} |")
+        metric = full.metric
+        lines.append(f"| {rounds(examples)} | {full.method} "
+                     f"{mean(metric.shown(p) for p in full.points):.3f} | {lora.method} "
+                     f"{mean(metric.shown(p) for p in lora.points):.3f} | "
+                     f"{metric.margin(full.mean - lora.mean)} | {standing(lead, other)} |")
     ahead = ["full" if f.mean > lo.mean else "lora" if lo.mean > f.mean else "tie"
              for _, f, lo in pairs]
     last = ahead[-1]
@@ -419,7 +498,10 @@ def report(results: dict[str, dict[str, Any]], meta: dict[str, Any],
              f"Machine: {meta.get('machine', '?')}; finished {meta.get('time', '?')}.  ",
              f"Runs: {len(results)}, {sum(r['wall_s'] for r in results.values()) / 60:.1f} min "
              "of wall time together.", "",
-             "Accuracy: the task's eval accuracy (exact match for a generative task). MB: "
+             "Accuracy: the task's eval accuracy (exact match for a generative task); for "
+             "language modelling the quality is the held-out loss per token (lower is better; "
+             f"clear: the worst seed beats the runner-up's best by {LOSS.clear_by} nats or "
+             "more) and the reference text's loss shows the forgetting. MB: "
              "payloads both ways, all client-rounds. Client peak: RSS of the client process. "
              f"{compute_source(compute)} A bound "
              "is centralized training on one node holding the whole training set, the same "
@@ -440,8 +522,9 @@ def report(results: dict[str, dict[str, Any]], meta: dict[str, Any],
 
 def plot(results: dict[str, dict[str, Any]], out: Path,
          compute: dict[str, Any] | None = None) -> list[Path]:
-    """Per task and partition: accuracy vs cumulative MB, vs client peak MB, vs cumulative
-    client compute seconds and (where the runs saved their config) vs training examples seen;
+    """Per task and partition: quality (accuracy, or an lm task's held-out loss) vs cumulative
+    MB, vs client peak MB, vs cumulative client compute seconds and (where the runs saved their
+    config) vs training examples seen;
     a curve per method (mean over seeds, the band their range), bounds as dashed lines (or,
     against examples, their own curves)."""
     import matplotlib
@@ -457,6 +540,7 @@ def plot(results: dict[str, dict[str, Any]], out: Path,
         if part == CENTRAL:
             continue
         bounds = grouped.get((task, CENTRAL), {})
+        metric = next(r.metric for runs in methods.values() for r in runs)
         by_examples = all(p.examples is not None for table in (methods, bounds)
                           for runs in table.values() for r in runs for p in r.points)
         fig, axes = plt.subplots(1, 4 if by_examples else 3,
@@ -469,23 +553,24 @@ def plot(results: dict[str, dict[str, Any]], out: Path,
             count = min(len(r.points) for r in runs)
             for ax, cost in curves:
                 xs = [mean(cost(r.points[i]) for r in runs) for i in range(count)]
-                ys = [[r.points[i].accuracy for r in runs] for i in range(count)]
+                ys = [[metric.shown(r.points[i]) for r in runs] for i in range(count)]
                 ax.plot(xs, [mean(y) for y in ys], "o-", color=colour[m], label=m)
                 ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys],
                                 color=colour[m], alpha=0.15)
-            finals = [r.final.accuracy for r in runs]
+            finals = [metric.shown(r.final) for r in runs]
             peak = mean(r.peak_mb for r in runs)
             axes[1].errorbar([peak], [mean(finals)], color=colour[m], fmt="o", capsize=4,
                              yerr=[[mean(finals) - min(finals)], [max(finals) - mean(finals)]],
                              label=m)
         for m, runs in bounds.items():
             for ax in axes[:3]:
-                ax.axhline(mean(r.final.accuracy for r in runs), color=colour[m],
+                ax.axhline(mean(metric.shown(r.final) for r in runs), color=colour[m],
                            linestyle="--", label=f"bound: {m}")
             if by_examples:
                 count = min(len(r.points) for r in runs)
                 axes[3].plot([float(runs[0].points[i].examples or 0) for i in range(count)],
-                             [mean(r.points[i].accuracy for r in runs) for i in range(count)],
+                             [mean(metric.shown(r.points[i]) for r in runs)
+                              for i in range(count)],
                              "s--", color=colour[m], label=f"bound: {m}")
         xlabels = ["cumulative MB on the wire (payloads, down + up)", "client peak RSS (MB)",
                    "cumulative client compute (s, slowest client a round"
@@ -493,7 +578,7 @@ def plot(results: dict[str, dict[str, Any]], out: Path,
                    "training examples seen (all nodes)"]
         for ax, xlabel in zip(axes, xlabels, strict=False):
             ax.set_xlabel(xlabel)
-            ax.set_ylabel("eval accuracy")
+            ax.set_ylabel(f"eval {metric.name}")
             ax.grid(alpha=0.3)
         axes[0].set_xscale("symlog", linthresh=0.01)
         axes[0].set_xlim(left=0)

@@ -210,6 +210,49 @@ def test_payoff_calls_overlapping_seeds_inside_the_spread():
     assert "| a 0.800 [0.780-0.820]" in rows[2] and "+1.0 points | inside the spread |" in rows[2]
 
 
+def lm_run(method: str, seed: int, losses: list[float], mb: list[float],
+           references: list[float], lora: bool = False) -> dict:
+    """A language-modelling run of results.json: held-out and reference losses a round."""
+    run = payoff_run(method, seed, [0.3] * len(losses), mb, [0.0] * len(losses), 100.0)
+    for record, loss, reference in zip(run["records"], losses, references, strict=True):
+        record.update(eval_loss=loss, eval_reference_loss=reference)
+    run["config"] = {"task": "lm", **({"fedavg-params": "lora"} if lora else {})}
+    return run
+
+
+def test_payoff_of_language_modelling_ranks_by_held_out_loss_clear_by_005_nats():
+    # Prepare: "full" ends at 3.30/3.32/3.31 nats, "lora" at 3.38/3.40/3.36 with the same
+    # bytes: full's worst seed (3.32) beats lora's best (3.36) by 0.04, inside the 0.05 margin;
+    # "wide" ends 0.1 above full's worst on every seed
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+
+    runs = {}
+    for seed, (full, lora) in enumerate([(3.30, 3.38), (3.32, 3.40), (3.31, 3.36)]):
+        for r in (lm_run("full", seed, [4.8, full], [0, 10], [4.3, 4.5]),
+                  lm_run("lora", seed, [4.8, lora], [0, 10], [4.3, 4.35], lora=True),
+                  lm_run("wide", seed, [4.8, 3.42 + seed * 0.001], [0, 10], [4.3, 4.3])):
+            runs[r["id"]] = r
+    methods = payoff.groups(runs)[("t", "dirichlet")]
+
+    # Execute
+    rows = payoff.comparisons(methods)
+    table = payoff.method_table(methods, {})
+    near = payoff.comparisons({m: methods[m] for m in ("full", "lora")})
+    far = payoff.comparisons({m: methods[m] for m in ("full", "wide")})
+
+    # Assert: lower loss wins, the margin in nats, clear only by 0.05 beyond the seeds
+    assert "winner: held-out loss (nats/token)" in rows[0]
+    assert "| full loss 3.310 [3.300-3.320] | lora loss 3.380" in near[2]
+    assert "-0.070 nats | inside the spread |" in near[2]
+    assert "| full loss 3.310" in far[2] and "| clear |" in far[2]
+    # the table shows the loss and the forgetting (reference loss before -> after)
+    assert "| full | 3 | 4.800 | 3.310 [3.300-3.320] | 4.300 -> 4.500 (+0.200) |" in "\n".join(
+        table)
+    assert "| lora | 3 | 4.800 | 3.380 [3.360-3.400] | 4.300 -> 4.350 (+0.050) |" in "\n".join(
+        table)
+
+
 def test_payoff_learning_curve_names_the_leader_and_the_crossing_point(tmp_path):
     # Prepare: evaluations every 6 rounds of 2 nodes x 5 steps x batch 8 (80 examples a round,
     # 40 a client-round); LoRA leads at 12 and 24 client-rounds, full-parameter from 36 on,
