@@ -187,6 +187,10 @@ class RunConfig:
         "put `head` in the cycle"))
     round_timeout: float = setting(3600.0, gt=0, doc=(
         "seconds to wait for a round's replies"))
+    node_wait: float = setting(300.0, ge=0, doc=(
+        "seconds to wait for nodes: at the start, for `clients-per-round` (pipeline: "
+        "`pipeline-stages`) to connect, else the run fails naming how many did; and for a node's "
+        "answer to its first query (its key) before it can be sampled (a cold start)"))
     update_rule: str = setting("fo", section="Local training", doc=(
         "`fo`, `zerolock`, `lezo`, `mezo`, or a plug-in rule (a node may override it in its node "
         "config)"))

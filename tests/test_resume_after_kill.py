@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from test_resume_truth import rows, run
 
 from fedcybgd.compression import decode, payload_from_array, read_header
+from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
 from fedcybgd.server.checkpoint import SENT, Checkpointer, CheckpointError
@@ -217,6 +218,49 @@ def test_a_stopped_run_writes_a_summary_that_says_so(tiny_run_config, tmp_path, 
             for s in resumed["segments"]] == [(None, 1, 1, "stopped"), (1, 2, 2, "completed")]
     assert resumed["wall_s"] == pytest.approx(summary["wall_s"] +
                                               resumed["segments"][1]["wall_s"])
+
+
+class StoppedGrid(LoopbackGrid):
+    """A loopback grid whose ``after``-th push of messages raises Ctrl-C's interrupt."""
+
+    def __init__(self, *args: Any, after: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pushes, self.after = 0, after
+
+    def push_messages(self, messages):
+        self.pushes += 1
+        if self.pushes == self.after:
+            raise KeyboardInterrupt
+        return super().push_messages(messages)
+
+
+@pytest.mark.parametrize(("strategy", "after", "done"), [
+    ("pipeline", 5, 1),  # gpipe on two stages: F, F, B, B of step 1, then step 2's first F
+    ("fedavg", 4, 1),  # node keys, round 1 (train, an empty evaluate), round 2
+])
+def test_a_stopped_run_that_keeps_no_checkpoint_writes_a_summary_that_says_so(
+        tmp_path, strategy, after, done):
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.config import RunConfig
+    from fedcybgd.server.app import RUNNERS
+
+    # Prepare
+    config = {"model": "tiny-llama", "strategy": strategy, "pipeline-schedule": "gpipe",
+              "num-server-rounds": 3, "clients-per-round": 2, "local-steps": 2,
+              "batch-size": 4, "max-seq-len": 32, "micro-batches": 2, "eval-examples": 16,
+              "eval-every": 0, "partitioner": "iid", "output-dir": str(tmp_path / "run")}
+    grid = StoppedGrid(client_app, 2, config, after=after,
+                       node_config=lambda i: {"cache-dir": str(tmp_path / f"cache-{i}")})
+    # Execute
+    with pytest.raises(KeyboardInterrupt):
+        RUNNERS[strategy](grid, RunConfig.from_run_config(config))
+    # Assert: summary.json says it stopped, why, after which round, and that it starts again
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["reason"] == "stopped by SIGINT (Ctrl-C)"
+    assert summary["rounds_run"] == summary["last_round"] == done
+    assert "keeps no checkpoint" in summary["resume"] and summary["strategy"] == strategy
+    assert summary["initial_eval_loss"] is not None and summary["wall_s"] > 0
+    assert not (tmp_path / "run" / "final").exists()
 
 
 FLOWER_CHILD = textwrap.dedent("""

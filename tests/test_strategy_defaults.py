@@ -64,3 +64,26 @@ def test_the_app_s_strategy_is_from_config_s(model, overrides):
     assert app == own
     assert app["upload-codec"] == run.upload_codec
     assert app["clients-per-block"] == run.per_block
+
+
+def test_the_node_wait_is_a_run_config_key_every_runner_and_the_strategy_take(model, tmp_path):
+    from fedcybgd.config import ConfigError
+    from fedcybgd.harness.loopback import LoopbackGrid
+    from fedcybgd.server.app import RUNNERS
+
+    # the strategy waits node-wait for a node's first answer
+    run = RunConfig.from_run_config({"model": "tiny-llama", "node-wait": 7.0})
+    blocks = BlockMap(model, run.layers_per_block)
+    weights = dict(model.named_parameters())
+    assert RunConfig().node_wait == 300.0
+    assert FedCyBGD.from_config(run, blocks, weights).node_wait_s == 7.0
+    # every runner waits node-wait for its nodes to connect, then names the key
+    for strategy, key in (("fedcybgd", "clients-per-round"), ("fedavg", "clients-per-round"),
+                          ("pipeline", "pipeline-stages")):
+        config = {"model": "tiny-llama", "strategy": strategy, "node-wait": 0.5,
+                  "clients-per-round": 3, "pipeline-stages": 3,
+                  "output-dir": str(tmp_path / strategy)}
+        grid = LoopbackGrid(None, 2, config)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=rf"{key} = 3, but only 2 nodes are connected "
+                                              r"after 0.5 s \(node-wait\)"):
+            RUNNERS[strategy](grid, RunConfig.from_run_config(config))

@@ -116,7 +116,7 @@ def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
 def run_server(
     grid: Grid,
     run: RunConfig,
-    node_wait_s: float = 120.0,
+    node_wait_s: float | None = None,
     on_checkpoint_file: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     """Run a whole FedCyBGD training; returns the summary it also writes.
@@ -124,7 +124,8 @@ def run_server(
     A run stopped before its end (SIGTERM, Ctrl-C, Flower's stop, an exception; see
     :mod:`fedcybgd.server.stops`) writes a summary that says so, then raises what stopped it.
     ``on_checkpoint_file`` is called after each checkpoint file is written (a seam for crash
-    tests, see :class:`fedcybgd.server.checkpoint.Checkpointer`).
+    tests, see :class:`fedcybgd.server.checkpoint.Checkpointer`); ``node_wait_s`` replaces
+    ``node-wait`` for the wait at the start.
     """
     started = time.perf_counter()
     # Plug-in names are known once the run's plugin-modules are imported (RunConfig did).
@@ -134,7 +135,8 @@ def run_server(
     out = resolve_output_dir(run.output_dir)
     prepare_output_dir(out, run.resume, run.overwrite, can_resume=True)
     device = resolve_device(run.device)  # before waiting for nodes: a bad device fails now
-    require_nodes(grid, run.clients_per_round, node_wait_s)
+    require_nodes(grid, run.clients_per_round,
+                  run.node_wait if node_wait_s is None else node_wait_s)
     model = load_model(run.model)
     for p in model.parameters():
         p.requires_grad_(False)

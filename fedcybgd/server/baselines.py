@@ -57,6 +57,7 @@ from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write
 from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.server.stops import STOPS, UncheckpointedStop, stop_handling, stop_reason
 from fedcybgd.server.trackers import Trackers
 from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict
 from fedcybgd.strategies.lr_schedule import build_lr_schedule
@@ -334,7 +335,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     out = resolve_output_dir(run.output_dir)
     # FedAvg keeps no checkpoint: resume = true is refused over earlier outputs.
     prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)
-    population = require_nodes(grid, run.clients_per_round, 120.0)
+    population = require_nodes(grid, run.clients_per_round, run.node_wait)
     server = build_baseline(run)
     for p in server.model.parameters():
         p.requires_grad_(False)
@@ -413,9 +414,34 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         # global model, Gaussian noise of multiplier x clip / n on the average
         driver = DifferentialPrivacyServerSideFixedClipping(
             strategy, run.dp_noise_multiplier, run.dp_clip_norm, run.clients_per_round)
-    driver.start(watch, to_record(initial), num_rounds=rounds, timeout=run.round_timeout,
-                 train_config=ConfigRecord(), evaluate_fn=evaluate_fn)
+    head = {"model": run.model, "strategy": "fedavg", "update_rule": f"fedavg-{run.fedavg_params}",
+            "rounds": rounds, "run_config": run.to_run_config()}
+    stop = UncheckpointedStop(out, head, writer, started)
+    with stop_handling(stop.write):
+        try:
+            driver.start(watch, to_record(initial), num_rounds=rounds,
+                         timeout=run.round_timeout, train_config=ConfigRecord(),
+                         evaluate_fn=evaluate_fn)
+            summary, failure = _finish(run, out, server, writer, verdict, rounds, privacy,
+                                       initial, last_samples, stop)
+        except STOPS as err:
+            stop.write(stop_reason(err))
+            raise
+    plot_run(out, writer.records, f"FedAvg-{run.fedavg_params}, {run.model}, seed {run.seed}")
+    trackers.finish(summary, [out / "summary.json", out / "metrics.jsonl", out / "plots.png"])
+    if failure is not None:
+        log.error("run failed: %s", failure)
+        raise RunFailed(failure)
+    print_summary_table(summary)
+    return summary
 
+
+def _finish(run: RunConfig, out: Path, server: BaselineModel, writer: MetricsWriter,
+            verdict: Verdict, rounds: int, privacy: FedAvgPrivacy | None,
+            initial: dict[str, torch.Tensor], last_samples: list[dict[str, str]],
+            stop: UncheckpointedStop) -> tuple[dict[str, Any], str | None]:
+    """The verdict, the final model and the summary; returns the summary and the failure, if
+    the run failed."""
     totals = run_totals(writer.records)
     failure = verdict.at_end(rounds, totals["dropped"])
     if failure is not None:
@@ -425,26 +451,17 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         # The server's model holds the last round's arrays (always evaluated).
         save_final(server, run, out / "final")
     summary = {
-        "model": run.model,
-        "strategy": "fedavg",
-        "update_rule": f"fedavg-{run.fedavg_params}",
-        "rounds": rounds,
+        **stop.head,
         **totals,
         **(privacy.summary(rounds) if privacy is not None else {}),
-        "wall_s": time.perf_counter() - started,
+        "wall_s": time.perf_counter() - stop.started,
         "exchanged_params": sum(v.numel() for v in initial.values()),
         "final_samples": last_samples,  # a generative task's answers, else []
         "output_dir": str(out),
-        "run_config": run.to_run_config(),
         **run_status(failure, writer.records),
     }
     write_summary(out, summary)
+    stop.finished = True
     if failure is None:
         write_model_card(out / "final", summary)
-    plot_run(out, writer.records, f"FedAvg-{run.fedavg_params}, {run.model}, seed {run.seed}")
-    trackers.finish(summary, [out / "summary.json", out / "metrics.jsonl", out / "plots.png"])
-    if failure is not None:
-        log.error("run failed: %s", failure)
-        raise RunFailed(failure)
-    print_summary_table(summary)
-    return summary
+    return summary, failure

@@ -129,8 +129,9 @@ def write_samples(out: Path, server_round: int, result: EvalResult) -> Path | No
     return path
 
 
-def require_nodes(grid: Grid, wanted: int, wait_s: float) -> int:
-    """Wait until ``wanted`` nodes are connected; a clear error if they never are."""
+def require_nodes(grid: Grid, wanted: int, wait_s: float, key: str = "clients-per-round") -> int:
+    """Wait until ``wanted`` nodes (the run config's ``key``) are connected, at most ``wait_s``
+    seconds (``node-wait``); a clear error if they never are."""
     deadline = time.monotonic() + wait_s
     while True:
         count = len(list(grid.get_node_ids()))
@@ -138,8 +139,8 @@ def require_nodes(grid: Grid, wanted: int, wait_s: float) -> int:
             return count
         if time.monotonic() >= deadline:
             raise ConfigError(
-                f"clients-per-round = {wanted}, but only {count} nodes are connected after "
-                f"{wait_s:.0f} s; lower clients-per-round or start more SuperNodes "
+                f"{key} = {wanted}, but only {count} nodes are connected after "
+                f"{wait_s:g} s (node-wait); lower {key} or start more SuperNodes "
                 "(simulation: --federation-config 'num-supernodes=N')"
             )
         time.sleep(1.0)

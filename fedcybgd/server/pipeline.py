@@ -97,7 +97,7 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
         raise ConfigError("strategy = \"pipeline\" keeps no checkpoint to resume from")
     prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)
     count = run.pipeline_stages
-    require_nodes(grid, count, 120.0)
+    require_nodes(grid, count, run.node_wait, "pipeline-stages")
     model = load_model(run.model)
     stack = LayerStack(model)
     if count > stack.num_layers:

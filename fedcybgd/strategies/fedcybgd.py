@@ -318,6 +318,7 @@ class FedCyBGD(Strategy):
             cycle=block_map.cycle(run.train_embeddings, run.train_head),
             install_codec=run.install_spec,
             max_payload_bytes=int(run.max_payload_mb * 2**20),
+            node_wait_s=run.node_wait,
             client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
                                         run.warmup_rounds),
         )
