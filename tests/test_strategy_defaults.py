@@ -87,3 +87,4 @@ def test_the_node_wait_is_a_run_config_key_every_runner_and_the_strategy_take(mo
         with pytest.raises(ConfigError, match=rf"{key} = 3, but only 2 nodes are connected "
                                               r"after 0.5 s \(node-wait\)"):
             RUNNERS[strategy](grid, RunConfig.from_run_config(config))
+        assert not (tmp_path / strategy).exists()  # a failed start leaves no folder

@@ -55,7 +55,12 @@ from fedcybgd.server.metrics import (
     stopped_status,
     write_summary,
 )
-from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
+from fedcybgd.server.outputs import (
+    check_output_dir,
+    prepare_output_dir,
+    remove_final,
+    write_model_card,
+)
 from fedcybgd.server.pipeline import run_pipeline_server
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.preflight import check_data, check_model
@@ -133,10 +138,11 @@ def run_server(
     # The data before anything else: a file no client could train on stops the run now.
     check_data(run)
     out = resolve_output_dir(run.output_dir)
-    prepare_output_dir(out, run.resume, run.overwrite, can_resume=True)
+    check_output_dir(out, run.resume, run.overwrite, can_resume=True)
     device = resolve_device(run.device)  # before waiting for nodes: a bad device fails now
     require_nodes(grid, run.clients_per_round,
                   run.node_wait if node_wait_s is None else node_wait_s)
+    prepare_output_dir(out, run.resume, run.overwrite, can_resume=True)  # nodes are here
     model = load_model(run.model)
     for p in model.parameters():
         p.requires_grad_(False)

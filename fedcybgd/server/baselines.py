@@ -54,7 +54,12 @@ from fedcybgd.server.common import (
     write_samples,
 )
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
-from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
+from fedcybgd.server.outputs import (
+    check_output_dir,
+    prepare_output_dir,
+    remove_final,
+    write_model_card,
+)
 from fedcybgd.server.plots import plot_run
 from fedcybgd.server.report import print_progress, print_summary_table
 from fedcybgd.server.stops import STOPS, UncheckpointedStop, stop_handling, stop_reason
@@ -334,8 +339,9 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     started = time.perf_counter()
     out = resolve_output_dir(run.output_dir)
     # FedAvg keeps no checkpoint: resume = true is refused over earlier outputs.
-    prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)
+    check_output_dir(out, run.resume, run.overwrite, can_resume=False)
     population = require_nodes(grid, run.clients_per_round, run.node_wait)
+    prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)  # nodes are here
     server = build_baseline(run)
     for p in server.model.parameters():
         p.requires_grad_(False)

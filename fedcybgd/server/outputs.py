@@ -26,6 +26,23 @@ class OutputDirError(ConfigError):
     """The output folder holds another run's outputs and the run config does not say what to do."""
 
 
+def check_output_dir(out: Path, resume: bool, overwrite: bool, can_resume: bool) -> None:
+    """Check ``out`` against the output rule, changing nothing (a runner checks at once, and
+    creates the folder with :func:`prepare_output_dir` once its nodes are there, so a run that
+    fails at its start leaves no folder behind). Parameters and errors as
+    :func:`prepare_output_dir`'s."""
+    refusal = output_dir_refusal(out, resume, overwrite)
+    if refusal is not None:
+        raise OutputDirError(refusal)
+    entries = earlier_outputs(out)
+    if entries and resume and not can_resume:
+        raise OutputDirError(
+            f"output-dir {out} holds earlier outputs ({name_entries(entries)}) and this "
+            "strategy keeps no checkpoint, so resume = true cannot continue that run: set "
+            "overwrite = true to replace them, or choose another output-dir"
+        )
+
+
 def prepare_output_dir(out: Path, resume: bool, overwrite: bool, can_resume: bool) -> None:
     """Check ``out`` against the output rule, clear it for ``overwrite``, and create it.
 
@@ -44,9 +61,7 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, can_resume: boo
         ``out`` holds entries besides the launcher's logs and neither key allows using it, or
         both keys are set, or ``resume`` is asked of a strategy that keeps no checkpoint.
     """
-    refusal = output_dir_refusal(out, resume, overwrite)
-    if refusal is not None:
-        raise OutputDirError(refusal)
+    check_output_dir(out, resume, overwrite, can_resume)
     log.info("outputs: %s", out)
     entries = earlier_outputs(out)
     if not entries:
@@ -55,14 +70,8 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, can_resume: boo
                      "outputs: starting fresh", out)
         make_dirs(out)
         return
-    if resume:
-        if can_resume:
-            return
-        raise OutputDirError(
-            f"output-dir {out} holds earlier outputs ({name_entries(entries)}) and this "
-            "strategy keeps no checkpoint, so resume = true cannot continue that run: set "
-            "overwrite = true to replace them, or choose another output-dir"
-        )
+    if resume:  # a strategy that keeps no checkpoint was refused above
+        return
     for path in entries:
         if path.name not in RUN_OUTPUTS:
             log.warning("overwrite = true: leaving %s in place (not an output of a run)", path)

@@ -71,7 +71,12 @@ from fedcybgd.server.common import (
     write_samples,
 )
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
-from fedcybgd.server.outputs import prepare_output_dir, remove_final, write_model_card
+from fedcybgd.server.outputs import (
+    check_output_dir,
+    prepare_output_dir,
+    remove_final,
+    write_model_card,
+)
 from fedcybgd.server.pipeline_replay import ReplayLog
 from fedcybgd.server.pipeline_replies import Asked, ReplyReader, StageFailed
 from fedcybgd.server.plots import plot_run
@@ -95,9 +100,10 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
     out = resolve_output_dir(run.output_dir)
     if run.resume:
         raise ConfigError("strategy = \"pipeline\" keeps no checkpoint to resume from")
-    prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)
+    check_output_dir(out, run.resume, run.overwrite, can_resume=False)
     count = run.pipeline_stages
     require_nodes(grid, count, run.node_wait, "pipeline-stages")
+    prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)  # nodes are here
     model = load_model(run.model)
     stack = LayerStack(model)
     if count > stack.num_layers:
