@@ -600,11 +600,6 @@ class RunConfig:
         """Clients that train the same block in a round (``clients-per-block``, 0 resolved)."""
         return self.clients_per_block or self.clients_per_round
 
-    @property
-    def blocks_per_round(self) -> int:
-        """Distinct blocks trained in parallel each round."""
-        return self.clients_per_round // self.per_block
-
     def rule_options(self, rule: str) -> RuleOptions:
         """The typed options of the registered update rule ``rule``."""
         return rules.parse_options(rule, self.options)

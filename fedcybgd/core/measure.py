@@ -90,11 +90,6 @@ class PeakMemory:
         """Peak RSS in MiB."""
         return self.peak_bytes / 2**20
 
-    @property
-    def delta_mb(self) -> float:
-        """Peak RSS above the RSS at entry, in MiB."""
-        return (self.peak_bytes - self.start_bytes) / 2**20
-
 
 @dataclass(frozen=True)
 class CgroupMemory:

@@ -413,11 +413,6 @@ class LocalDeployment:
         return path
 
     # -- teardown ---------------------------------------------------------------------------
-    def stop_process(self, name: str, grace_s: float = 10.0) -> int | None:
-        """Stop ``name`` (see :meth:`stop`); returns its exit code."""
-        self._stop([self.procs[name]], grace_s)
-        return self.procs[name].exit_code()
-
     def kill_process(self, name: str) -> int | None:
         """SIGKILL ``name``'s whole process group at once: a crash, no goodbye to the SuperLink
         (fault tests). Returns the exit code."""

@@ -20,7 +20,6 @@ tied weight is listed (and counted, and sent) exactly once.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,6 @@ from transformers import PreTrainedModel
 
 EMBED = "embed"
 HEAD = "head"
-_LAYER_RE = re.compile(r"^layer\.(\d+)(?:-(\d+))?$")
 
 
 class UnsupportedModelError(ValueError):
@@ -191,16 +189,6 @@ def params_before_layers(model: nn.Module) -> set[str]:
 def layer_block_name(start: int, end: int) -> str:
     """Name of the block holding decoder layers ``start..end`` (inclusive)."""
     return f"layer.{start}" if start == end else f"layer.{start}-{end}"
-
-
-def parse_layer_block(name: str) -> tuple[int, int] | None:
-    """Inverse of :func:`layer_block_name`; ``None`` for ``embed``/``head``."""
-    match = _LAYER_RE.match(name)
-    if match is None:
-        return None
-    start = int(match.group(1))
-    end = int(match.group(2)) if match.group(2) is not None else start
-    return start, end
 
 
 @dataclass(frozen=True)

@@ -213,15 +213,5 @@ def replay_chain(start: Mapping[str, torch.Tensor], chain: LogChain,
     return current
 
 
-def apply_chain(start: Mapping[str, torch.Tensor], chain: LogChain,
-                layout: Sequence[Sequence[str]], *, max_steps: int,
-                device: torch.device | str = "cpu") -> Tensors:
-    """:func:`read_log` for every log of ``chain`` (each at most ``max_steps`` steps), then
-    :func:`replay_chain`: the block's newest version, or ``ValueError``."""
-    logs = [[read_log(chain, encoded, max_steps=max_steps) for encoded in install.logs]
-            for install in chain.installs]
-    return replay_chain(start, chain, logs, layout, device=device)
-
-
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"seed-log download header holds {name}")
