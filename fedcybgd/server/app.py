@@ -42,8 +42,6 @@ from fedcybgd.server.common import (
     Evaluator,
     class_prior_of,
     eval_extras,
-    require_nodes,
-    resolve_output_dir,
     write_samples,
 )
 from fedcybgd.server.early_stop import EarlyStop
@@ -56,19 +54,16 @@ from fedcybgd.server.metrics import (
     write_summary,
 )
 from fedcybgd.server.outputs import (
-    check_output_dir,
-    prepare_output_dir,
     remove_final,
     write_model_card,
 )
 from fedcybgd.server.pipeline import run_pipeline_server
-from fedcybgd.server.plots import plot_run
 from fedcybgd.server.preflight import check_data, check_model
-from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.server.report import print_progress
 from fedcybgd.server.resume import Resumed, checkpoint_state, read_checkpoint
+from fedcybgd.server.session import RunSession
 from fedcybgd.server.stops import STOPS, stop_handling, stop_reason
-from fedcybgd.server.trackers import Trackers
-from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict, installed_any
+from fedcybgd.server.verdict import ReplyWatch, Verdict, installed_any
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.plugins import check_names
 from fedcybgd.strategies.record import RoundRecord
@@ -132,17 +127,14 @@ def run_server(
     tests, see :class:`fedcybgd.server.checkpoint.Checkpointer`); ``node_wait_s`` replaces
     ``node-wait`` for the wait at the start.
     """
-    started = time.perf_counter()
     # Plug-in names are known once the run's plugin-modules are imported (RunConfig did).
     check_names(run.block_schedule, run.aggregate)
     # The data before anything else: a file no client could train on stops the run now.
     check_data(run)
-    out = resolve_output_dir(run.output_dir)
-    check_output_dir(out, run.resume, run.overwrite, can_resume=True)
     device = resolve_device(run.device)  # before waiting for nodes: a bad device fails now
-    require_nodes(grid, run.clients_per_round,
-                  run.node_wait if node_wait_s is None else node_wait_s)
-    prepare_output_dir(out, run.resume, run.overwrite, can_resume=True)  # nodes are here
+    session = RunSession(grid, run, run.clients_per_round, can_resume=True,
+                         node_wait_s=node_wait_s)
+    out, started = session.out, session.started
     model = load_model(run.model)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -178,8 +170,7 @@ def run_server(
     keep_through: int | None = None
     if run.resume:
         keep_through = resumed.round if resumed is not None else -1
-    trackers = Trackers(run, out)  # a missing tracker package stops the run here, by name
-    writer = MetricsWriter(out, keep_through, on_row=trackers.log_row)
+    writer = session.records(keep_through)
     if resumed is not None and not writer.has_round(resumed.round) and resumed.record:
         # Stopped between the checkpoint and its metrics row: the row is in the checkpoint.
         log.warning("metrics.jsonl lacks round %d; restoring its row from the checkpoint",
@@ -195,13 +186,8 @@ def run_server(
         except STOPS as err:
             stop.write(stop_reason(err))
             raise
-    plot_run(out, writer.records, f"FedCyBGD-{run.update_rule}, {run.model}, seed {run.seed}")
-    trackers.finish(summary, [out / "summary.json", out / "metrics.jsonl", out / "plots.png"])
-    if failure is not None:
-        log.error("run failed: %s", failure)
-        raise RunFailed(failure)
-    print_summary_table(summary)
-    return summary
+    return session.finish(summary, failure, writer.records,
+                          f"FedCyBGD-{run.update_rule}, {run.model}, seed {run.seed}")
 
 
 class StopRecord:

@@ -49,22 +49,17 @@ from fedcybgd.server.common import (
     Evaluator,
     class_prior_of,
     eval_extras,
-    require_nodes,
-    resolve_output_dir,
     write_samples,
 )
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
 from fedcybgd.server.outputs import (
-    check_output_dir,
-    prepare_output_dir,
     remove_final,
     write_model_card,
 )
-from fedcybgd.server.plots import plot_run
-from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.server.report import print_progress
+from fedcybgd.server.session import RunSession
 from fedcybgd.server.stops import STOPS, UncheckpointedStop, stop_handling, stop_reason
-from fedcybgd.server.trackers import Trackers
-from fedcybgd.server.verdict import ReplyWatch, RunFailed, Verdict
+from fedcybgd.server.verdict import ReplyWatch, Verdict
 from fedcybgd.strategies.lr_schedule import build_lr_schedule
 from fedcybgd.strategies.node_keys import NodeKeys
 from fedcybgd.strategies.record import RoundRecord
@@ -336,20 +331,16 @@ def save_final(server: BaselineModel, run: RunConfig, final: Path) -> None:
 
 def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     """Run a FedAvg baseline (``fedavg-params`` = full | lora); returns the summary it writes."""
-    started = time.perf_counter()
-    out = resolve_output_dir(run.output_dir)
     # FedAvg keeps no checkpoint: resume = true is refused over earlier outputs.
-    check_output_dir(out, run.resume, run.overwrite, can_resume=False)
-    population = require_nodes(grid, run.clients_per_round, run.node_wait)
-    prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)  # nodes are here
+    session = RunSession(grid, run, run.clients_per_round, can_resume=False)
+    out, started, population = session.out, session.started, session.population
     server = build_baseline(run)
     for p in server.model.parameters():
         p.requires_grad_(False)
     initial = server.get()
     evaluator = Evaluator(run, server.stack)
     prior, classes = class_prior_of(run, evaluator.task.num_classes())
-    trackers = Trackers(run, out)  # a missing tracker package stops the run here, by name
-    writer = MetricsWriter(out, on_row=trackers.log_row)
+    writer = session.records()
     strategy = CheckedFedAvg(
         server.signature(),
         # A fraction of ~0 makes FedAvg sample exactly min_train_nodes, however many connect.
@@ -433,13 +424,8 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         except STOPS as err:
             stop.write(stop_reason(err))
             raise
-    plot_run(out, writer.records, f"FedAvg-{run.fedavg_params}, {run.model}, seed {run.seed}")
-    trackers.finish(summary, [out / "summary.json", out / "metrics.jsonl", out / "plots.png"])
-    if failure is not None:
-        log.error("run failed: %s", failure)
-        raise RunFailed(failure)
-    print_summary_table(summary)
-    return summary
+    return session.finish(summary, failure, writer.records,
+                          f"FedAvg-{run.fedavg_params}, {run.model}, seed {run.seed}")
 
 
 def _finish(run: RunConfig, out: Path, server: BaselineModel, writer: MetricsWriter,

@@ -66,24 +66,18 @@ from fedcybgd.protocol.pipeline import stage_layers
 from fedcybgd.server.common import (
     Evaluator,
     eval_extras,
-    require_nodes,
-    resolve_output_dir,
     write_samples,
 )
 from fedcybgd.server.metrics import MetricsWriter, run_status, run_totals, write_summary
 from fedcybgd.server.outputs import (
-    check_output_dir,
-    prepare_output_dir,
     remove_final,
     write_model_card,
 )
 from fedcybgd.server.pipeline_replay import ReplayLog
 from fedcybgd.server.pipeline_replies import Asked, ReplyReader, StageFailed
-from fedcybgd.server.plots import plot_run
-from fedcybgd.server.report import print_progress, print_summary_table
+from fedcybgd.server.report import print_progress
+from fedcybgd.server.session import RunSession
 from fedcybgd.server.stops import STOPS, UncheckpointedStop, stop_handling, stop_reason
-from fedcybgd.server.trackers import Trackers
-from fedcybgd.server.verdict import RunFailed
 from fedcybgd.strategies.pipeline import Op, plan
 from fedcybgd.tasks.objective import EvalResult
 
@@ -96,22 +90,18 @@ POLL_S = 0.05
 def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
     """Run pipeline mode (module docstring); returns the summary it writes. A run that fails
     (no spare left for a failed stage) writes its summary, then raises :class:`RunFailed`."""
-    started = time.perf_counter()
-    out = resolve_output_dir(run.output_dir)
     if run.resume:
         raise ConfigError("strategy = \"pipeline\" keeps no checkpoint to resume from")
-    check_output_dir(out, run.resume, run.overwrite, can_resume=False)
     count = run.pipeline_stages
-    require_nodes(grid, count, run.node_wait, "pipeline-stages")
-    prepare_output_dir(out, run.resume, run.overwrite, can_resume=False)  # nodes are here
+    session = RunSession(grid, run, count, can_resume=False, nodes_key="pipeline-stages")
+    out, started = session.out, session.started
     model = load_model(run.model)
     stack = LayerStack(model)
     if count > stack.num_layers:
         raise ConfigError(f"pipeline-stages = {count}: the model has {stack.num_layers} "
                           "decoder layers")
     evaluator = Evaluator(run, stack)
-    trackers = Trackers(run, out)  # a missing tracker package stops the run here, by name
-    writer = MetricsWriter(out, on_row=trackers.log_row)
+    writer = session.records()
     head = {"model": run.model, "strategy": "pipeline",
             "update_rule": f"pipeline-{run.pipeline_schedule}",
             "schedule": run.pipeline_schedule, "stages": count,
@@ -123,14 +113,9 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
         except STOPS as err:
             stop.write(stop_reason(err))
             raise
-    plot_run(out, writer.records, f"Pipeline-{run.pipeline_schedule}, {run.model}, "
-                                  f"{count} stages, seed {run.seed}")
-    trackers.finish(summary, [out / "summary.json", out / "metrics.jsonl", out / "plots.png"])
-    if failure is not None:
-        log.error("pipeline run failed: %s", failure)
-        raise RunFailed(failure)
-    print_summary_table(summary)
-    return summary
+    return session.finish(summary, failure, writer.records,
+                          f"Pipeline-{run.pipeline_schedule}, {run.model}, {count} stages, "
+                          f"seed {run.seed}")
 
 
 def _play(grid: Grid, run: RunConfig, out: Path, model: Any, evaluator: Evaluator,
