@@ -266,6 +266,7 @@ class FedCyBGD(Strategy):
         self.zo = (zeroth_order.replay_identity(device)
                    if log_downloads else "")
         self.nodes = NodeBook()
+        self.sampler = NodeSampler(seed, secret=self.noise_key)  # the planner reads its keys
         self.downloads = DownloadPlanner(
             self.blocks, exact_codec=exact_codec,
             download_codec=seedlog_fallback if log_downloads else download_codec,
@@ -276,7 +277,6 @@ class FedCyBGD(Strategy):
             unconfirmed=lambda node: node in self.nodes.unconfirmed)
         self.budget = (TrafficBudget(int(traffic_budget_mb * 2**20), self.downloads, upload_codec)
                        if traffic_budget_mb > 0 else None)
-        self.sampler = NodeSampler(seed, secret=self.noise_key)
         self.reader = ReplyReader(self.blocks, self.nodes, upload_codec=upload_codec,
                                   max_steps=local_steps, max_examples=local_steps * batch_size,
                                   max_payload_bytes=max_payload_bytes,
