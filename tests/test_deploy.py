@@ -326,3 +326,31 @@ def test_deploy_local_stops_every_process_on_sigterm(tmp_path: Path) -> None:
         for leftover in started:
             with contextlib.suppress(psutil.Error):
                 leftover.kill()
+
+
+@pytest.mark.slow
+def test_e2e_language_modelling_on_a_built_in_corpus_by_play(deployment: LocalDeployment,
+                                                              tmp_path: Path) -> None:
+    """The ``lm`` task on real SuperNodes: Shakespeare's plays, each node its own plays, the
+    held-out loss per token, the perplexity and the reference text's loss in every evaluation."""
+    out = tmp_path / "out"
+    deployment.start_superlink()
+    deployment.start_supernodes(NODES)
+    deployment.wait_nodes(NODES)
+    config = {**E2E_RUN_CONFIG, "task": "lm", "dataset": "shakespeare", "partitioner": "movie",
+              "reference-dataset": "rotten-tomatoes"}
+    runner = subprocess.run(
+        [sys.executable, "-m", "fedcybgd.deploy.control", "--superlink", deployment.address,
+         "--flwr-home", str(tmp_path / "runner-home"), "--timeout", "300",
+         "run", "--app", str(PROJECT), "--nodes", str(NODES),
+         "--defaults", f"output-dir='{out}' clients-per-round={NODES}",
+         "--run-config", format_config(config)],
+        capture_output=True, text=True, timeout=400, env=deployment.env(tmp_path / "runner"),
+        check=False)
+    (out / "logs" / "runner.log").write_text(runner.stdout + runner.stderr)
+    assert runner.returncode == 0, runner.stdout[-3000:] + runner.stderr[-3000:]
+    assert "status: finished:completed" in runner.stdout
+    records = _check_outputs(out)
+    for record in (records[0], records[-1]):
+        assert record["eval_perplexity"] > 1 and record["eval_reference_loss"] > 0
+    assert records[-1]["eval_loss"] != records[0]["eval_loss"]
