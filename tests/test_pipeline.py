@@ -337,8 +337,11 @@ def test_pipeline_on_a_superlink_survives_a_killed_supernode(tmp_path):
             assert match, proc.log.read_text()[-2000:]
             ids[name] = int(match.group(1))
         victim = sorted(ids, key=ids.__getitem__)[1]  # stage 1: the second-lowest id
+        # the round-timeout bounds how long a live node may take on a message: each one is a
+        # fresh ClientApp process, slow to start on a loaded machine (at 30 s a run beside a
+        # full test suite once ended failed)
         config = {**FLOWER, "pipeline-schedule": "1f1b", "num-server-rounds": 1,
-                  "eval-examples": 16, "round-timeout": 30.0}
+                  "eval-examples": 16, "round-timeout": 120.0}
         run_id = dep.submit(merge_config(config, f"output-dir='{out}'"))
         deadline = time.monotonic() + 300
         while "Start `flwr-clientapp` process" not in procs[victim].log.read_text():
