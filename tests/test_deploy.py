@@ -231,6 +231,23 @@ def _check_outputs(out: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _submit_as_the_runner(deployment: LocalDeployment, tmp_path: Path,
+                          config: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    """Submit ``config`` the way the compose ``runner`` service does (outputs in
+    ``tmp_path/out``, the runner's own output in its ``logs/runner.log``) and wait for it."""
+    out = tmp_path / "out"
+    runner = subprocess.run(
+        [sys.executable, "-m", "fedcybgd.deploy.control", "--superlink", deployment.address,
+         "--flwr-home", str(tmp_path / "runner-home"), "--timeout", "300",
+         "run", "--app", str(PROJECT), "--nodes", str(NODES),
+         "--defaults", f"output-dir='{out}' clients-per-round={NODES}",
+         "--run-config", format_config(config)],
+        capture_output=True, text=True, timeout=400, env=deployment.env(tmp_path / "runner"),
+        check=False)
+    (out / "logs" / "runner.log").write_text(runner.stdout + runner.stderr)
+    return runner
+
+
 @pytest.mark.slow
 def test_e2e_superlink_and_three_supernodes(deployment: LocalDeployment,
                                             tmp_path: Path) -> None:
@@ -239,15 +256,7 @@ def test_e2e_superlink_and_three_supernodes(deployment: LocalDeployment,
     deployment.start_superlink()
     deployment.start_supernodes(NODES, per_node={2: {"memory_budget_mb": 4096.0}})
     deployment.wait_nodes(NODES)
-    runner = subprocess.run(
-        [sys.executable, "-m", "fedcybgd.deploy.control", "--superlink", deployment.address,
-         "--flwr-home", str(tmp_path / "runner-home"), "--timeout", "300",
-         "run", "--app", str(PROJECT), "--nodes", str(NODES),
-         "--defaults", f"output-dir='{out}' clients-per-round={NODES}",
-         "--run-config", format_config(E2E_RUN_CONFIG)],
-        capture_output=True, text=True, timeout=400, env=deployment.env(tmp_path / "runner"),
-        check=False)
-    (out / "logs" / "runner.log").write_text(runner.stdout + runner.stderr)
+    runner = _submit_as_the_runner(deployment, tmp_path, E2E_RUN_CONFIG)
     assert runner.returncode == 0, runner.stdout[-3000:] + runner.stderr[-3000:]
     assert "status: finished:completed" in runner.stdout
     _check_outputs(out)
@@ -339,15 +348,7 @@ def test_e2e_language_modelling_on_a_built_in_corpus_by_play(deployment: LocalDe
     deployment.wait_nodes(NODES)
     config = {**E2E_RUN_CONFIG, "task": "lm", "dataset": "shakespeare", "partitioner": "movie",
               "reference-dataset": "rotten-tomatoes"}
-    runner = subprocess.run(
-        [sys.executable, "-m", "fedcybgd.deploy.control", "--superlink", deployment.address,
-         "--flwr-home", str(tmp_path / "runner-home"), "--timeout", "300",
-         "run", "--app", str(PROJECT), "--nodes", str(NODES),
-         "--defaults", f"output-dir='{out}' clients-per-round={NODES}",
-         "--run-config", format_config(config)],
-        capture_output=True, text=True, timeout=400, env=deployment.env(tmp_path / "runner"),
-        check=False)
-    (out / "logs" / "runner.log").write_text(runner.stdout + runner.stderr)
+    runner = _submit_as_the_runner(deployment, tmp_path, config)
     assert runner.returncode == 0, runner.stdout[-3000:] + runner.stderr[-3000:]
     assert "status: finished:completed" in runner.stdout
     records = _check_outputs(out)

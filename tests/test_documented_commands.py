@@ -55,7 +55,7 @@ from typing import Any
 import pytest
 from flwr.common.config import parse_config_args
 from test_commands import stop_gracefully
-from test_run_where_typed import BIN, PAGES, ROOT, documented_runs, private_env
+from test_run_where_typed import BIN, ROOT, documented_runs, page_commands, private_env
 
 # Replace the page's value (model, rounds, steps, evaluation size).
 FORCED = {"model": "'tiny-llama'", "num-server-rounds": "1", "local-steps": "2",
@@ -100,25 +100,8 @@ def _one_line(command: str) -> str:
 
 def documented_commands() -> list[tuple[str, str]]:
     """Every ``fedcybgd`` command of the pages' bash blocks, in page order: ``(page,
-    command)``, continuation lines joined (a ``\\`` at the end, or a quote still open)."""
-    commands = []
-    for page in PAGES:
-        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
-            command = ""
-            for line in block.replace("\\\n", " ").split("\n"):
-                if command:
-                    command += "\n" + line
-                elif _FEDCYBGD.match(line):
-                    command = line
-                else:
-                    continue
-                try:
-                    shlex.split(command)
-                except ValueError:  # a quote still open: the command goes on
-                    continue
-                commands.append((page.relative_to(ROOT).as_posix(), command))
-                command = ""
-    return commands
+    command)``, continuation lines joined."""
+    return page_commands(_FEDCYBGD.pattern)
 
 
 def _words(command: str, folder: Path) -> tuple[Path, list[str]]:

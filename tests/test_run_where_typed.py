@@ -275,17 +275,18 @@ def test_deploy_local_takes_a_relative_output_dir_from_where_it_was_typed(tmp_pa
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md"]
 
 
-def documented_runs() -> list[tuple[str, str]]:
-    """Every ``fedcybgd run`` command of the pages' bash blocks: ``(page, command)``, the
-    command's continuation lines joined (a ``\\`` at the end, or a quote still open)."""
-    runs = []
+def page_commands(first_line: str) -> list[tuple[str, str]]:
+    """Every command of the pages' bash blocks whose first line matches ``first_line`` (a
+    regular expression), in page order: ``(page, command)``, the command's continuation lines
+    joined (a ``\\`` at the end, or a quote still open)."""
+    commands = []
     for page in PAGES:
         for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
             command = ""
             for line in block.replace("\\\n", " ").split("\n"):
                 if command:
                     command += "\n" + line
-                elif re.match(r"^(cd \S+ && )?\S*fedcybgd run ", line):
+                elif re.match(first_line, line):
                     command = line
                 else:
                     continue
@@ -293,9 +294,14 @@ def documented_runs() -> list[tuple[str, str]]:
                     shlex.split(command)
                 except ValueError:  # a quote still open: the command goes on
                     continue
-                runs.append((page.relative_to(ROOT).as_posix(), command))
+                commands.append((page.relative_to(ROOT).as_posix(), command))
                 command = ""
-    return runs
+    return commands
+
+
+def documented_runs() -> list[tuple[str, str]]:
+    """Every ``fedcybgd run`` command of the pages' bash blocks: ``(page, command)``."""
+    return page_commands(r"^(cd \S+ && )?\S*fedcybgd run ")
 
 
 def test_the_pages_run_the_app_on_the_local_superlink_through_fedcybgd_run():
