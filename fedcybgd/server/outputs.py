@@ -113,8 +113,12 @@ def write_model_card(final_dir: Path, summary: dict[str, Any]) -> Path:
         ("base model", f"`{summary.get('model')}`"),
         ("method", method),
         ("rounds", summary.get("rounds_run", summary.get("rounds"))),
-        ("nodes per round", run.get("clients-per-round")),
-        ("local steps x batch", f"{run.get('local-steps')} x {run.get('batch-size')}"),
+        *((("stages (nodes)", run.get("pipeline-stages")),
+           ("step: micro-batches x batch", f"{run.get('micro-batches')} x "
+                                            f"{run.get('batch-size')}"))
+          if strategy == "pipeline" else
+          (("nodes per round", run.get("clients-per-round")),
+           ("local steps x batch", f"{run.get('local-steps')} x {run.get('batch-size')}"))),
         ("task / data", f"`{run.get('task')}` / `{run.get('dataset')}` "
                         f"(partitioner `{run.get('partitioner')}`)"),
         ("seed", run.get("seed")),
