@@ -386,9 +386,10 @@ def privacy_summary(run: RunConfig, strategy: FedCyBGD) -> dict[str, Any]:
     """What DP spent (empty with ``dp = "off"``): the summary's ``dp_*`` keys and the final
     model's ``privacy.json``. For ``dp = "example"`` the figure is the largest epsilon a node
     reported for this run (each node keeps and enforces its own account)."""
-    ledger = strategy.privacy
+    ledger = strategy.dp_policy.ledger
     if run.dp == "example":
-        return {"dp": run.dp, "dp_epsilon": strategy.example_epsilon, "dp_delta": run.dp_delta,
+        return {"dp": run.dp, "dp_epsilon": strategy.dp_policy.example_epsilon,
+                "dp_delta": run.dp_delta,
                 "dp_clip_norm": run.dp_clip_norm,
                 "dp_noise_multiplier": run.dp_noise_multiplier,
                 "dp_target_epsilon": run.dp_target_epsilon, "dp_stop": strategy.privacy_stop,

@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -32,7 +31,6 @@ from fedcybgd.config import RunConfig
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.protocol import PRIVACY_BUDGET, SEEDLOG, zeroth_order
-from fedcybgd.protocol.dp import NoiseKey, adaptive_noise, count_stddev
 from fedcybgd.protocol.message_size import message_bytes
 from fedcybgd.protocol.prior import ClassPriorSpec, with_class_prior
 from fedcybgd.strategies.aggregate import Aggregator, build_aggregator
@@ -41,7 +39,7 @@ from fedcybgd.strategies.installing import Admitted, BlockInstaller
 from fedcybgd.strategies.instructions import RunTerms, train_message
 from fedcybgd.strategies.lr_schedule import build_lr_schedule
 from fedcybgd.strategies.matching import RuleForBudget, match
-from fedcybgd.strategies.privacy import AdaptiveClip, DpMean, PrivacyLedger
+from fedcybgd.strategies.privacy import PrivacyPolicy
 from fedcybgd.strategies.quantized_install import QuantizedInstall
 from fedcybgd.strategies.reader import NodeBook, ReplyReader
 from fedcybgd.strategies.record import RoundInFlight, RoundRecord
@@ -213,41 +211,17 @@ class FedCyBGD(Strategy):
         self.seed, self.lineage, self.base_hash = seed, lineage, base_hash
         self.node_wait_s, self.return_arrays = node_wait_s, return_arrays
         self.local_steps, self.client_lr = local_steps, client_lr
-        if dp not in ("off", "central", "local", "example"):
-            raise ValueError(f"dp must be 'off', 'central', 'local' or 'example', got {dp!r}")
-        self.dp = dp
-        # User-level DP (strategies.privacy): the server clips every upload again (central)
-        # and merges a block's clipped deltas as an unweighted mean, plus noise (central).
-        # Example-level DP is each node's own (DP-SGD, its own ledger and budget): the server
-        # only reports the largest epsilon a node says it has spent in this run.
-        self.privacy = (PrivacyLedger(dp, dp_noise_multiplier, dp_delta, dp_target_epsilon)
-                        if dp in ("central", "local") else None)
-        self.example_epsilon = 0.0  # dp = "example": the largest a node has reported
-        self.privacy_stop: str | None = None  # why the budget ended the run, once it has
-        self._dp_round: tuple[float, list[str]] = (0.0, [])
-        # Central DP's draws (noise, clip count, node sample) come from a secret of this server,
-        # never from the run's seed, which every node and every reader of summary.json holds.
-        self.noise_key = NoiseKey() if dp == "central" else None
-        # Adaptive clipping (central): the clip follows a quantile of the nodes' delta norms;
-        # the update noise's multiplier rises so that it and the noised count are accounted
-        # together at dp_noise_multiplier.
-        self.adaptive_clip: AdaptiveClip | None = None
-        self.dp_update_multiplier = dp_noise_multiplier
+        # Differential privacy at the points the strategy calls it (strategies.privacy): it
+        # may impose the merge and bound the screen; the sampler and the merge draw from its
+        # secret under central DP.
+        self.dp, self.dp_policy = dp, PrivacyPolicy(
+            dp, dp_noise_multiplier, dp_clip_norm, dp_delta, dp_target_epsilon,
+            dp_adaptive_clip, dp_clip_quantile, dp_clip_lr, dp_clip_count_stddev,
+            clients_per_round)
+        self.noise_key = self.dp_policy.noise_key
         self._max_update_norm = max_update_norm  # the robust screen's own bound (0: none)
-        if dp_adaptive_clip:
-            if dp != "central":
-                raise ValueError(f"dp-adaptive-clip needs dp = 'central', got {dp!r}")
-            stddev = count_stddev(dp_clip_count_stddev, clients_per_round, dp_noise_multiplier)
-            self.dp_update_multiplier = adaptive_noise(dp_noise_multiplier, stddev)
-            assert self.noise_key is not None
-            self.adaptive_clip = AdaptiveClip(dp_clip_norm, dp_clip_quantile, dp_clip_lr, stddev,
-                                              self.noise_key)
-        if self.privacy is not None:
-            aggregate = DpMean(self.dp_update_multiplier * dp_clip_norm if dp == "central"
-                               else 0.0, self.noise_key or NoiseKey())
-            if dp == "central":
-                max_update_norm = (min(max_update_norm, dp_clip_norm) if max_update_norm
-                                   else dp_clip_norm)
+        aggregate = self.dp_policy.merge() or aggregate
+        max_update_norm = self.dp_policy.screen_bound(max_update_norm)
         self.aggregate = (build_aggregator(aggregate, trim_fraction)
                           if isinstance(aggregate, str) else aggregate)
         self.aggregate_name = aggregate if isinstance(aggregate, str) else type(aggregate).__name__
@@ -361,12 +335,11 @@ class FedCyBGD(Strategy):
             [self.client_lr(r) for r in (1, 2, 10)],
             "self-sync": self.self_sync,
             "dp": self.dp,
-            "dp-ledger": None if self.privacy is None else (
-                self.privacy.noise_multiplier, self.privacy.delta, self.privacy.target_epsilon),
+            "dp-ledger": None if (ledger := self.dp_policy.ledger) is None else (
+                ledger.noise_multiplier, ledger.delta, ledger.target_epsilon),
             "dp-noise": getattr(self.aggregate, "noise_std", None),
-            "dp-adaptive-clip": None if self.adaptive_clip is None else (
-                self.adaptive_clip.clip, self.adaptive_clip.quantile, self.adaptive_clip.lr,
-                self.adaptive_clip.count_stddev),
+            "dp-adaptive-clip": None if (clip := self.dp_policy.adaptive_clip) is None else (
+                clip.clip, clip.quantile, clip.lr, clip.count_stddev),
         }
 
     # What tests and the ServerApp read directly.
@@ -427,24 +400,20 @@ class FedCyBGD(Strategy):
                                         per_block=self.clients_per_block,
                                         excluded=self.nodes.excluded, wait_s=self.node_wait_s)
         except RuntimeError as short:
-            spent = [n for n, why in self.nodes.excluded.items()
-                     if why.startswith(PRIVACY_BUDGET)]
-            if self.dp != "example" or not spent:
+            # dp = "example": nodes that declined on their own budgets end the run
+            if not self.dp_policy.declined(str(short), self.nodes.excluded, PRIVACY_BUDGET):
                 raise
-            # dp = "example": the nodes that declined on their own budgets are what is missing
-            self.privacy_stop = (f"{short}: {len(spent)} node(s) declined, their example-level "
-                                 f"privacy budget spent")
-            log.warning("privacy budget: %s; no more rounds", self.privacy_stop)
-            self.round = RoundInFlight(RoundRecord.training(server_round, self.update_rule), [])
-            return []
+            return self._no_more_rounds(server_round)
         if self.class_prior is not None:  # after sampling: the new nodes' counts are known
             config = with_class_prior(config, self.class_prior, self.classes,
                                       self.sampler.keys.class_counts)
-        if self.privacy is not None and not self._privacy_allows(server_round, nodes):
-            self.round = RoundInFlight(RoundRecord.training(server_round, self.update_rule), [])
-            return []
-        if self.adaptive_clip is not None:  # this round's clip: the nodes', the screen's, noise
-            config = self._with_adaptive_clip(config)
+        if not self.dp_policy.allows(server_round, nodes, self.sampler.population):
+            return self._no_more_rounds(server_round)
+        clip = self.dp_policy.round_clip(self.aggregate)  # an adaptive clip: this round's
+        if clip is not None:  # the nodes' clip, the screen's bound (the merge's noise is set)
+            bound = self._max_update_norm
+            self.screen.max_norm = min(bound, clip) if bound else clip
+            config = ConfigRecord({**dict(config), protocol.DP_CLIP: float(clip)})
         blocks = self.schedule.take(len(nodes) // self.clients_per_block)
         nodes = nodes[: len(blocks) * self.clients_per_block]
         pairs = match(nodes, blocks, per_block=self.clients_per_block, rule=self.update_rule,
@@ -530,51 +499,25 @@ class FedCyBGD(Strategy):
             drops.add(node, f"upload of block {block}", Dropped(NO_REPLY, "timeout or lost"))
         live.awaiting = {}
         self.installer.close(live, arrived, drops)
-        if self.privacy is not None and live.sent:
-            rate, dp_nodes = self._dp_round
-            record.extra["dp_epsilon"] = self.privacy.record(rate, dp_nodes)
-        elif self.dp == "example":
-            reported = [got.metrics.get("dp_epsilon", math.nan) for _, (_, got, _) in arrived]
-            self.example_epsilon = max([self.example_epsilon,
-                                        *(e for e in reported if math.isfinite(e))])
-            record.extra["dp_epsilon"] = self.example_epsilon
-        if self.adaptive_clip is not None and live.sent:
-            # each admitted node's one vote (a value other than 0 or 1 is no vote)
-            votes = [got.metrics.get(protocol.DP_UNCLIPPED) for _, (_, got, _) in arrived]
-            record.extra["dp_clip_norm"] = self.adaptive_clip.clip
-            record.extra["dp_clip_next"] = self.adaptive_clip.update(
-                [v == 1.0 for v in votes if v in (0.0, 1.0)])
+        self.dp_policy.account(record.extra, [got.metrics for _, (_, got, _) in arrived],
+                               protocol.DP_UNCLIPPED, bool(live.sent))
         self.history.append(record)
         if not record.accepted or not self.return_arrays:
             return None, record.to_metric_record()
         live.returned = ArrayRecord({k: v.detach().clone() for k, v in self.weights.items()})
         return live.returned, record.to_metric_record()
 
-    def _with_adaptive_clip(self, config: ConfigRecord) -> ConfigRecord:
-        """The round's clip in the instruction, on the server's screen and in the noise."""
-        assert self.adaptive_clip is not None
-        clip = self.adaptive_clip.clip
-        self.screen.max_norm = min(self._max_update_norm, clip) if self._max_update_norm else clip
-        if isinstance(self.aggregate, DpMean):
-            self.aggregate.noise_std = self.dp_update_multiplier * clip
-        return ConfigRecord({**dict(config), protocol.DP_CLIP: float(clip)})
+    def _no_more_rounds(self, server_round: int) -> list[Message]:
+        """The differential-privacy budget ends the run (:attr:`privacy_stop` says why): an
+        empty round, no instructions."""
+        log.warning("privacy budget: %s; no more rounds", self.privacy_stop)
+        self.round = RoundInFlight(RoundRecord.training(server_round, self.update_rule), [])
+        return []
 
-    def _privacy_allows(self, server_round: int, nodes: list[int]) -> bool:
-        """Whether the round sampling ``nodes`` fits ``dp-target-epsilon``; keeps its sampling
-        rate and nodes for the ledger. Beyond the budget, :attr:`privacy_stop` says why."""
-        assert self.privacy is not None
-        rate = len(nodes) / max(self.sampler.population, len(nodes), 1)
-        asked = [str(n) for n in nodes]
-        ok, after = self.privacy.allows(rate, asked)
-        if not ok:
-            self.privacy_stop = (
-                f"round {server_round} would take epsilon from {self.privacy.spent():.3g} to "
-                f"{after:.3g}, above dp-target-epsilon = {self.privacy.target_epsilon:g} "
-                f"(at dp-delta = {self.privacy.delta:g})")
-            log.warning("privacy budget: %s; no more rounds", self.privacy_stop)
-            return False
-        self._dp_round = (rate, asked)
-        return True
+    @property
+    def privacy_stop(self) -> str | None:
+        """Why the privacy budget ended the run, once it has."""
+        return self.dp_policy.stop
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -609,21 +552,7 @@ class FedCyBGD(Strategy):
                 "server_steps": self.step.state(),
                 "traffic_seen": {} if self.budget is None else {
                     c: list(r) for c, r in self.budget.seen.items()},
-                "privacy": {"example_epsilon": self.example_epsilon} if self.privacy is None
-                else {**self.privacy.state(), "merges": getattr(self.aggregate, "merges", 0),
-                      **({} if self.noise_key is None else {"noise_key": self.noise_key.hex()}),
-                      **({} if self.adaptive_clip is None
-                         else {"adaptive_clip": self.adaptive_clip.state()})}}
-
-    def _load_noise_key(self, text: Any) -> None:
-        """Take the checkpoint's central-DP secret, in place, so the merge, the adaptive clip and
-        the sampler (which hold this key) draw what the uninterrupted run would have drawn."""
-        assert self.noise_key is not None
-        try:
-            self.noise_key.restore(text)
-        except ValueError:
-            raise ValueError("the checkpoint's central-DP noise key (privacy.noise_key) is "
-                             "missing or malformed; a resumed run cannot draw its noise") from None
+                "privacy": self.dp_policy.state(self.aggregate)}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state`'s output (weights must be restored by the caller)."""
@@ -639,13 +568,4 @@ class FedCyBGD(Strategy):
         if self.budget is not None:
             self.budget.seen = {str(c): [float(x) for x in r]
                                 for c, r in state.get("traffic_seen", {}).items()}
-        self.example_epsilon = float(state.get("privacy", {}).get("example_epsilon", 0.0))
-        if self.privacy is not None:
-            privacy = state.get("privacy", {})
-            self.privacy.load_state(privacy)
-            if self.noise_key is not None:
-                self._load_noise_key(privacy.get("noise_key"))
-            if isinstance(self.aggregate, DpMean):
-                self.aggregate.merges = int(privacy.get("merges", 0))
-            if self.adaptive_clip is not None and "adaptive_clip" in privacy:
-                self.adaptive_clip.load_state(privacy["adaptive_clip"])
+        self.dp_policy.load_state(state.get("privacy", {}), self.aggregate)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fedcybgd.protocol.dp import NoiseKey, add_noise, epsilon
+from fedcybgd.protocol.dp import NoiseKey, adaptive_noise, add_noise, count_stddev, epsilon
 
 
 @dataclass
@@ -176,3 +176,147 @@ class AdaptiveClip:
         if not (math.isfinite(clip) and clip > 0 and updates >= 0):
             raise ValueError(f"adaptive clip state is malformed: {dict(state)}")
         self.clip, self.updates = clip, updates
+
+
+class PrivacyPolicy:
+    """A FedCyBGD run's differential privacy, at the points the strategy calls it.
+
+    ``dp = "central"`` or ``"local"``: user-level DP; the server clips every upload again
+    (central), a block's clipped deltas merge as :class:`DpMean` whatever ``aggregate`` says,
+    and :class:`PrivacyLedger` accounts each round before it starts. ``dp = "example"``:
+    each node's own DP-SGD, ledger and budget; the server only reports the largest epsilon a
+    node says it has spent, and ends the run when nodes decline on their budgets. Central DP's
+    draws (noise, clip count, node sample) come from :attr:`noise_key`, a secret of this server,
+    never from the run's seed, which every node and every reader of ``summary.json`` holds. With
+    adaptive clipping (central) the clip follows a quantile of the nodes' delta norms; the
+    update noise's multiplier rises so that it and the noised count are accounted together at
+    ``noise_multiplier``.
+    """
+
+    DP_KINDS = ("off", "central", "local", "example")
+
+    def __init__(self, dp: str, noise_multiplier: float, clip_norm: float, delta: float,
+                 target_epsilon: float, adaptive_clip: bool, clip_quantile: float,
+                 clip_lr: float, clip_count_stddev: float, clients_per_round: int) -> None:
+        if dp not in self.DP_KINDS:
+            raise ValueError(f"dp must be 'off', 'central', 'local' or 'example', got {dp!r}")
+        self.dp, self.clip_norm = dp, clip_norm
+        self.ledger = (PrivacyLedger(dp, noise_multiplier, delta, target_epsilon)
+                       if dp in ("central", "local") else None)
+        self.example_epsilon = 0.0  # dp = "example": the largest a node has reported
+        self.stop: str | None = None  # why the budget ended the run, once it has
+        self._round: tuple[float, list[str]] = (0.0, [])  # the round's sampling rate and nodes
+        self.noise_key = NoiseKey() if dp == "central" else None
+        self.adaptive_clip: AdaptiveClip | None = None
+        self.update_multiplier = noise_multiplier
+        if adaptive_clip:
+            if dp != "central":
+                raise ValueError(f"dp-adaptive-clip needs dp = 'central', got {dp!r}")
+            stddev = count_stddev(clip_count_stddev, clients_per_round, noise_multiplier)
+            self.update_multiplier = adaptive_noise(noise_multiplier, stddev)
+            assert self.noise_key is not None
+            self.adaptive_clip = AdaptiveClip(clip_norm, clip_quantile, clip_lr, stddev,
+                                              self.noise_key)
+
+    def merge(self) -> DpMean | None:
+        """The merge user-level DP imposes on every block (None: the run's ``aggregate``)."""
+        if self.ledger is None:
+            return None
+        return DpMean(self.update_multiplier * self.clip_norm if self.dp == "central" else 0.0,
+                      self.noise_key or NoiseKey())
+
+    def screen_bound(self, max_update_norm: float) -> float:
+        """The server screen's norm bound: under central DP at most the clip."""
+        if self.dp != "central":
+            return max_update_norm
+        return min(max_update_norm, self.clip_norm) if max_update_norm else self.clip_norm
+
+    def declined(self, short: str, excluded: Mapping[int, str], marker: str) -> bool:
+        """Sampling came ``short``: whether that is nodes declining on their own example-level
+        budgets (``excluded`` reasons starting with ``marker``), which ends the run."""
+        spent = [n for n, why in excluded.items() if why.startswith(marker)]
+        if self.dp != "example" or not spent:
+            return False
+        self.stop = (f"{short}: {len(spent)} node(s) declined, their example-level privacy "
+                     "budget spent")
+        return True
+
+    def allows(self, server_round: int, nodes: Sequence[int], population: int) -> bool:
+        """Whether the round sampling ``nodes`` of ``population`` fits ``dp-target-epsilon``;
+        keeps its rate and nodes for :meth:`account`. Beyond the budget, :attr:`stop` says
+        why."""
+        if self.ledger is None:
+            return True
+        rate = len(nodes) / max(population, len(nodes), 1)
+        asked = [str(n) for n in nodes]
+        ok, after = self.ledger.allows(rate, asked)
+        if not ok:
+            self.stop = (f"round {server_round} would take epsilon from "
+                         f"{self.ledger.spent():.3g} to {after:.3g}, above dp-target-epsilon = "
+                         f"{self.ledger.target_epsilon:g} (at dp-delta = {self.ledger.delta:g})")
+            return False
+        self._round = (rate, asked)
+        return True
+
+    def round_clip(self, merge: Any) -> float | None:
+        """The adaptive clip of this round (None: a fixed one), set in the merge's noise."""
+        if self.adaptive_clip is None:
+            return None
+        clip = self.adaptive_clip.clip
+        if isinstance(merge, DpMean):
+            merge.noise_std = self.update_multiplier * clip
+        return clip
+
+    def account(self, extra: dict[str, Any], metrics: Sequence[Mapping[str, Any]],
+                unclipped_key: str, sent: bool) -> None:
+        """After a round (``sent``: it sent instructions): the epsilon spent (the ledger's, or
+        the largest a node reports under ``example``) and the adaptive clip's update from the
+        admitted nodes' votes (``metrics``; a value other than 0 or 1 is no vote), into the
+        round record's ``extra``."""
+        if self.ledger is not None:
+            if sent:
+                rate, nodes = self._round
+                extra["dp_epsilon"] = self.ledger.record(rate, nodes)
+        elif self.dp == "example":
+            reported = [m.get("dp_epsilon", math.nan) for m in metrics]
+            self.example_epsilon = max([self.example_epsilon,
+                                        *(e for e in reported if math.isfinite(e))])
+            extra["dp_epsilon"] = self.example_epsilon
+        if self.adaptive_clip is not None and sent:
+            votes = [m.get(unclipped_key) for m in metrics]
+            extra["dp_clip_norm"] = self.adaptive_clip.clip
+            extra["dp_clip_next"] = self.adaptive_clip.update(
+                [v == 1.0 for v in votes if v in (0.0, 1.0)])
+
+    def state(self, merge: Any) -> dict[str, Any]:
+        """JSON-able state (``merge``: the run's aggregate, whose merge count DP's noise
+        draws follow)."""
+        if self.ledger is None:
+            return {"example_epsilon": self.example_epsilon}
+        return {**self.ledger.state(), "merges": getattr(merge, "merges", 0),
+                **({} if self.noise_key is None else {"noise_key": self.noise_key.hex()}),
+                **({} if self.adaptive_clip is None
+                   else {"adaptive_clip": self.adaptive_clip.state()})}
+
+    def load_state(self, state: Mapping[str, Any], merge: Any) -> None:
+        """Restore :meth:`state`'s output; the noise key in place, so the merge, the adaptive
+        clip and the sampler (which hold this key) draw what the uninterrupted run would
+        have drawn."""
+        self.example_epsilon = float(state.get("example_epsilon", 0.0))
+        if self.ledger is None:
+            return
+        self.ledger.load_state(state)
+        if self.noise_key is not None:
+            text = state.get("noise_key")
+            try:
+                if not isinstance(text, str):
+                    raise ValueError(text)
+                self.noise_key.restore(text)
+            except ValueError:
+                raise ValueError("the checkpoint's central-DP noise key (privacy.noise_key) is "
+                                 "missing or malformed; a resumed run cannot draw its "
+                                 "noise") from None
+        if isinstance(merge, DpMean):
+            merge.merges = int(state.get("merges", 0))
+        if self.adaptive_clip is not None and "adaptive_clip" in state:
+            self.adaptive_clip.load_state(state["adaptive_clip"])
