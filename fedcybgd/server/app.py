@@ -254,14 +254,8 @@ def _train(run: RunConfig, out: Path, strategy: FedCyBGD, blocks: BlockMap, mode
            ) -> tuple[dict[str, Any], str | None]:
     """The rounds, the final model and the summary; returns the summary and the failure, if
     the run failed (:mod:`fedcybgd.server.verdict`)."""
-    if resumed is not None:
-        initial = resumed.initial_eval
-    else:
-        initial, cached = evaluator.initial()
-        writer.write(RoundRecord(0, eval_loss=initial.loss, eval_accuracy=initial.accuracy,
-                                 eval_examples=initial.examples,
-                                 extra=eval_extras(initial, cached)).to_json())
-        write_samples(out, 0, initial)
+    initial = resumed.initial_eval if resumed is not None else _evaluate_first(
+        evaluator, writer, out)
     log.info("round 0: eval loss %.4f, accuracy %.3f", initial.loss, initial.accuracy)
     # The latest evaluation and its round; after the loop, the final one.
     last_eval, last_eval_round = initial, 0
@@ -301,14 +295,8 @@ def _train(run: RunConfig, out: Path, strategy: FedCyBGD, blocks: BlockMap, mode
         record = strategy.history[-1]
         is_last = server_round == run.num_server_rounds
         if is_last or (run.eval_every and server_round % run.eval_every == 0):
-            eval_start = time.perf_counter()
-            last_eval, last_eval_round = evaluator(), server_round
+            last_eval, last_eval_round = _evaluate_into(evaluator, record, out), server_round
             stop.last_eval = last_eval
-            record.eval_loss, record.eval_accuracy = last_eval.loss, last_eval.accuracy
-            record.eval_examples = last_eval.examples
-            record.extra.update(eval_extras(last_eval))
-            record.eval_s = time.perf_counter() - eval_start
-            write_samples(out, server_round, last_eval)
         record.round_s = time.perf_counter() - round_start
         row = record.to_json()
         # The checkpoint first, then the row: a round has a row only once it is durable, so a
@@ -336,6 +324,40 @@ def _train(run: RunConfig, out: Path, strategy: FedCyBGD, blocks: BlockMap, mode
     else:
         failure = verdict.at_end(run.num_server_rounds, run_totals(writer.records)["dropped"])
 
+    summary = _finish(run, out, strategy, blocks, model, writer, checkpointer, segments, stop,
+                      (initial, last_eval), failure, stopped_early)
+    return summary, failure
+
+
+def _evaluate_first(evaluator: Evaluator, writer: MetricsWriter, out: Path) -> Any:
+    """The evaluation before training (round 0's row and samples)."""
+    initial, cached = evaluator.initial()
+    writer.write(RoundRecord(0, eval_loss=initial.loss, eval_accuracy=initial.accuracy,
+                             eval_examples=initial.examples,
+                             extra=eval_extras(initial, cached)).to_json())
+    write_samples(out, 0, initial)
+    return initial
+
+
+def _evaluate_into(evaluator: Evaluator, record: RoundRecord, out: Path) -> Any:
+    """Evaluate the model after ``record``'s round, into the record and its samples file."""
+    began = time.perf_counter()
+    result = evaluator()
+    record.eval_loss, record.eval_accuracy = result.loss, result.accuracy
+    record.eval_examples = result.examples
+    record.extra.update(eval_extras(result))
+    record.eval_s = time.perf_counter() - began
+    write_samples(out, record.round, result)
+    return result
+
+
+def _finish(run: RunConfig, out: Path, strategy: FedCyBGD, blocks: BlockMap, model: Any,
+            writer: MetricsWriter, checkpointer: Checkpointer, segments: Segments,
+            stop: StopRecord, evaluations: tuple[Any, Any], failure: str | None,
+            stopped_early: str | None) -> dict[str, Any]:
+    """The final model (a completed run's), ``summary.json``, the segment's end and the model
+    card; returns the summary. ``evaluations``: round 0's and the last one."""
+    initial, last_eval = evaluations
     final_dir = out / "final"
     if failure is not None:
         remove_final(final_dir)  # an untrained model is not a run's result
@@ -379,7 +401,7 @@ def _train(run: RunConfig, out: Path, strategy: FedCyBGD, blocks: BlockMap, mode
         end_segment(checkpointer, listed)
     if failure is None:
         write_model_card(final_dir, summary)
-    return summary, failure
+    return summary
 
 
 def privacy_summary(run: RunConfig, strategy: FedCyBGD) -> dict[str, Any]:
