@@ -341,21 +341,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     evaluator = Evaluator(run, server.stack)
     prior, classes = class_prior_of(run, evaluator.task.num_classes())
     writer = session.records()
-    strategy = CheckedFedAvg(
-        server.signature(),
-        # A fraction of ~0 makes FedAvg sample exactly min_train_nodes, however many connect.
-        fraction_train=1e-9,
-        fraction_evaluate=0.0,
-        min_train_nodes=run.clients_per_round,
-        min_available_nodes=run.clients_per_round,
-        max_examples=run.local_steps * run.batch_size,
-        seed=run.seed,
-        class_prior=prior,
-        classes=classes,
-        client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
-                                    run.warmup_rounds),
-        sampling_secret=NoiseKey() if run.dp == "central" else None,
-    )
+    strategy = _fedavg(run, server, prior, classes)
     # With DP the budget may allow fewer rounds than asked (FedAvgPrivacy.rounds_within)
     privacy = FedAvgPrivacy.of(run, population)
     rounds = run.num_server_rounds if privacy is None else privacy.rounds_within(
@@ -397,20 +383,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
         return MetricRecord({"eval_loss": record.eval_loss,
                              "eval_accuracy": record.eval_accuracy})  # type: ignore[dict-item]
 
-    driver: Strategy = strategy
-    if privacy is not None and run.dp_adaptive_clip:
-        # Flower's adaptive-clipping wrapper: the clip starts at dp-clip-norm and follows the
-        # quantile of the update norms on a noised count; it raises the update noise so both
-        # are accounted at dp-noise-multiplier, as FedCyBGD's adaptive clip does
-        driver = DifferentialPrivacyServerSideAdaptiveClipping(
-            strategy, run.dp_noise_multiplier, run.clients_per_round,
-            initial_clipping_norm=run.dp_clip_norm, target_clipped_quantile=run.dp_clip_quantile,
-            clip_norm_lr=run.dp_clip_lr, clipped_count_stddev=run.clip_count_stddev)
-    elif privacy is not None:
-        # Flower's own central-DP wrapper: each update clipped to dp-clip-norm around the
-        # global model, Gaussian noise of multiplier x clip / n on the average
-        driver = DifferentialPrivacyServerSideFixedClipping(
-            strategy, run.dp_noise_multiplier, run.dp_clip_norm, run.clients_per_round)
+    driver = strategy if privacy is None else _with_dp(strategy, run)
     head = {"model": run.model, "strategy": "fedavg", "update_rule": f"fedavg-{run.fedavg_params}",
             "rounds": rounds, "run_config": run.to_run_config()}
     stop = UncheckpointedStop(out, head, writer, started)
@@ -426,6 +399,43 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
             raise
     return session.finish(summary, failure, writer.records,
                           f"FedAvg-{run.fedavg_params}, {run.model}, seed {run.seed}")
+
+
+def _fedavg(run: RunConfig, server: BaselineModel, prior: Any, classes: Any) -> CheckedFedAvg:
+    """The run's FedAvg: exactly ``clients-per-round`` nodes a round, each reply's examples
+    bounded, the class prior and the nodes' rate schedule; under central DP the node sample
+    drawn from a secret of this server."""
+    return CheckedFedAvg(
+        server.signature(),
+        # A fraction of ~0 makes FedAvg sample exactly min_train_nodes, however many connect.
+        fraction_train=1e-9,
+        fraction_evaluate=0.0,
+        min_train_nodes=run.clients_per_round,
+        min_available_nodes=run.clients_per_round,
+        max_examples=run.local_steps * run.batch_size,
+        seed=run.seed,
+        class_prior=prior,
+        classes=classes,
+        client_lr=build_lr_schedule(run.lr_schedule, run.lr, run.num_server_rounds,
+                                    run.warmup_rounds),
+        sampling_secret=NoiseKey() if run.dp == "central" else None,
+    )
+
+
+def _with_dp(strategy: CheckedFedAvg, run: RunConfig) -> Strategy:
+    """``strategy`` wrapped in Flower's central-DP wrapper, the Flower way."""
+    if run.dp_adaptive_clip:
+        # Flower's adaptive-clipping wrapper: the clip starts at dp-clip-norm and follows the
+        # quantile of the update norms on a noised count; it raises the update noise so both
+        # are accounted at dp-noise-multiplier, as FedCyBGD's adaptive clip does
+        return DifferentialPrivacyServerSideAdaptiveClipping(
+            strategy, run.dp_noise_multiplier, run.clients_per_round,
+            initial_clipping_norm=run.dp_clip_norm, target_clipped_quantile=run.dp_clip_quantile,
+            clip_norm_lr=run.dp_clip_lr, clipped_count_stddev=run.clip_count_stddev)
+    # Flower's own central-DP wrapper: each update clipped to dp-clip-norm around the
+    # global model, Gaussian noise of multiplier x clip / n on the average
+    return DifferentialPrivacyServerSideFixedClipping(
+        strategy, run.dp_noise_multiplier, run.dp_clip_norm, run.clients_per_round)
 
 
 def _finish(run: RunConfig, out: Path, server: BaselineModel, writer: MetricsWriter,
