@@ -66,34 +66,61 @@ def write_plots(out_dir: Path, records: Sequence[Mapping[str, Any]], title: str 
     axes = fig.subplots(2, 3)
     fig.suptitle(title or "run", fontsize=13)
 
-    def line(ax: Any, key: str, label: str, baseline: bool = False) -> None:
-        xs, ys = _series(rows, key)
-        if xs:
-            ax.plot(xs, ys, marker="o", label=label)
-            if baseline and xs[0] == 0:
-                ax.axhline(ys[0], color="grey", linestyle="--", linewidth=1,
-                           label="before training")
-                ax.legend(loc="best", fontsize=8)
-        else:
-            ax.text(0.5, 0.5, f"no {label}", ha="center", va="center",
-                    transform=ax.transAxes, color="grey")
-
     ax = axes[0][0]
-    line(ax, "eval_accuracy", "eval accuracy", baseline=True)
+    _line(ax, rows, "eval_accuracy", "eval accuracy", baseline=True)
     ax.set_title("Eval accuracy")
     ax.set_ylabel("accuracy")
 
     ax = axes[0][1]
-    line(ax, "eval_loss", "eval loss", baseline=True)
+    _line(ax, rows, "eval_loss", "eval loss", baseline=True)
     ax.set_title("Eval loss")
     ax.set_ylabel("loss")
 
     ax = axes[0][2]
-    line(ax, "train_loss", "train loss")
+    _line(ax, rows, "train_loss", "train loss")
     ax.set_title("Train loss (clients, weighted by examples)")
     ax.set_ylabel("loss")
 
-    ax = axes[1][0]
+    _traffic(axes[1][0], trained)
+
+    ax = axes[1][1]
+    xs, ys = _series(trained, "client_peak_mem_mb")
+    ax.bar(xs, ys, color="tab:purple")
+    ax.set_title("Client peak memory (largest of the round)")
+    ax.set_ylabel("MiB")
+
+    _drops(axes[1][2], trained)
+
+    for ax in (a for row in axes for a in row):
+        ax.set_xlabel("round")
+        ax.set_xlim(-0.5, last + 0.5)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    path = out_dir / PLOTS_FILE
+    write_bytes(path, buffer.getvalue())
+    return path
+
+
+def _line(ax: Any, rows: Sequence[Mapping[str, Any]], key: str, label: str,
+          baseline: bool = False) -> None:
+    """``key`` against the round (``baseline``: the value before training as a line)."""
+    xs, ys = _series(rows, key)
+    if xs:
+        ax.plot(xs, ys, marker="o", label=label)
+        if baseline and xs[0] == 0:
+            ax.axhline(ys[0], color="grey", linestyle="--", linewidth=1,
+                       label="before training")
+            ax.legend(loc="best", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, f"no {label}", ha="center", va="center",
+                transform=ax.transAxes, color="grey")
+
+
+def _traffic(ax: Any, trained: Sequence[Mapping[str, Any]]) -> None:
+    """Cumulative payload bytes each way and in all, by round."""
     rounds = [0] + [int(r["round"]) for r in trained]
     down = [0.0]
     up = [0.0]
@@ -108,13 +135,9 @@ def write_plots(out_dir: Path, records: Sequence[Mapping[str, Any]], title: str 
     ax.set_ylabel("MB")
     ax.legend(loc="upper left", fontsize=8)
 
-    ax = axes[1][1]
-    xs, ys = _series(trained, "client_peak_mem_mb")
-    ax.bar(xs, ys, color="tab:purple")
-    ax.set_title("Client peak memory (largest of the round)")
-    ax.set_ylabel("MiB")
 
-    ax = axes[1][2]
+def _drops(ax: Any, trained: Sequence[Mapping[str, Any]]) -> None:
+    """The uploads each round dropped."""
     drops = [_dropped(r) for r in trained]
     ax.bar([int(r["round"]) for r in trained], drops, color="tab:red")
     ax.set_ylim(0, max([1, *drops]) * 1.15)
@@ -124,18 +147,6 @@ def write_plots(out_dir: Path, records: Sequence[Mapping[str, Any]], title: str 
                 color="grey")
     ax.set_title("Uploads dropped (checks failed or lost)")
     ax.set_ylabel("uploads")
-
-    for ax in (a for row in axes for a in row):
-        ax.set_xlabel("round")
-        ax.set_xlim(-0.5, last + 0.5)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.grid(alpha=0.3)
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    path = out_dir / PLOTS_FILE
-    write_bytes(path, buffer.getvalue())
-    return path
 
 
 def plot_run(out_dir: Path, records: Sequence[Mapping[str, Any]], title: str = "") -> Path | None:
