@@ -153,8 +153,8 @@ class _Hub(http.server.BaseHTTPRequestHandler):
     slow = False
 
     def do_GET(self) -> None:
-        if self.slow:
-            time.sleep(3)
+        if self.slow:  # far longer than any wait the test allows, so a load spike can't pass
+            time.sleep(20)
         self.send_response(404)
         self.send_header("X-Error-Code", "RepoNotFound")
         self.send_header("Content-Type", "application/json")
@@ -197,8 +197,8 @@ def test_a_hub_that_does_not_answer_in_time_is_named_in_seconds(local_hub):
     # Execute
     with pytest.raises(loading.ModelNameError) as caught:
         loading.check_model("someone/small-lm", hub_timeout_s=0.5)
-    # Assert
-    assert time.monotonic() - started < 2.5
+    # Assert: the check gave up on its own timeout, long before the hub would have answered
+    assert time.monotonic() - started < 10
     assert "could not be reached within 0.5 s" in str(caught.value)
     assert "HF_HUB_OFFLINE=1" in str(caught.value)
 

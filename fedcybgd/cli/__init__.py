@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from fedcybgd.cli import node
 from fedcybgd.cli.launch import EXIT_CODES, Launch, launch
@@ -32,6 +33,36 @@ def build_parser() -> argparse.ArgumentParser:
         description="Federated full-parameter fine-tuning of LLMs (FedCyBGD) on Flower.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_run(commands)
+    node.add_parser(commands)
+    _add_export(commands)
+    docs = commands.add_parser(
+        "config-docs",
+        help="Write the configuration reference's key tables from the typed fields.",
+        description=(
+            "Regenerate the tables of the configuration reference (every run-config, "
+            "update-rule option and node-config key with its default, range and meaning) "
+            "from the fields that declare them; the prose around them is kept."
+        ),
+    )
+    docs.add_argument("path", nargs="?", default=None, metavar="PATH",
+                      help="The reference to update (default: docs/configuration.md).")
+    docs.add_argument("--check", action="store_true",
+                      help="Write nothing; exit 1 when the file is not current.")
+    for name, text in (("report", "Print the summaries of one or several runs side by side."),
+                       ("plots", "Draw a run's plots.png again from its metrics.jsonl.")):
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("folders", nargs="+" if name == "report" else 1, metavar="OUTPUT_DIR",
+                         help="A run's output-dir (holding summary.json / metrics.jsonl).")
+    for name, (_, text) in DELEGATED.items():
+        sub = commands.add_parser(name, help=text, add_help=False,
+                                  description=f"{text} (`fedcybgd {name} --help` for its flags)")
+        sub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def _add_run(commands: Any) -> None:
+    """``fedcybgd run``: flwr run with a checked exit."""
     run = commands.add_parser(
         "run",
         help="Run the app (flwr run --stream) and exit non-zero unless the run completed.",
@@ -66,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-on-interrupt", action="store_true",
                      help="On Ctrl-C, stop the submitted run too (`flwr stop`); without it "
                           "the run goes on, as with `flwr run`.")
-    node.add_parser(commands)
+
+
+def _add_export(commands: Any) -> None:
+    """``fedcybgd export``: a run's model as one GGUF file."""
     export = commands.add_parser(
         "export",
         help="Write a trained model (a run's output-dir, or its final/) as one GGUF file.",
@@ -87,29 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--type", default="f16", choices=("f32", "f16", "q8_0", "q4_1"),
                         help="Weight type: f32, f16 (default), q8_0 or q4_1 (1-D tensors "
                              "stay f32).")
-    docs = commands.add_parser(
-        "config-docs",
-        help="Write the configuration reference's key tables from the typed fields.",
-        description=(
-            "Regenerate the tables of the configuration reference (every run-config, "
-            "update-rule option and node-config key with its default, range and meaning) "
-            "from the fields that declare them; the prose around them is kept."
-        ),
-    )
-    docs.add_argument("path", nargs="?", default=None, metavar="PATH",
-                      help="The reference to update (default: docs/configuration.md).")
-    docs.add_argument("--check", action="store_true",
-                      help="Write nothing; exit 1 when the file is not current.")
-    for name, text in (("report", "Print the summaries of one or several runs side by side."),
-                       ("plots", "Draw a run's plots.png again from its metrics.jsonl.")):
-        sub = commands.add_parser(name, help=text, description=text)
-        sub.add_argument("folders", nargs="+" if name == "report" else 1, metavar="OUTPUT_DIR",
-                         help="A run's output-dir (holding summary.json / metrics.jsonl).")
-    for name, (_, text) in DELEGATED.items():
-        sub = commands.add_parser(name, help=text, add_help=False,
-                                  description=f"{text} (`fedcybgd {name} --help` for its flags)")
-        sub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    return parser
 
 
 # Commands that are their own module's command line: name -> (module, what it does)
