@@ -346,6 +346,7 @@ class _Block:
         self._z = torch.empty(0, dtype=torch.float32, device=self.device)
         self._start = torch.empty(0, dtype=torch.float32, device=self.device)
         self.cached: list[tuple[_Slot, int, torch.Tensor, torch.Tensor | None]] | None = None
+        self.cached_steps = 0  # steps whose z was drawn up front into the cache (a diagnostic)
 
     def begin(self, seed_of_step: int, chosen: tuple[int, ...], cache_bytes: int) -> None:
         """Draw the step's z once into the cache when it fits in ``cache_bytes`` with the
@@ -363,6 +364,7 @@ class _Block:
         if self._start.numel() < start_numel:
             self._start = torch.empty(start_numel, dtype=torch.float32, device=self.device)
         self.cached = []
+        self.cached_steps += 1
         draws: list[tuple[int, list[int], torch.Tensor]] = []  # per unit: seed, numels, z
         at_z = at_start = 0
         for unit in chosen:
@@ -439,6 +441,7 @@ class ZerothOrder:
     def __init__(self) -> None:
         self.last_log: zeroth_order.SeedLog | None = None
         self.last_times: dict[str, float] = {}  # the last round's seconds, z drawing apart
+        self.last_cached_steps = 0  # the last round's steps that drew z up front
         self._generator: torch.Generator | None = None
 
     def train(self, task: TrainTask) -> TrainOutcome:
@@ -492,6 +495,7 @@ class ZerothOrder:
         # the reply's timings: drawing z for the step cache counts as perturbation; the split
         # is kept here for profiling (experiments/bench_updates.py)
         self.last_times = dict(times)
+        self.last_cached_steps = block.cached_steps
         metrics = {key: value for key, value in times.items() if key != "z_s"}
         metrics["perturb_s"] += times["z_s"]
         metrics.update(
