@@ -383,6 +383,36 @@ def replay(
     ValueError
         When ``layout`` or ``block_tensors`` do not fit the log.
     """
+    _check_replayable(block_tensors, log, layout, check_torch=check_torch, verify=verify,
+                      device=device)
+    masters = {
+        name: t.detach().to(device=device, dtype=torch.float32, copy=True).reshape(-1)
+        for name, t in block_tensors.items()
+    }
+    update = _UnitUpdate(masters, block_tensors, layout, log.weight_decay)
+    _replay_steps(log.steps, update, device)
+    out = {
+        name: masters[name].view(block_tensors[name].shape).to("cpu", block_tensors[name].dtype)
+        for name in block_tensors
+    }
+    if verify and log.result and content_checksum(out) != log.result:
+        raise ReplayError(f"block '{log.block}': replay does not reproduce the client's result")
+    return out
+
+
+def _check_replayable(
+    block_tensors: Mapping[str, torch.Tensor],
+    log: SeedLog,
+    layout: Sequence[Sequence[str]],
+    *,
+    check_torch: bool,
+    verify: bool,
+    device: torch.device | str,
+) -> None:
+    """Raise unless ``log`` can be replayed exactly here on ``block_tensors`` (see :func:`replay`):
+    a well-formed log, the same unit layout and tensors, torch version, z fingerprint, supported
+    dtypes, and (with ``verify``) the client's start.
+    """
     check_log(log)
     names = [name for unit in layout for name in unit]
     if len(layout) != log.units or layout_id(layout) != log.layout:
@@ -405,48 +435,65 @@ def replay(
                              f"one of {SUPPORTED_DTYPES}")
     if verify and log.base and content_checksum(block_tensors) != log.base:
         raise ReplayError(f"block '{log.block}': the start tensors are not the client's start")
-    masters = {
-        name: t.detach().to(device=device, dtype=torch.float32, copy=True).reshape(-1)
-        for name, t in block_tensors.items()
-    }
-    size = min(Z_CHUNK, max((t.numel() for t in masters.values()), default=1))
-    local = threading.local()  # each thread's z buffer and update scratch
 
-    def update(step: SeedStep, unit: int) -> None:
+
+class _UnitUpdate:
+    """Applies one step's update to one unit of the fp32 ``masters``, in place: redraws the
+    unit's z chunk by chunk and runs :func:`apply_update` on each chunk. Safe to call from
+    several threads at once for disjoint units: each thread keeps its own z buffer and scratch.
+    """
+
+    def __init__(
+        self,
+        masters: Mapping[str, torch.Tensor],
+        block_tensors: Mapping[str, torch.Tensor],
+        layout: Sequence[Sequence[str]],
+        weight_decay: float,
+    ) -> None:
+        self.masters = masters
+        self.block_tensors = block_tensors
+        self.layout = layout
+        self.weight_decay = weight_decay
+        self.size = min(Z_CHUNK, max((t.numel() for t in masters.values()), default=1))
+        self.local = threading.local()  # each thread's z buffer and update scratch
+
+    def __call__(self, step: SeedStep, unit: int) -> None:
+        local, size = self.local, self.size
         if not hasattr(local, "buffer"):
             local.buffer = torch.empty(size, dtype=torch.float32)
             local.work = {}
-        unit_names = layout[unit]
-        numels = [masters[name].numel() for name in unit_names]
+        unit_names = self.layout[unit]
+        numels = [self.masters[name].numel() for name in unit_names]
         for pos, offset, z in unit_z_chunks(unit_seed(step.seed, unit), numels,
                                             out=local.buffer):
             name = unit_names[pos]
             n = z.numel()
-            theta = masters[name][offset:offset + n]
+            theta = self.masters[name][offset:offset + n]
             if theta.device not in local.work:
                 local.work[theta.device] = (torch.empty(size, device=theta.device),
                                             torch.empty(size, device=theta.device))
             scratch = local.work[theta.device]
-            apply_update(theta, z.to(theta.device), step.g, step.lr, log.weight_decay,
-                         decays(block_tensors[name].shape), work=(scratch[0][:n], scratch[1][:n]))
+            apply_update(theta, z.to(theta.device), step.g, step.lr, self.weight_decay,
+                         decays(self.block_tensors[name].shape),
+                         work=(scratch[0][:n], scratch[1][:n]))
 
-    # A step's units are disjoint tensors with generators of their own: on the CPU they are
-    # replayed side by side, one per torch thread (the same values as one after another).
-    widest = max((len(step.units) for step in log.steps), default=1)
+
+def _replay_steps(
+    steps: Sequence[SeedStep], update: _UnitUpdate, device: torch.device | str
+) -> None:
+    """Run ``update`` for every unit of every step, step after step.
+
+    A step's units are disjoint tensors with generators of their own: on the CPU they are
+    replayed side by side, one per torch thread (the same values as one after another).
+    """
+    widest = max((len(step.units) for step in steps), default=1)
     workers = min(torch.get_num_threads(), widest) if torch.device(device).type == "cpu" else 1
     if workers <= 1:
-        for step in log.steps:
+        for step in steps:
             for unit in step.units:
                 update(step, unit)
     else:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for step in log.steps:
+            for step in steps:
                 for _ in pool.map(functools.partial(update, step), step.units):
                     pass  # re-raises a unit's error
-    out = {
-        name: masters[name].view(block_tensors[name].shape).to("cpu", block_tensors[name].dtype)
-        for name in block_tensors
-    }
-    if verify and log.result and content_checksum(out) != log.result:
-        raise ReplayError(f"block '{log.block}': replay does not reproduce the client's result")
-    return out
