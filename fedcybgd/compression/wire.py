@@ -246,6 +246,53 @@ def encode(
         :func:`decode` does, so an encoder bug cannot produce a payload that verifies.
     """
     codec = parse_spec(spec)
+    group_size = _check_encode_args(
+        codec,
+        block=block,
+        target_version=target_version,
+        base_version=base_version,
+        group_size=group_size,
+        zstd_level=zstd_level,
+        topk_ratio=topk_ratio,
+    )
+    inputs = _cpu_tensors(tensors, "tensors")
+    _check_finite(inputs, "input")
+    bases, base_checksum = _encode_bases(codec, inputs, base)
+    entries, raw_body = _encode_body(
+        codec, inputs, bases, group_size=group_size, topk_ratio=topk_ratio
+    )
+    checksum = _reconstruction_checksum(codec, entries, raw_body, bases, inputs)
+    body = codecs.zstd_compress(raw_body, zstd_level) if codec.zstd else raw_body
+    header = PayloadHeader(
+        format_version=FORMAT_VERSION,
+        spec=str(codec),
+        block=block,
+        base_version=base_version,
+        target_version=target_version,
+        entries=entries,
+        checksum=checksum,
+        base_checksum=base_checksum,
+        body_length=len(body),
+        raw_body_length=len(raw_body),
+        body_sha256=hashlib.sha256(body).hexdigest(),
+    )
+    data = pack_frame(header, body)
+    if read_header(data, max_bytes=len(data)) != header:  # the header must parse back to itself
+        raise RuntimeError("internal error: payload header does not round-trip")
+    return data
+
+
+def _check_encode_args(
+    codec: CodecSpec,
+    *,
+    block: object,
+    target_version: object,
+    base_version: object,
+    group_size: int | None,
+    zstd_level: object,
+    topk_ratio: object,
+) -> int:
+    """Check :func:`encode`'s scalar arguments; return the group size (default filled in)."""
     if not isinstance(block, str) or not block:
         raise CodecError("block name must be a non-empty string")
     _check_int(target_version, "target_version", 0)
@@ -256,16 +303,34 @@ def encode(
     _check_int(zstd_level, "zstd_level", _MIN_ZSTD_LEVEL, zstandard.MAX_COMPRESSION_LEVEL)
     if not isinstance(topk_ratio, float | int) or not 0.0 < topk_ratio <= 1.0:
         raise CodecError(f"topk_ratio must be in (0, 1], got {topk_ratio!r}")
-    inputs = _cpu_tensors(tensors, "tensors")
-    _check_finite(inputs, "input")
-    bases: dict[str, torch.Tensor] = {}
-    base_checksum: str | None = None
-    if codec.needs_base:
-        wanted = {n: (t.dtype, tuple(t.shape)) for n, t in inputs.items()}
-        bases = _check_base(codec, wanted, base)
-        _check_finite(bases, "base")
-        base_checksum = content_checksum(bases)
+    return group_size
 
+
+def _encode_bases(
+    codec: CodecSpec,
+    inputs: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor] | None,
+) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The checked base tensors and their checksum (none for a codec without a base)."""
+    if not codec.needs_base:
+        return {}, None
+    wanted = {n: (t.dtype, tuple(t.shape)) for n, t in inputs.items()}
+    bases = _check_base(codec, wanted, base)
+    _check_finite(bases, "base")
+    return bases, content_checksum(bases)
+
+
+def _encode_body(
+    codec: CodecSpec,
+    inputs: Mapping[str, torch.Tensor],
+    bases: Mapping[str, torch.Tensor],
+    *,
+    group_size: int,
+    topk_ratio: float,
+) -> tuple[tuple[TensorEntry, ...], bytes]:
+    """Every tensor's header entry and the uncompressed body holding all their parts (each
+    part byte-shuffled when the body is zstd-compressed and its items are wider than a byte).
+    """
     chunks: list[bytes] = []
     entries: list[TensorEntry] = []
     offset = 0
@@ -287,33 +352,25 @@ def encode(
             chunks.append(stored)
             offset += len(stored)
         entries.append(TensorEntry(name, dtype, tuple(x.shape), tuple(refs), gsize, topk))
-    raw_body = b"".join(chunks)
-    del chunks
+    return tuple(entries), b"".join(chunks)
 
-    recon = _reconstruct_all(codec, tuple(entries), memoryview(raw_body), bases)
+
+def _reconstruction_checksum(
+    codec: CodecSpec,
+    entries: tuple[TensorEntry, ...],
+    raw_body: bytes,
+    bases: Mapping[str, torch.Tensor],
+    inputs: Mapping[str, torch.Tensor],
+) -> str:
+    """The payload's checksum: that of the tensors :func:`decode` rebuilds from ``raw_body``
+    (which must be finite, and equal ``inputs`` for a lossless codec).
+    """
+    recon = _reconstruct_all(codec, entries, memoryview(raw_body), bases)
     _check_finite(recon, "reconstruction (value overflow?)")
     checksum = content_checksum(recon)
     if codec.lossless and checksum != content_checksum(inputs):
         raise RuntimeError(f"internal error: lossless spec {codec} did not round-trip")
-    del recon
-    body = codecs.zstd_compress(raw_body, zstd_level) if codec.zstd else raw_body
-    header = PayloadHeader(
-        format_version=FORMAT_VERSION,
-        spec=str(codec),
-        block=block,
-        base_version=base_version,
-        target_version=target_version,
-        entries=tuple(entries),
-        checksum=checksum,
-        base_checksum=base_checksum,
-        body_length=len(body),
-        raw_body_length=len(raw_body),
-        body_sha256=hashlib.sha256(body).hexdigest(),
-    )
-    data = pack_frame(header, body)
-    if read_header(data, max_bytes=len(data)) != header:  # the header must parse back to itself
-        raise RuntimeError("internal error: payload header does not round-trip")
-    return data
+    return checksum
 
 
 def _check_shapes(header: PayloadHeader, expect: Mapping[str, tuple[int, ...]]) -> None:
