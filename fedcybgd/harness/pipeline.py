@@ -26,7 +26,14 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedcybgd.client.pipeline import Stage
+    from fedcybgd.data.prompts import Batch
+    from fedcybgd.strategies.pipeline import Op
+    from fedcybgd.tasks.base import Task
+    from fedcybgd.tasks.shares import BatchIterator
 
 SAMPLE_S = 0.005
 MAX_MESSAGE_BYTES = 1 << 30
@@ -168,14 +175,42 @@ def _stage_main(spec_json: str, k: int, from_below: Connection | None,
 def _run_stage(spec: PipelineSpec, k: int, from_below: Connection | None,
                to_above: Connection | None, from_above: Connection | None,
                to_below: Connection | None) -> tuple[dict[str, Any], bytes]:
-    import torch
+    """Stage ``k`` of ``spec`` in this process: build it, run its operations (measuring them),
+    and return its :class:`StageReport` as a dict and its trained chunk as safetensors bytes."""
     from safetensors.torch import save
+
+    from fedcybgd.strategies.pipeline import plan
+
+    stage, task, hidden, batches = _build_stage(spec, k)
+    up = _Sender(to_above) if to_above is not None else None
+    down = _Sender(to_below) if to_below is not None else None
+    inbox = _Inbox(k, [c for c in (from_below, from_above) if c is not None])
+    loop = _StageLoop(spec, stage, task, hidden, batches, inbox, up, down)
+    rss_loaded = _rss_mb()
+    peak = _Peak()
+    started = time.time()
+    loop.run(plan(spec.schedule, spec.stages, spec.micro_batches, spec.steps)[k])
+    ended = time.time()
+    peak_mb = peak.stop()
+    for sender in (up, down):
+        if sender is not None:
+            sender.close()
+    report = StageReport(
+        k, stage.layers, loop.ops_done, inbox.wait_s, up.bytes if up else 0,
+        down.bytes if down else 0, up.messages if up else 0, down.messages if down else 0,
+        rss_loaded, peak_mb, loop.max_kept, stage.losses, started, ended)
+    return asdict(report), save(stage.chunk_state())
+
+
+def _build_stage(spec: PipelineSpec, k: int) -> tuple[Stage, Task, int, BatchIterator | None]:
+    """Set this process's torch threads and seed, then build stage ``k`` of ``spec``: the stage
+    over a freshly loaded model, its task, the model's hidden size and, for stage 0 (which reads
+    the data), its training batches."""
+    import torch
 
     from fedcybgd.client.pipeline import Stage, StageConfig
     from fedcybgd.config import RunConfig
     from fedcybgd.model.loading import load_model, load_tokenizer
-    from fedcybgd.protocol import activations
-    from fedcybgd.strategies.pipeline import plan
     from fedcybgd.tasks import shares
     from fedcybgd.tasks.base import build_task
 
@@ -191,81 +226,109 @@ def _run_stage(spec: PipelineSpec, k: int, from_below: Connection | None,
         tokenizer = load_tokenizer(spec.model)
         batches = shares.batches(shares.load_split(spec.dataset, "train"), tokenizer,
                                  spec.batch_size, spec.max_seq_len, seed=spec.seed, task=task)
-    up = _Sender(to_above) if to_above is not None else None
-    down = _Sender(to_below) if to_below is not None else None
-    inbound = [c for c in (from_below, from_above) if c is not None]
-    inbox: dict[tuple[str, int], bytes] = {}
-    ops_done: dict[str, dict[str, float]] = {}
-    wait_s = 0.0
-    max_kept = 0
+    return stage, task, hidden, batches
 
-    def receive(kind: str, mb: int) -> bytes:
-        nonlocal wait_s
+
+class _Inbox:
+    """Messages from stage ``k``'s neighbours, handed out by ``(kind, micro-batch)`` whatever
+    order they arrive in; counts the seconds spent waiting for them."""
+
+    def __init__(self, k: int, inbound: list[Connection]) -> None:
+        from fedcybgd.protocol import activations
+
+        self._peek = activations.peek
+        self.k = k
+        self.inbound = inbound
+        self.messages: dict[tuple[str, int], bytes] = {}
+        self.wait_s = 0.0
+
+    def receive(self, kind: str, mb: int) -> bytes:
+        """The message ``kind`` for micro-batch ``mb``, waiting up to 900 s for each arrival."""
         began = time.perf_counter()
-        while (kind, mb) not in inbox:
-            ready = wait(inbound, timeout=900)
+        while (kind, mb) not in self.messages:
+            ready = wait(self.inbound, timeout=900)
             if not ready:
-                raise PipelineError(f"stage {k}: no message for {kind}{mb} in 900 s")
+                raise PipelineError(f"stage {self.k}: no message for {kind}{mb} in 900 s")
             for conn in ready:
                 assert isinstance(conn, Connection)
                 try:
                     data = conn.recv_bytes(MAX_MESSAGE_BYTES)
                 except EOFError as err:
-                    raise PipelineError(f"stage {k}: a neighbour closed its pipe before "
+                    raise PipelineError(f"stage {self.k}: a neighbour closed its pipe before "
                                         f"{kind}{mb} arrived") from err
-                inbox[activations.peek(data)] = data
-        wait_s += time.perf_counter() - began
-        return inbox.pop((kind, mb))
+                self.messages[self._peek(data)] = data
+        self.wait_s += time.perf_counter() - began
+        return self.messages.pop((kind, mb))
 
-    rss_loaded = _rss_mb()
-    peak = _Peak()
-    started = time.time()
-    for op in plan(spec.schedule, spec.stages, spec.micro_batches, spec.steps)[k]:
-        data = None
-        batch = None
+
+class _StageLoop:
+    """Runs a stage's operations in order: takes each one's input (stage 0's next batch or a
+    neighbour's message), runs it, sends its output on, and records its CPU and wall seconds
+    (``ops_done``) and the most micro-batches the stage kept (``max_kept``)."""
+
+    def __init__(self, spec: PipelineSpec, stage: Stage, task: Task, hidden: int,
+                 batches: BatchIterator | None, inbox: _Inbox, up: _Sender | None,
+                 down: _Sender | None) -> None:
+        from fedcybgd.protocol import activations
+
+        self._encode = activations.encode
+        self._decode = activations.decode
+        self.spec = spec
+        self.stage = stage
+        self.task = task
+        self.hidden = hidden
+        self.batches = batches
+        self.inbox = inbox
+        self.up = up
+        self.down = down
+        self.ops_done: dict[str, dict[str, float]] = {}
+        self.max_kept = 0
+
+    def run(self, ops: list[Op]) -> None:
+        for op in ops:
+            data, batch = self._inputs(op)
+            cpu, wall = time.process_time(), time.perf_counter()
+            self._execute(op, data, batch)
+            self.max_kept = max(self.max_kept, self.stage.kept + (op.kind in ("B", "L")))
+            row = self.ops_done.setdefault(op.kind, {"count": 0, "cpu_s": 0.0, "wall_s": 0.0})
+            row["count"] += 1
+            row["cpu_s"] += time.process_time() - cpu
+            row["wall_s"] += time.perf_counter() - wall
+
+    def _inputs(self, op: Op) -> tuple[bytes | None, Batch | None]:
+        """``(message, batch)`` that ``op`` starts from: a forward's next batch on stage 0, else
+        the message a forward or (below the last stage) a backward waits for."""
         if op.kind == "F":
-            if batches is not None:
-                batch = next(batches)
-            else:
-                data = receive("F", op.mb)
-        elif op.kind == "B" and not stage.last:
-            data = receive("B", op.mb)
-        cpu, wall = time.process_time(), time.perf_counter()
+            if self.batches is not None:
+                return None, next(self.batches)
+            return self.inbox.receive("F", op.mb), None
+        if op.kind == "B" and not self.stage.last:
+            return self.inbox.receive("B", op.mb), None
+        return None, None
+
+    def _execute(self, op: Op, data: bytes | None, batch: Batch | None) -> None:
+        dtype = self.spec.activation_dtype
         if op.kind == "F":
             states = None
             if data is not None:
-                _, _, states, batch = activations.decode(data, hidden, MAX_MESSAGE_BYTES, task)
+                _, _, states, batch = self._decode(data, self.hidden, MAX_MESSAGE_BYTES,
+                                                   self.task)
             assert batch is not None
-            out = stage.forward(op.mb, batch, states)
-            if up is not None:
-                up.send(activations.encode("F", op.mb, out, batch, spec.activation_dtype))
+            out = self.stage.forward(op.mb, batch, states)
+            if self.up is not None:
+                self.up.send(self._encode("F", op.mb, out, batch, dtype))
         elif op.kind == "B":
             grad = None
             if data is not None:
-                grad = activations.decode(data, hidden, MAX_MESSAGE_BYTES)[2]
-            back = stage.backward(op.mb, grad)
-            if down is not None:
+                grad = self._decode(data, self.hidden, MAX_MESSAGE_BYTES)[2]
+            back = self.stage.backward(op.mb, grad)
+            if self.down is not None:
                 assert back is not None
-                down.send(activations.encode("B", op.mb, back, None, spec.activation_dtype))
+                self.down.send(self._encode("B", op.mb, back, None, dtype))
         elif op.kind == "L":
-            stage.local_update(op.mb)
+            self.stage.local_update(op.mb)
         else:
-            stage.step()
-        max_kept = max(max_kept, stage.kept + (op.kind in ("B", "L")))
-        row = ops_done.setdefault(op.kind, {"count": 0, "cpu_s": 0.0, "wall_s": 0.0})
-        row["count"] += 1
-        row["cpu_s"] += time.process_time() - cpu
-        row["wall_s"] += time.perf_counter() - wall
-    ended = time.time()
-    peak_mb = peak.stop()
-    for sender in (up, down):
-        if sender is not None:
-            sender.close()
-    report = StageReport(
-        k, stage.layers, ops_done, wait_s, up.bytes if up else 0, down.bytes if down else 0,
-        up.messages if up else 0, down.messages if down else 0, rss_loaded, peak_mb, max_kept,
-        stage.losses, started, ended)
-    return asdict(report), save(stage.chunk_state())
+            self.stage.step()
 
 
 def run_pipeline(spec: PipelineSpec) -> PipelineResult:
