@@ -54,9 +54,14 @@ __all__ = [
     "FEDAVG_PARAMS",
     "PARTITIONERS",
     "STRATEGIES",
+    "Codecs",
+    "Cohort",
     "ConfigError",
     "NodeConfig",
+    "Privacy",
+    "Robust",
     "RunConfig",
+    "ServerStepConfig",
     "run_config_keys",
 ]
 
@@ -600,6 +605,52 @@ class RunConfig:
         """Clients that train the same block in a round (``clients-per-block``, 0 resolved)."""
         return self.clients_per_block or self.clients_per_round
 
+    # The strategy's parts each take one section (the flat keys stay: Flower needs them).
+    @property
+    def cohort(self) -> Cohort:
+        """Who trains what each round, and the bounds of one client-round."""
+        return Cohort(
+            clients_per_round=self.clients_per_round, clients_per_block=self.per_block,
+            block_schedule=self.block_schedule, update_rule=self.update_rule, seed=self.seed,
+            local_steps=self.local_steps, batch_size=self.batch_size, node_wait_s=self.node_wait,
+            max_payload_bytes=int(self.max_payload_mb * 2**20))
+
+    @property
+    def codecs(self) -> Codecs:
+        """What crosses the wire each way and how installs are kept."""
+        return Codecs(
+            upload_codec=self.upload_codec, download_codec=self.download_codec,
+            seedlog_fallback=self.seedlog_fallback, seedlog_max_replay=self.seedlog_max_replay,
+            download_fraction=self.download_fraction, max_staleness=self.max_staleness,
+            traffic_budget_mb=self.traffic_budget_mb, install_codec=self.install_spec,
+            version_history=self.version_history, install_chain=self.install_chain,
+            self_sync=self.self_sync)
+
+    @property
+    def robust(self) -> Robust:
+        """How one block's uploads are screened and merged."""
+        return Robust(
+            aggregate=self.aggregate, trim_fraction=self.trim_fraction,
+            max_update_norm=self.max_update_norm, outlier_factor=self.outlier_factor,
+            max_update_ratio=self.max_update_ratio)
+
+    @property
+    def server_step(self) -> ServerStepConfig:
+        """The server's step on a merged block."""
+        return ServerStepConfig(
+            lr=self.server_lr, damping=self.parallel_damping, optimizer=self.server_optimizer,
+            beta1=self.server_beta1, beta2=self.server_beta2, eps=self.server_eps)
+
+    @property
+    def privacy(self) -> Privacy:
+        """User-level differential privacy."""
+        return Privacy(
+            mode=self.dp, clip_norm=self.dp_clip_norm, noise_multiplier=self.dp_noise_multiplier,
+            delta=self.dp_delta, target_epsilon=self.dp_target_epsilon,
+            adaptive_clip=self.dp_adaptive_clip, clip_quantile=self.dp_clip_quantile,
+            clip_lr=self.dp_clip_lr, clip_count_stddev=self.dp_clip_count_stddev,
+            clients_per_round=self.clients_per_round)
+
     def rule_options(self, rule: str) -> RuleOptions:
         """The typed options of the registered update rule ``rule``."""
         return rules.parse_options(rule, self.options)
@@ -628,6 +679,86 @@ class RunConfig:
         out = {key: getattr(self, s.name) for key, s in settings(type(self)).items()}
         out.update(self.options)
         return out
+
+
+# ------------------------------------------------------------------ the strategy's sections
+# Views of a RunConfig (its properties build them); no defaults here: RunConfig keeps them.
+@dataclass(frozen=True)
+class Cohort:
+    """``clients-per-round``, ``clients-per-block`` (0 resolved), ``block-schedule``,
+    ``update-rule``, ``seed``, ``local-steps``, ``batch-size``, ``node-wait``,
+    ``max-payload-mb`` (as bytes)."""
+
+    clients_per_round: int
+    clients_per_block: int
+    block_schedule: str
+    update_rule: str
+    seed: int
+    local_steps: int
+    batch_size: int
+    node_wait_s: float
+    max_payload_bytes: int
+
+
+@dataclass(frozen=True)
+class Codecs:
+    """``upload-codec``, ``download-codec``, ``seedlog-fallback``, ``seedlog-max-replay``,
+    ``download-fraction``, ``max-staleness``, ``traffic-budget-mb``, ``install-codec``
+    (``auto`` resolved), ``version-history``, ``install-chain``, ``self-sync``."""
+
+    upload_codec: str
+    download_codec: str
+    seedlog_fallback: str
+    seedlog_max_replay: float
+    download_fraction: float
+    max_staleness: int
+    traffic_budget_mb: float
+    install_codec: str
+    version_history: int
+    install_chain: int
+    self_sync: bool
+
+
+@dataclass(frozen=True)
+class Robust:
+    """``aggregate``, ``trim-fraction``, ``max-update-norm``, ``outlier-factor``,
+    ``max-update-ratio``."""
+
+    aggregate: str
+    trim_fraction: float
+    max_update_norm: float
+    outlier_factor: float
+    max_update_ratio: float
+
+
+@dataclass(frozen=True)
+class ServerStepConfig:
+    """``server-lr``, ``parallel-damping``, ``server-optimizer``, ``server-beta1``,
+    ``server-beta2``, ``server-eps``."""
+
+    lr: float
+    damping: str
+    optimizer: str
+    beta1: float
+    beta2: float
+    eps: float
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """The ``dp`` keys (``dp-clip-count-stddev`` as given: 0 is resolved where it is used),
+    and ``clients-per-round``, which the accounting samples by."""
+
+    mode: str
+    clip_norm: float
+    noise_multiplier: float
+    delta: float
+    target_epsilon: float
+    adaptive_clip: bool
+    clip_quantile: float
+    clip_lr: float
+    clip_count_stddev: float
+    clients_per_round: int
 
 
 def load_plugins(rule_modules: str, plugin_modules: str) -> None:

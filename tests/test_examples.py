@@ -23,6 +23,7 @@ from flwr.serverapp.strategy import (
     DifferentialPrivacyServerSideFixedClipping,
 )
 
+from fedcybgd.config import RunConfig
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
@@ -227,9 +228,9 @@ def _wrapped_round(tmp_path: Path, wrapper: type, noise: float) -> tuple[Any, Fe
     model = load_model("tiny-llama")
     weights = dict(model.named_parameters())
     strategy = FedCyBGD(block_map=BlockMap(model, 1), weights=weights, cycle=LAYERS,
-                        base_hash=content_checksum(weights), clients_per_round=2,
-                        clients_per_block=1,
-                        local_steps=2, batch_size=4, node_wait_s=0.0)
+                        base_hash=content_checksum(weights), config=RunConfig.from_run_config(
+                            {"clients-per-round": 2, "clients-per-block": 1, "local-steps": 2,
+                             "batch-size": 4, "node-wait": 0.0}))
     dp = wrapper(strategy, noise_multiplier=noise, clipping_norm=1.0, num_sampled_clients=2)
     initial = ArrayRecord({n: p.detach().clone() for n, p in weights.items()})
     replies = grid.send_and_receive(list(dp.configure_train(1, initial, ConfigRecord(), grid)))

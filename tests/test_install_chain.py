@@ -27,7 +27,7 @@ from test_traffic import node_store, play, setup
 from fedcybgd import protocol
 from fedcybgd.compression import payload_from_array
 from fedcybgd.core.checksum import content_checksum
-from fedcybgd.strategies.fedcybgd import INSTALL_PAYLOAD
+from fedcybgd.strategies.checkpoint_entries import INSTALL_PAYLOAD
 from fedcybgd.strategies.replies import NOT_TRAINED
 from fedcybgd.strategies.versions import BlockVersions
 

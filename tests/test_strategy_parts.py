@@ -22,6 +22,7 @@ from flwr.app import (
 
 from fedcybgd import protocol
 from fedcybgd.compression import decode, encode, payload_from_array, payload_to_array, read_header
+from fedcybgd.config import RunConfig
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
@@ -171,7 +172,8 @@ def test_custom_schedule_registers_by_name_and_plugs_in(tiny):
     # Execute
     try:
         by_name = FedCyBGD(block_map=blocks, weights=dict(model.named_parameters()),
-                           cycle=LAYERS, block_schedule="test-largest-first")
+                           cycle=LAYERS, config=RunConfig.from_run_config(
+                               {"block-schedule": "test-largest-first"}))
         names = schedule_names()
     finally:
         unregister_schedule("test-largest-first")
@@ -593,9 +595,10 @@ def test_a_users_schedule_and_aggregator_run_a_round(tiny_run_config, tmp_path: 
     weights = dict(model.named_parameters())
     strategy = FedCyBGD(block_map=BlockMap(model, 1), weights=weights,
                         base_hash=content_checksum(weights), schedule=LargestFirst(LAYERS),
-                        clients_per_round=2,
-                        clients_per_block=2, aggregate=first_only, local_steps=2,
-                        batch_size=4, upload_codec="delta+fp16+zstd", node_wait_s=0.0)
+                        aggregate=first_only, config=RunConfig.from_run_config(
+                            {"clients-per-round": 2, "clients-per-block": 2, "local-steps": 2,
+                             "batch-size": 4, "upload-codec": "delta+fp16+zstd",
+                             "node-wait": 0.0}))
     # Execute
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid))
     in_flight = strategy.round

@@ -43,7 +43,8 @@ from fedcybgd.server.checkpoint import (
     TensorSpec,
 )
 from fedcybgd.server.metrics import SEGMENT_ENDS
-from fedcybgd.strategies.fedcybgd import INSTALL_PAYLOAD, SERVER_STATE, FedCyBGD
+from fedcybgd.strategies.checkpoint_entries import INSTALL_PAYLOAD, SERVER_STATE
+from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.quantized_install import RESIDUAL
 from fedcybgd.tasks.objective import EvalResult
 

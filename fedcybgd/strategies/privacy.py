@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from fedcybgd.config import Privacy
 from fedcybgd.protocol.dp import NoiseKey, adaptive_noise, add_noise, count_stddev, epsilon
 
 
@@ -195,13 +196,12 @@ class PrivacyPolicy:
 
     DP_KINDS = ("off", "central", "local", "example")
 
-    def __init__(self, dp: str, noise_multiplier: float, clip_norm: float, delta: float,
-                 target_epsilon: float, adaptive_clip: bool, clip_quantile: float,
-                 clip_lr: float, clip_count_stddev: float, clients_per_round: int) -> None:
+    def __init__(self, config: Privacy) -> None:
+        dp, noise_multiplier, clip_norm = config.mode, config.noise_multiplier, config.clip_norm
         if dp not in self.DP_KINDS:
             raise ValueError(f"dp must be 'off', 'central', 'local' or 'example', got {dp!r}")
         self.dp, self.clip_norm = dp, clip_norm
-        self.ledger = (PrivacyLedger(dp, noise_multiplier, delta, target_epsilon)
+        self.ledger = (PrivacyLedger(dp, noise_multiplier, config.delta, config.target_epsilon)
                        if dp in ("central", "local") else None)
         self.example_epsilon = 0.0  # dp = "example": the largest a node has reported
         self.stop: str | None = None  # why the budget ended the run, once it has
@@ -209,14 +209,27 @@ class PrivacyPolicy:
         self.noise_key = NoiseKey() if dp == "central" else None
         self.adaptive_clip: AdaptiveClip | None = None
         self.update_multiplier = noise_multiplier
-        if adaptive_clip:
+        if config.adaptive_clip:
             if dp != "central":
                 raise ValueError(f"dp-adaptive-clip needs dp = 'central', got {dp!r}")
-            stddev = count_stddev(clip_count_stddev, clients_per_round, noise_multiplier)
+            stddev = count_stddev(config.clip_count_stddev, config.clients_per_round,
+                                  noise_multiplier)
             self.update_multiplier = adaptive_noise(noise_multiplier, stddev)
             assert self.noise_key is not None
-            self.adaptive_clip = AdaptiveClip(clip_norm, clip_quantile, clip_lr, stddev,
-                                              self.noise_key)
+            self.adaptive_clip = AdaptiveClip(clip_norm, config.clip_quantile, config.clip_lr,
+                                              stddev, self.noise_key)
+
+    def settings(self, merge: object) -> dict[str, Any]:
+        """The privacy settings in effect, by run-config key (``merge``: the block merge)."""
+        ledger, clip = self.ledger, self.adaptive_clip
+        return {
+            "dp": self.dp,
+            "dp-ledger": None if ledger is None else (
+                ledger.noise_multiplier, ledger.delta, ledger.target_epsilon),
+            "dp-noise": getattr(merge, "noise_std", None),
+            "dp-adaptive-clip": None if clip is None else (
+                clip.clip, clip.quantile, clip.lr, clip.count_stddev),
+        }
 
     def merge(self) -> DpMean | None:
         """The merge user-level DP imposes on every block (None: the run's ``aggregate``)."""

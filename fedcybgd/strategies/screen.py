@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from fedcybgd.config import Robust
 from fedcybgd.strategies.replies import NON_FINITE, OUTLIER, Dropped
 
 
@@ -89,6 +90,13 @@ class UpdateScreen:
         self.window = window
         self.min_history = min_history
         self.history: dict[str, deque[float]] = {}
+
+    @classmethod
+    def from_config(cls, config: Robust, max_norm: float) -> UpdateScreen:
+        """The screen of the run config's robust-aggregation keys, its norm bound ``max_norm``
+        (``max-update-norm``, or the bound differential privacy sets)."""
+        return cls(outlier_factor=config.outlier_factor, max_norm=max_norm,
+                   max_ratio=config.max_update_ratio)
 
     def reference(self, block: str) -> float | None:
         """The RMS an update of ``block`` is compared with (``None``: no usable history)."""

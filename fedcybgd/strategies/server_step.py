@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedcybgd.choices import DAMPINGS, SERVER_OPTIMIZERS
+from fedcybgd.config import ServerStepConfig
 from fedcybgd.protocol.selfsync import sgd_step
 from fedcybgd.strategies.replies import guarded
 from fedcybgd.strategies.screen import all_finite, update_rms
@@ -89,6 +90,12 @@ class ServerStep:
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.moments: dict[str, dict[str, Tensors]] = {}  # block -> "m"/"v" -> name -> fp32
         self.steps: dict[str, int] = {}  # block -> steps taken (Adam's bias correction)
+
+    @classmethod
+    def from_config(cls, config: ServerStepConfig) -> ServerStep:
+        """The step the run config's ``server-*`` keys describe."""
+        return cls(config.lr, config.damping, config.optimizer, config.beta1, config.beta2,
+                   config.eps)
 
     def size(self, parallel: int) -> float:
         """The step for a round that installs ``parallel`` blocks."""
