@@ -47,7 +47,7 @@ def main() -> None:
     from fedcybgd.config import RunConfig
     from fedcybgd.model.layerwise import LayerStack
     from fedcybgd.model.loading import load_model, load_tokenizer
-    from fedcybgd.tasks.base import build_task
+    from fedcybgd.tasks.build import build_task
     from fedcybgd.tasks.sft import SFTTask, normalize_answer, score_and_generate
 
     torch.set_num_threads(args.threads)

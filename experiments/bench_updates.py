@@ -143,7 +143,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     task = None
     if args.task == "sft":
         from fedcybgd.config import RunConfig
-        from fedcybgd.tasks.base import build_task
+        from fedcybgd.tasks.build import build_task
 
         task = build_task(RunConfig(task="sft", partitioner="iid"))
         frame = task.check(pd.DataFrame({

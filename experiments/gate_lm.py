@@ -123,7 +123,7 @@ def test_scores(config: dict[str, Any], final: Path, windows: int) -> dict[str, 
     from fedcybgd.config import RunConfig
     from fedcybgd.model.layerwise import LayerStack
     from fedcybgd.model.loading import load_tokenizer
-    from fedcybgd.tasks.base import build_task
+    from fedcybgd.tasks.build import build_task
 
     run = RunConfig.from_run_config({**config, "reference-dataset": "", "eval-split": "test",
                                      "eval-examples": windows})

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "movie")  # partitioner
 AUTO_TASK = "auto"  # task: the built-in dataset's own kind; classification for other data
+# task: the built-in kinds (each registers its class in fedcybgd.tasks; plug-ins add more)
+BUILTIN_TASKS: tuple[str, ...] = ("classification", "sft", "multiple-choice", "lm")
 # strategy (fedavg: Flower's own FedAvg; pipeline: one model split over several nodes)
 STRATEGIES: tuple[str, ...] = ("fedcybgd", "fedavg", "pipeline")
 FEDAVG_PARAMS: tuple[str, ...] = ("full", "lora")  # fedavg-params

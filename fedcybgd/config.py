@@ -44,7 +44,7 @@ from fedcybgd.compression import CodecError, lossy_delta_spec, parse_spec
 from fedcybgd.core import registry
 from fedcybgd.core.fields import ConfigError, build, closest, coerce, normalize, setting, settings
 from fedcybgd.data.catalogue import builtin_dataset
-from fedcybgd.data.kinds import task_class
+from fedcybgd.data.kinds import check_task
 from fedcybgd.model.devices import check_device_name
 from fedcybgd.protocol.dp import adaptive_noise, count_stddev
 from fedcybgd.protocol.prior import ClassPriorSpec
@@ -555,10 +555,7 @@ class RunConfig:
     def _check_task(self) -> None:
         """``task`` (``auto`` resolved) must be registered (plug-in modules are loaded); its
         text keys parse."""
-        try:
-            task_class(self.task_kind)
-        except ConfigError as err:
-            raise ConfigError(f"{err}") from None
+        check_task(self.task_kind)
         words = [w.strip() for w in self.label_words.split(",")]
         if len(words) < 2 or not all(words) or len(set(words)) != len(words):
             raise ConfigError(f"label-words must be two or more distinct comma-separated words, "

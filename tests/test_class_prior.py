@@ -19,7 +19,7 @@ from fedcybgd.protocol.prior import ClassPriorSpec, check_counts, pooled_shares
 from fedcybgd.strategies.node_keys import read_key
 from fedcybgd.strategies.replies import MALFORMED, Dropped
 from fedcybgd.tasks import shares
-from fedcybgd.tasks.base import build_task
+from fedcybgd.tasks.build import build_task
 
 
 @pytest.fixture(scope="module")

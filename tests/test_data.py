@@ -280,7 +280,7 @@ def test_class_balance_leaves_one_class_frames_and_classless_tasks_alone(tokeniz
 def test_class_balance_gives_an_absent_class_the_laplace_share(tokenizer):
     # Prepare: three label words, the frame holds two of them
     from fedcybgd.config import RunConfig
-    from fedcybgd.tasks.base import build_task
+    from fedcybgd.tasks.build import build_task
 
     task = build_task(RunConfig.from_run_config({"label-words": "bad,good,fine"}))
     frame = pd.DataFrame({"text": [f"review {i}" for i in range(9)],

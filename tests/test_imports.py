@@ -6,13 +6,16 @@ Read statically from the source (``ast``), so a lazy import inside a function co
 one at the top: it is still a dependency. Imports under ``if TYPE_CHECKING:`` do not run and
 are left out. A package's own ``__init__`` running when one of its submodules is imported is
 Python's doing, not an edge; an explicit ``from fedcybgd.pkg import name`` is an edge to the
-submodule ``name`` when there is one, else to ``fedcybgd.pkg`` itself.
+submodule ``name`` when there is one, else to ``fedcybgd.pkg`` itself. A string that is a whole
+module path (``"fedcybgd.pkg.mod"``, ``"fedcybgd.pkg.mod:attr"``), such as a registry's lazy
+entry, is an import by string and an edge like any other.
 """
 
 from __future__ import annotations
 
 import ast
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -70,12 +73,26 @@ def _known(name: str) -> str | None:
     return name or None
 
 
+STRING_IMPORT = re.compile(r"(fedcybgd(?:\.\w+)+)(?::[\w.]+)?")
+
+
+def _string_imports(tree: ast.AST) -> Iterator[str]:
+    """The module paths named by whole strings (``"fedcybgd.x.y:attr"``) in ``tree``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            match = STRING_IMPORT.fullmatch(node.value)
+            if match:
+                yield match.group(1)
+
+
 def dependencies(module: str) -> set[str]:
-    """The fedcybgd modules ``module`` imports."""
+    """The fedcybgd modules ``module`` imports (by statement or by string)."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found: set[str] = set()
-    for node in _imports(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    found = {target for target in _string_imports(tree)
+             if target in MODULES and target != module}
+    for node in _imports(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:

@@ -25,7 +25,7 @@ from fedcybgd.protocol.pipeline import stage_layers
 from fedcybgd.server.verdict import RunFailed
 from fedcybgd.strategies.pipeline import SCHEDULES, Op, in_flight, plan, simulate
 from fedcybgd.tasks import shares
-from fedcybgd.tasks.base import build_task
+from fedcybgd.tasks.build import build_task
 from fedcybgd.tasks.objective import batch_loss, scored_logits
 
 M = 3  # micro-batches per step

@@ -16,7 +16,7 @@ from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.data.sources import DataError
 from fedcybgd.model.loading import load_tokenizer
 from fedcybgd.tasks import make_task, shares
-from fedcybgd.tasks.base import build_task
+from fedcybgd.tasks.build import build_task
 from fedcybgd.tasks.objective import batch_loss, scored_logits
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from fedcybgd.cli import node
 from fedcybgd.cli.launch import EXIT_CODES, Launch, launch
+from fedcybgd.core.registry import resolve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,12 +166,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _delegate(name: str, argv: list[str]) -> int:
-    import importlib
-
-    module = importlib.import_module(DELEGATED[name][0])
+    main = resolve(f"{DELEGATED[name][0]}:main")
     program, sys.argv[0] = sys.argv[0], f"fedcybgd {name}"  # the module's parser's name
     try:
-        return int(module.main(argv) or 0)
+        return int(main(argv) or 0)
     finally:
         sys.argv[0] = program
 

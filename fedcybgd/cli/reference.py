@@ -25,7 +25,7 @@ from typing import Any
 
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.core.fields import Setting, settings
-from fedcybgd.rules import registry
+from fedcybgd.rules import builtin, registry
 
 DEFAULT_PATH = Path("docs") / "configuration.md"
 _BLOCK = re.compile(
@@ -53,7 +53,7 @@ def builtin_options() -> list[tuple[Setting, list[str]]]:
     """The built-in rules' option keys, each once, with the rules that read it."""
     keys: dict[str, tuple[Setting, list[str]]] = {}
     for spec in registry.rule_specs():
-        if spec.options is None or spec.options.__module__ != registry.BUILTIN_MODULE:
+        if spec.options is None or spec.options.__module__ != builtin.__name__:
             continue
         for key, s in settings(spec.options).items():
             keys.setdefault(key, (s, []))[1].append(spec.name)

@@ -9,7 +9,7 @@ import pandas as pd
 from fedcybgd.client.runtime import client_tokenizer
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.tasks import shares
-from fedcybgd.tasks.base import build_task
+from fedcybgd.tasks.build import build_task
 
 
 def node_frame(run: RunConfig, node: NodeConfig) -> pd.DataFrame:

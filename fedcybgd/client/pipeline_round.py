@@ -48,7 +48,7 @@ from fedcybgd.core.measure import PeakMemory
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.loading import cache_root, load_model
 from fedcybgd.protocol import activations as act
-from fedcybgd.tasks.base import build_task
+from fedcybgd.tasks.build import build_task
 
 log = logging.getLogger(__name__)
 

@@ -67,7 +67,8 @@ from fedcybgd.protocol import Holding, dp, seedlog, seedsync, selfsync, zeroth_o
 from fedcybgd.protocol.zeroth_order import SeedLog
 from fedcybgd.rules import ExampleDp, rule_spec
 from fedcybgd.rules.builtin import LEAN_OPTIONS
-from fedcybgd.tasks.base import build_task, warn_cut
+from fedcybgd.tasks.base import warn_cut
+from fedcybgd.tasks.build import build_task
 from fedcybgd.tasks.shares import target_shares
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ registries.
 * It works alike in simulation, deployment, the loopback grid and tests. A pip-installed
   plug-in package is used the same way: name its module in ``plugin-modules``.
 
-:class:`Registry` is the name table behind schedules and aggregators (update rules keep their
-own, :mod:`fedcybgd.rules.registry`, as a rule declares more than a factory). Import-light:
-nothing here imports torch, Flower or either side of the app.
+:class:`Registry` is the one name table of every extension point: update rules (their specs),
+tasks, block schedules and aggregators; :func:`resolve` the one place a ``"module:attr"`` text
+is imported. Import-light: nothing here imports torch, Flower or either side of the app.
 """
 
 from __future__ import annotations
@@ -32,22 +32,45 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Iterable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fedcybgd.core.fields import ConfigError, unknown_key
 
-__all__ = ["MODULE_PATTERN", "NAME_PATTERN", "Registry", "load_modules"]
+__all__ = ["MODULE_PATTERN", "NAME_PATTERN", "Registry", "load_modules", "resolve"]
 
 # Names travel in instructions, checkpoints and metrics: short, lower case, no spaces.
 NAME_PATTERN = r"[a-z][a-z0-9_-]{0,31}"
 MODULE_PATTERN = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
 PLUGIN_KEY = "plugin-modules"
 
-F = TypeVar("F", bound=Callable[..., object])
+V = TypeVar("V")
+TARGET_PATTERN = rf"{MODULE_PATTERN}:[A-Za-z_][\w.]*"  # "module:attr": a lazy entry
 
 
-class Registry(Generic[F]):
-    """Factories by name, for one kind of plug-in (block schedules, aggregators).
+def resolve(target: str) -> Any:
+    """The object ``"module:attr"`` names (``attr`` may be dotted), importing its module: the
+    one place a name given as text is imported.
+
+    Raises
+    ------
+    ValueError
+        ``target`` is not ``"module:attr"``.
+    ImportError, AttributeError
+        The module cannot be imported, or has no such attribute.
+    """
+    if not isinstance(target, str) or not re.fullmatch(TARGET_PATTERN, target):
+        raise ValueError(f"{target!r} is not 'module:attr'")
+    module, _, attr = target.partition(":")
+    found: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        found = getattr(found, part)
+    return found
+
+
+class Registry(Generic[V]):
+    """Entries by name, for one kind of extension (update rules, tasks, block schedules,
+    aggregators): each an object, or a ``"module:attr"`` text imported on first use
+    (:meth:`add_lazy`; a module of a higher floor registers its own entries so).
 
     Parameters
     ----------
@@ -55,51 +78,90 @@ class Registry(Generic[F]):
         The kind, in words (``"block schedule"``), for messages.
     key : str
         The run-config key that selects one (``"block-schedule"``), for messages.
+    check : callable, optional
+        Raises ``ValueError`` on an entry that is not of the kind (default: it must be
+        callable).
     """
 
-    def __init__(self, what: str, key: str) -> None:
+    def __init__(self, what: str, key: str, check: Callable[[str, Any], None] | None = None
+                 ) -> None:
         self.what, self.key = what, key
-        self._factories: dict[str, F] = {}
+        self._check = check or self._callable
+        self._entries: dict[str, V | str] = {}
 
-    def register(self, name: str, *, replace: bool = False) -> Callable[[F], F]:
-        """Decorator: make the decorated factory the one called ``name``.
+    def _callable(self, name: str, entry: Any) -> None:
+        if not callable(entry):
+            raise ValueError(f"{self.what} {name!r}: the factory must be callable")
+
+    def _name(self, name: str) -> None:
+        if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
+            raise ValueError(f"{self.what} name {name!r} must match {NAME_PATTERN}")
+
+    def add(self, name: str, entry: V, *, replace: bool = False) -> V:
+        """Make ``entry`` the one called ``name``; returns it.
 
         Raises
         ------
         ValueError
-            ``name`` does not match :data:`NAME_PATTERN`, or is taken and ``replace`` is false
-            (a plug-in must not shadow a built-in by accident).
+            ``name`` does not match :data:`NAME_PATTERN`, the entry is not of the kind, or
+            ``name`` is taken and ``replace`` is false (a plug-in must not shadow a built-in by
+            accident).
         """
-        if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
-            raise ValueError(f"{self.what} name {name!r} must match {NAME_PATTERN}")
+        self._name(name)
+        self._check(name, entry)
+        taken = self._entries.get(name)
+        if taken is not None and taken is not entry and not replace:
+            raise ValueError(f"a {self.what} named {name!r} is already registered")
+        self._entries[name] = entry
+        return entry
 
-        def add(factory: F) -> F:
-            if not callable(factory):
-                raise ValueError(f"{self.what} {name!r}: the factory must be callable")
-            taken = self._factories.get(name)
-            if taken is not None and taken is not factory and not replace:
-                raise ValueError(f"a {self.what} named {name!r} is already registered")
-            self._factories[name] = factory
-            return factory
+    def add_lazy(self, name: str, target: str) -> None:
+        """Make ``"module:attr"`` the entry called ``name``, imported on first use."""
+        self._name(name)
+        if not isinstance(target, str) or not re.fullmatch(TARGET_PATTERN, target):
+            raise ValueError(f"{self.what} {name!r}: {target!r} is not 'module:attr'")
+        if name in self._entries:
+            raise ValueError(f"a {self.what} named {name!r} is already registered")
+        self._entries[name] = target
+
+    def register(self, name: str, *, replace: bool = False) -> Callable[[V], V]:
+        """Decorator: make the decorated object the one called ``name`` (see :meth:`add`)."""
+        self._name(name)
+
+        def add(entry: V) -> V:
+            return self.add(name, entry, replace=replace)
 
         return add
 
-    def unregister(self, name: str) -> F:
-        """Remove ``name`` (tests, interactive sessions); returns its factory.
+    def unregister(self, name: str) -> V:
+        """Remove ``name`` (tests, interactive sessions); returns its entry.
 
         Raises
         ------
         KeyError
             Nothing of that name is registered.
         """
-        return self._factories.pop(name)
+        entry = self.find(name)
+        if entry is None:
+            raise KeyError(name)
+        del self._entries[name]
+        return entry
 
     def names(self) -> tuple[str, ...]:
         """The registered names, in registration order (the built-ins first)."""
-        return tuple(self._factories)
+        return tuple(self._entries)
 
-    def get(self, name: str) -> F:
-        """The factory called ``name``.
+    def find(self, name: str) -> V | None:
+        """The entry called ``name`` (a lazy one imported now), or ``None``."""
+        entry = self._entries.get(name)
+        if isinstance(entry, str):
+            found: V = resolve(entry)
+            self._check(name, found)
+            self._entries[name] = entry = found
+        return entry
+
+    def get(self, name: str) -> V:
+        """The entry called ``name``.
 
         Raises
         ------
@@ -107,12 +169,12 @@ class Registry(Generic[F]):
             Nothing of that name is registered; the message names the key, suggests the
             closest registered name and says how a plug-in is loaded.
         """
-        factory = self._factories.get(name)
-        if factory is None:
-            err = unknown_key(name, self._factories, what=self.what)
+        entry = self.find(name)
+        if entry is None:
+            err = unknown_key(name, self._entries, what=self.what)
             raise ConfigError(f"{self.key} = {name!r}: {err} (one of your own: name its module "
                               f"in {PLUGIN_KEY})")
-        return factory
+        return entry
 
 
 def load_modules(modules: str | Iterable[str], key: str = PLUGIN_KEY) -> list[str]:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from fedcybgd.core.registry import resolve
 from fedcybgd.data.catalogue import BUILTIN_DATASETS, BuiltinDataset, builtin_dataset
 
 if TYPE_CHECKING:
@@ -20,5 +20,5 @@ def builtin_splits(dataset: str) -> dict[str, pd.DataFrame] | None:
     spec = builtin_dataset(dataset)
     if spec is None:
         return None
-    module = importlib.import_module(spec.module)
-    return {split: module.shared_split(split) for split in spec.splits}
+    shared_split = resolve(f"{spec.module}:shared_split")
+    return {split: shared_split(split) for split in spec.splits}

@@ -1,48 +1,31 @@
 """The kinds of task, by name (``task``): the registry of task classes, built-in and the user's.
 
 It sits with the datasets' catalogue, below the run config, which checks ``task`` against it;
-the task classes themselves (:mod:`fedcybgd.tasks`) take a run config and sit above it.
+the task classes themselves (:mod:`fedcybgd.tasks`) take a run config and sit above it. Each
+registers itself here when its module is imported (:func:`register_task`): the built-in kinds
+(:data:`fedcybgd.choices.BUILTIN_TASKS`) when :mod:`fedcybgd.tasks.build` builds a task, the
+user's when the run config loads ``plugin-modules``. So this module (which the run config
+imports on the server to check ``task``) stays free of torch and of the task modules.
 
 A task of one's own is one file (a plug-in module, named in ``plugin-modules``) with a subclass
 of :class:`fedcybgd.tasks.base.Task` decorated with :func:`register_task`; ``task = "<name>"``
-selects it. Built-in kinds are registered by ``"module:attr"`` and imported on first use, so
-this module (which the run config imports on the server to check ``task``) stays free of torch.
+selects it.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from fedcybgd.core.registry import Registry
+from fedcybgd.choices import BUILTIN_TASKS
+from fedcybgd.core.fields import ConfigError, unknown_key
+from fedcybgd.core.registry import PLUGIN_KEY, Registry
 
-if TYPE_CHECKING:
-    from fedcybgd.tasks.base import Task
-
-__all__ = ["TASKS", "register_task", "task_class", "task_names"]
+__all__ = ["TASKS", "check_task", "register_task", "task_class", "task_names"]
 
 TaskFactory = Callable[..., Any]
 T = TypeVar("T")
 TASKS: Registry[TaskFactory] = Registry("task", "task")
-
-
-def _lazy(target: str) -> TaskFactory:
-    """A factory importing ``module:attr`` when first called (built-ins import torch)."""
-
-    def make(*args: Any, **kwargs: Any) -> Any:
-        module, _, attr = target.partition(":")
-        return getattr(importlib.import_module(module), attr)(*args, **kwargs)
-
-    make.__qualname__ = make.__name__ = target
-    return make
-
-
-for _name, _target in (("classification", "fedcybgd.tasks.classification:ClassificationTask"),
-                       ("sft", "fedcybgd.tasks.sft:SFTTask"),
-                       ("multiple-choice", "fedcybgd.tasks.multiple_choice:MultipleChoiceTask"),
-                       ("lm", "fedcybgd.tasks.lm:LMTask")):
-    TASKS.register(_name)(_lazy(_target))
 
 
 def register_task(name: str, *, replace: bool = False) -> Callable[[type[T]], type[T]]:
@@ -57,17 +40,20 @@ def register_task(name: str, *, replace: bool = False) -> Callable[[type[T]], ty
     return decorate
 
 
-def task_class(name: str) -> TaskFactory:
-    """The factory of task ``name`` (ConfigError naming the ``task`` key if unknown)."""
-    return TASKS.get(name)
-
-
 def task_names() -> tuple[str, ...]:
-    """The registered task names, built-ins first."""
-    return TASKS.names()
+    """The task names a run config may give: the built-ins, then the registered plug-ins."""
+    return BUILTIN_TASKS + tuple(n for n in TASKS.names() if n not in BUILTIN_TASKS)
 
 
-def make_task(name: str, run: Any) -> Task:
-    """A new instance of task ``name`` for the run config ``run``."""
-    task: Task = task_class(name)(run)
-    return task
+def check_task(name: str) -> None:
+    """``task = name`` is one of :func:`task_names` (ConfigError naming the key if not)."""
+    if name not in task_names():
+        err = unknown_key(name, dict.fromkeys(task_names()), what="task")
+        raise ConfigError(f"task = {name!r}: {err} (one of your own: name its module in "
+                          f"{PLUGIN_KEY})")
+
+
+def task_class(name: str) -> TaskFactory:
+    """The factory of the registered task ``name`` (ConfigError naming the ``task`` key if
+    unknown; the built-ins are registered once :mod:`fedcybgd.tasks.build` is imported)."""
+    return TASKS.get(name)

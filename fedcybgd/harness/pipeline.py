@@ -212,7 +212,7 @@ def _build_stage(spec: PipelineSpec, k: int) -> tuple[Stage, Task, int, BatchIte
     from fedcybgd.config import RunConfig
     from fedcybgd.model.loading import load_model, load_tokenizer
     from fedcybgd.tasks import shares
-    from fedcybgd.tasks.base import build_task
+    from fedcybgd.tasks.build import build_task
 
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
@@ -401,7 +401,7 @@ def evaluate_chunks(spec: PipelineSpec, chunks: list[bytes]) -> tuple[float, flo
     from fedcybgd.model.layerwise import LayerStack
     from fedcybgd.model.loading import load_model, load_tokenizer
     from fedcybgd.tasks import shares
-    from fedcybgd.tasks.base import build_task
+    from fedcybgd.tasks.build import build_task
     from fedcybgd.tasks.objective import evaluate
 
     model = load_model(spec.model)

@@ -11,7 +11,6 @@ protobuf encoding); nothing is pickled.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import multiprocessing as mp
 import os
@@ -33,6 +32,7 @@ from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedcybgd.core.measure import PeakMemory
+from fedcybgd.core.registry import resolve
 from fedcybgd.harness.loopback import LocalGrid, node_configs
 
 
@@ -117,8 +117,7 @@ def _serve(conn: Connection, app_ref: str, contexts_json: str, threads: int) -> 
 
         torch.set_num_threads(threads)
     _claim_identity(node_id=0)  # the child's replies are made by "the SuperNode"
-    module, _, attr = app_ref.partition(":")
-    client_app = getattr(importlib.import_module(module), attr)
+    client_app = resolve(app_ref)
     contexts = {
         int(node): Context(run_id=1, node_id=int(node), node_config=spec["node_config"],
                            state=RecordDict(), run_config=spec["run_config"])

@@ -24,6 +24,7 @@ Nothing in this package imports torch or the client package.
 """
 
 from fedcybgd.core.fields import setting
+from fedcybgd.rules import builtin  # importing it declares the built-in rules
 from fedcybgd.rules.contract import (
     ExampleDp,
     MemoryEstimate,
@@ -60,6 +61,7 @@ __all__ = [
     "TrainOutcome",
     "TrainTask",
     "UpdateRule",
+    "builtin",
     "check_all",
     "declare_rule",
     "option_defaults",

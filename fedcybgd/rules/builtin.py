@@ -6,8 +6,8 @@ key, default, range, meaning), parsed by the one parser of every rule's options
 (:mod:`fedcybgd.rules.options`), which the server runs for every registered rule at start and each
 rule runs again on the options it receives. A key shared by two rules (``zo-eps``) has one
 default and one range. The implementations live in the client package
-(:mod:`fedcybgd.client.updates`) and are named here as text, so the server knows every built-in
-rule without importing client code. The registry imports this module on its first lookup.
+(:mod:`fedcybgd.client.updates`), which binds them to these names, so the server knows every
+built-in rule without importing client code. Importing :mod:`fedcybgd.rules` declares them.
 
 Memory, on top of runtime + weights (see :mod:`fedcybgd.memory.estimate` for the shared part and
 its calibration):
@@ -31,8 +31,6 @@ from fedcybgd.core.fields import normalize, setting
 from fedcybgd.rules.contract import MemoryNeeds
 from fedcybgd.rules.options import RuleOptions
 from fedcybgd.rules.registry import declare_rule
-
-UPDATES = "fedcybgd.client.updates"  # where the implementations live (imported on the client)
 
 # Fitted on bench_updates.py (SmolLM2-135M fp32, batch 16 x 32 tokens, 1 thread, 2026-11-30).
 ZO_WORKSPACE_MB = 20.0  # LeZO's fixed perturbation workspace
@@ -92,7 +90,7 @@ def _with_gradients(needs: MemoryNeeds, kept_mb: float) -> float:
 
 
 declare_rule("fo", options=FoOptions, memory=first_order_memory, example_dp=True,
-             implementation=f"{UPDATES}.fo:FirstOrder")
+             implementation=None)
 
 
 @dataclass(frozen=True)
@@ -158,7 +156,7 @@ def zerolock_memory(needs: MemoryNeeds) -> float:
 
 
 declare_rule("zerolock", options=ZeroLockOptions, memory=zerolock_memory,
-             implementation=f"{UPDATES}.zerolock:ZeroLock")
+             implementation=None)
 
 
 @dataclass(frozen=True)
@@ -216,6 +214,6 @@ def mezo_memory(needs: MemoryNeeds) -> float:
 
 
 declare_rule("lezo", options=LezoOptions, memory=lezo_memory, step_log=True,
-             example_dp=True, implementation=f"{UPDATES}.lezo:LeZO")
+             example_dp=True, implementation=None)
 declare_rule("mezo", options=MezoOptions, memory=mezo_memory, step_log=True,
-             example_dp=True, implementation=f"{UPDATES}.lezo:MeZO")
+             example_dp=True, implementation=None)

@@ -10,9 +10,9 @@ memory-aware assignment); only a client ever touches the implementation.
   any zero-argument factory): the class is the implementation. This is how a plug-in rule is
   written: one file of the user's own, importing only neutral modules (:mod:`fedcybgd.rules`,
   :mod:`fedcybgd.core.fields`, torch), so the server can import it without the client package.
-* :func:`declare_rule` with the implementation as ``"module:attr"`` text, imported only when a
-  client makes the rule. The built-in rules are declared so (:mod:`fedcybgd.rules.builtin`):
-  their code lives in the client package, which the server must not import.
+* :func:`declare_rule` with no implementation: the built-in rules are declared so
+  (:mod:`fedcybgd.rules.builtin`); their code lives in the client package, which the server
+  must not import, and the client binds it (:mod:`fedcybgd.client.updates.base`).
 
 **Getting a plug-in module loaded.** The run-config key ``plugin-modules`` (or its older name
 ``rule-modules``) names importable modules; :class:`fedcybgd.config.RunConfig` imports them
@@ -25,14 +25,13 @@ Import-light: nothing here imports torch or the client package.
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, is_dataclass
 from typing import Any, TypeVar
 
 from fedcybgd.core.fields import ConfigError, Setting, settings, unknown_key
-from fedcybgd.core.registry import MODULE_PATTERN, NAME_PATTERN
+from fedcybgd.core.registry import NAME_PATTERN, Registry
 from fedcybgd.rules.contract import MemoryEstimate, UpdateRule
 
 __all__ = [
@@ -46,7 +45,6 @@ __all__ = [
 ]
 
 RESERVED = frozenset({"inference"})  # the memory model's forward-only baseline
-BUILTIN_MODULE = "fedcybgd.rules.builtin"
 
 T = TypeVar("T")
 
@@ -72,47 +70,38 @@ class RuleSpec:
         Whether ``train`` honours ``TrainTask.privacy`` (example-level DP: every example's
         contribution to a step clipped, the step noised); ``dp = "example"`` runs only such
         rules.
-    implementation : callable or str
-        A zero-argument class or factory making an :class:`~fedcybgd.rules.contract.UpdateRule`,
-        or ``"module:attr"`` naming one (imported by the client only).
+    implementation : callable or None
+        A zero-argument class or factory making an :class:`~fedcybgd.rules.contract.UpdateRule`;
+        ``None`` for a built-in rule, whose code the client package binds.
     """
 
     name: str
     options: type[Any] | None
     memory: MemoryEstimate
     step_log: bool
-    implementation: Callable[[], UpdateRule] | str
+    implementation: Callable[[], UpdateRule] | None
     example_dp: bool = False
 
     @property
     def source(self) -> str:
         """Where the implementation lives, for messages."""
         impl = self.implementation
-        if isinstance(impl, str):
-            return impl
+        if impl is None:
+            return "built in (fedcybgd.client.updates)"
         return f"{getattr(impl, '__module__', '?')}:{getattr(impl, '__qualname__', impl)}"
 
 
-_SPECS: dict[str, RuleSpec] = {}
-_builtins_loaded = False
+def _is_spec(name: str, entry: object) -> None:
+    if not isinstance(entry, RuleSpec):
+        raise ValueError(f"update rule {name!r}: {entry!r} is not a RuleSpec")
+
+
+RULES: Registry[RuleSpec] = Registry("update rule", "update-rule", check=_is_spec)
 _version = 0  # bumped on every change, so derived tables can be cached
-
-
-def _ensure_builtins() -> None:
-    """Declare the built-in rules once, before any lookup or registration."""
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True  # first: the builtin module's own declarations land here
-        try:
-            importlib.import_module(BUILTIN_MODULE)
-        except BaseException:
-            _builtins_loaded = False  # the next lookup tries again and raises again
-            raise
 
 
 def version() -> int:
     """A number that changes whenever a rule is registered or removed."""
-    _ensure_builtins()
     return _version
 
 
@@ -121,7 +110,7 @@ def declare_rule(
     *,
     options: type[Any] | None,
     memory: MemoryEstimate,
-    implementation: Callable[[], UpdateRule] | str,
+    implementation: Callable[[], UpdateRule] | None,
     step_log: bool = False,
     example_dp: bool = False,
 ) -> RuleSpec:
@@ -132,37 +121,33 @@ def declare_rule(
     ValueError
         ``name`` is malformed, reserved or taken; ``options`` is not a dataclass of config
         settings; an option key is declared differently by an already registered rule;
-        ``memory`` is not callable; ``implementation`` is not a callable or ``"module:attr"``.
+        ``memory`` is not callable; ``implementation`` is neither callable nor ``None``.
     """
-    _ensure_builtins()
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name) or name in RESERVED:
         raise ValueError(f"update rule name {name!r} must match {NAME_PATTERN} and not be one of "
                          f"{sorted(RESERVED)}")
-    if name in _SPECS:
-        raise ValueError(f"update rule {name!r} is already registered ({_SPECS[name].source}); "
+    taken = RULES.find(name)
+    if taken is not None:
+        raise ValueError(f"update rule {name!r} is already registered ({taken.source}); "
                          "unregister_rule() it first to replace it")
     if options is not None and not (isinstance(options, type) and is_dataclass(options)):
         raise ValueError(f"update rule {name!r}: options must be a dataclass or None, "
                          f"got {options!r}")
     if not callable(memory):
         raise ValueError(f"update rule {name!r}: memory must be a function of MemoryNeeds")
-    if isinstance(implementation, str):
-        if not re.fullmatch(rf"{MODULE_PATTERN}:[A-Za-z_][\w.]*", implementation):
-            raise ValueError(f"update rule {name!r}: implementation {implementation!r} is not "
-                             "'module:attr'")
-    elif not callable(implementation):
+    if implementation is not None and not callable(implementation):
         raise ValueError(f"update rule {name!r}: implementation must be callable")
     for key, setting_ in option_keys(options).items():
         _check_same(name, key, setting_)
     spec = RuleSpec(name, options, memory, bool(step_log), implementation, bool(example_dp))
     _changed()
-    _SPECS[name] = spec
+    RULES.add(name, spec)
     return spec
 
 
 def _check_same(name: str, key: str, new: Setting) -> None:
     """An option key two rules share (``zo-eps``) must have one type, default and range."""
-    for other in _SPECS.values():
+    for other in rule_specs():
         old = option_keys(other.options).get(key)
         if old is not None and (old.kind, old.default, old.bounds) != (
                 new.kind, new.default, new.bounds):
@@ -221,8 +206,7 @@ def unregister_rule(name: str) -> RuleSpec:
     KeyError
         No rule of that name is registered.
     """
-    _ensure_builtins()
-    spec = _SPECS.pop(name)
+    spec = RULES.unregister(name)
     _changed()
     return spec
 
@@ -241,21 +225,18 @@ def rule_spec(name: str) -> RuleSpec:
         No such rule; the message suggests the closest registered name and says how a
         plug-in rule is loaded.
     """
-    _ensure_builtins()
-    spec = _SPECS.get(name)
+    spec = RULES.find(name)
     if spec is None:
-        err = unknown_key(name, _SPECS, what="update rule")
+        err = unknown_key(name, RULES.names(), what="update rule")
         raise ConfigError(f"{err} (a rule of your own: name its module in plugin-modules)")
     return spec
 
 
 def rule_names() -> list[str]:
     """Names of the registered rules, in registration order (the built-ins first)."""
-    _ensure_builtins()
-    return list(_SPECS)
+    return list(RULES.names())
 
 
 def rule_specs() -> list[RuleSpec]:
     """Every registered rule's spec, in registration order."""
-    _ensure_builtins()
-    return list(_SPECS.values())
+    return [RULES.get(name) for name in RULES.names()]

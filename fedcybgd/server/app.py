@@ -67,7 +67,7 @@ from fedcybgd.server.verdict import ReplyWatch, Verdict, installed_any
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.plugins import check_names
 from fedcybgd.strategies.record import RoundRecord
-from fedcybgd.tasks.base import build_task
+from fedcybgd.tasks.build import build_task
 
 log = logging.getLogger(__name__)
 app = ServerApp()

@@ -27,7 +27,7 @@ from fedcybgd.model.precision import FrozenBlocks, Precision
 from fedcybgd.protocol.prior import ClassPriorSpec
 from fedcybgd.server.eval_cache import EvalCache, eval_cache_root, eval_key
 from fedcybgd.server.output_dir import resolve_output_dir as resolve_output_dir  # the runners'
-from fedcybgd.tasks.base import build_task
+from fedcybgd.tasks.build import build_task
 from fedcybgd.tasks.objective import EvalResult
 
 log = logging.getLogger(__name__)

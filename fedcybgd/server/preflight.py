@@ -36,7 +36,8 @@ from fedcybgd.config import ConfigError, RunConfig
 from fedcybgd.data.builtin import builtin_dataset
 from fedcybgd.data.sources import SPLITS, SUFFIXES
 from fedcybgd.model import loading
-from fedcybgd.tasks.base import Task, build_task
+from fedcybgd.tasks.base import Task
+from fedcybgd.tasks.build import build_task
 
 __all__ = ["DataCheck", "check_data", "check_model", "check_path"]
 

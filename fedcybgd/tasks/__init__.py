@@ -4,25 +4,29 @@ A :class:`~fedcybgd.tasks.base.Task` owns the data splits, how an example become
 loss positions, the loss over a batch, and the evaluation; the update rules, the local heads,
 the server's evaluator and the FedAvg baselines all go through it (via the batches it makes,
 see :mod:`fedcybgd.tasks.objective`). Built-in kinds (``task``): ``classification``, ``sft``,
-``multiple-choice``; one's own: :func:`register_task` in a plug-in module.
+``multiple-choice``, ``lm``; one's own: :func:`register_task` in a plug-in module.
 
-Importing this package is light (no torch); :class:`Task` and :func:`build_task` are loaded on
-first access.
+Importing this package is light (no torch); :class:`Task`, :func:`build_task` and
+:func:`make_task` are loaded on first access.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fedcybgd.data.kinds import TASKS, make_task, register_task, task_class, task_names
+from fedcybgd.data.kinds import TASKS, register_task, task_class, task_names
 
 __all__ = ["TASKS", "Task", "build_task", "make_task", "register_task", "task_class",
            "task_names"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Task", "build_task"):
-        from fedcybgd.tasks import base
+    if name == "Task":
+        from fedcybgd.tasks.base import Task
 
-        return getattr(base, name)
+        return Task
+    if name in ("build_task", "make_task"):
+        from fedcybgd.tasks import build
+
+        return getattr(build, name)
     raise AttributeError(name)

@@ -17,13 +17,13 @@ What a task decides, and who asks:
 * **evaluation** (:meth:`Task.evaluate`): loss and the task's metric on held-out rows.
 
 A subclass registered with :func:`fedcybgd.tasks.register_task` in a plug-in module is selected
-with ``task = "<name>"``. One instance per process and run config (:func:`build_task`): the
-splits are read and checked once, however many rounds a simulated client plays.
+with ``task = "<name>"``. One instance per process and run config
+(:func:`fedcybgd.tasks.build.build_task`): the splits are read and checked once, however many
+rounds a simulated client plays.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from fedcybgd.data.builtin import builtin_dataset, builtin_splits
-from fedcybgd.data.kinds import make_task
 from fedcybgd.data.prompts import Batch, EncodedExamples
 from fedcybgd.data.sources import DataError, make_splits, read_source
 from fedcybgd.tasks.objective import EvalResult
@@ -203,23 +202,6 @@ class Task(ABC):
         """Loss and the task's metric of the model behind ``stack`` on ``frame`` (no grad)."""
 
 
-_TASKS: dict[str, Task] = {}
-
-
-def build_task(run: RunConfig) -> Task:
-    """The task of ``run`` (``task``), one instance per process and run config."""
-    key = json.dumps(run.to_run_config(), sort_keys=True, default=str)
-    task = _TASKS.get(key)
-    if task is None:
-        task = make_task(run.task_kind, run)
-        if not isinstance(task, Task):
-            raise TypeError(f"task = {run.task_kind!r} made {type(task).__name__}, not a Task")
-        _TASKS.clear()  # one run per process at a time; do not keep old splits alive
-        _CUTS.clear()  # a new run says its truncation warnings again
-        _TASKS[key] = task
-    return task
-
-
 @dataclass
 class CutCount:
     """What :func:`warn_cut` has counted for one key: calls, examples cut, examples seen."""
@@ -229,8 +211,13 @@ class CutCount:
     total: int = 0
 
 
-# (key, max-seq-len) -> counts; cleared when build_task starts a new run in this process.
+# (key, max-seq-len) -> counts; cleared when a new run's task is built in this process.
 _CUTS: dict[tuple[Hashable, int], CutCount] = {}
+
+
+def reset_cut_counts() -> None:
+    """Forget what :func:`warn_cut` has counted (a new run says its warnings again)."""
+    _CUTS.clear()
 
 
 def warn_cut(what: str, cut: int, total: int, max_seq_len: int, how: str,
@@ -253,7 +240,7 @@ def warn_cut(what: str, cut: int, total: int, max_seq_len: int, how: str,
         How they were shortened, for the message.
     key : Hashable, optional
         What makes a warning new (default: ``what``); the counts are per process and start
-        again with each new run (:func:`build_task`).
+        again with each new run (:func:`fedcybgd.tasks.build.build_task`).
 
     Returns
     -------

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from fedcybgd.data.kinds import register_task
 from fedcybgd.data.prompts import Batch, EncodedExamples, PromptEncoder, collate
 from fedcybgd.data.sources import DataError, where
 from fedcybgd.tasks.base import Task, warn_cut
@@ -59,6 +60,7 @@ def check_text(frame: pd.DataFrame, field: str) -> pd.Series:
     return values.astype(str)
 
 
+@register_task("classification")
 class ClassificationTask(Task):
     """See the module docstring."""
 
@@ -107,8 +109,6 @@ class ClassificationTask(Task):
 
     def class_log_prior(self, frame: pd.DataFrame) -> torch.Tensor | None:
         """``log(C * p_c)`` of the frame's Laplace-smoothed label shares."""
-        from fedcybgd.tasks.shares import local_log_prior
-
         return local_log_prior(frame["label"].astype(int).tolist(), len(self.words))
 
     def num_classes(self) -> int:
@@ -179,3 +179,11 @@ def _label_index(value: Any, index: dict[str, int]) -> int | None:
     else:
         return None
     return number if 0 <= number < len(index) else None
+
+
+def local_log_prior(labels: list[int], classes: int) -> torch.Tensor:
+    """``[C]`` ``log(C * p_c)`` of ``labels``' shares, ``p_c = (n_c + 1) / (n + C)``: zeros
+    for balanced labels."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=classes)[:classes]
+    shares = (counts + 1.0) / (counts.sum() + classes)
+    return torch.tensor(np.log(classes * shares), dtype=torch.float32)

@@ -29,6 +29,7 @@ from fedcybgd.data.prompts import (
     collate,
     encode,
 )
+from fedcybgd.tasks.classification import local_log_prior
 
 if TYPE_CHECKING:  # importing transformers costs ~2 s; only the type is needed here
     from transformers import PreTrainedTokenizerBase
@@ -54,6 +55,7 @@ __all__ = [
     "encode",
     "eval_batches",
     "load_split",
+    "local_log_prior",
     "target_shares",
 ]
 
@@ -80,7 +82,7 @@ def load_split(dataset: str, split: str) -> pd.DataFrame:
 def default_task() -> Task:
     """The task of the default run config: Rotten Tomatoes classification."""
     from fedcybgd.config import RunConfig
-    from fedcybgd.tasks.base import build_task
+    from fedcybgd.tasks.build import build_task
 
     return build_task(RunConfig())
 
@@ -92,7 +94,7 @@ def _task_of(task: Task | str | None) -> Task:
     if isinstance(task, str):
         _check_dataset(task)
         from fedcybgd.config import RunConfig
-        from fedcybgd.tasks.base import build_task
+        from fedcybgd.tasks.build import build_task
 
         return build_task(RunConfig(dataset=task))  # the dataset's own kind (task = auto)
     return task
@@ -302,14 +304,6 @@ def empty_batch(task: Any = None) -> Batch:
     none = torch.zeros(0, dtype=torch.long)
     return Batch(torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.long),
                  none, none, none, none, None, None, None, task)
-
-
-def local_log_prior(labels: list[int], classes: int) -> torch.Tensor:
-    """``[C]`` ``log(C * p_c)`` of ``labels``' shares, ``p_c = (n_c + 1) / (n + C)``: zeros
-    for balanced labels."""
-    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=classes)[:classes]
-    shares = (counts + 1.0) / (counts.sum() + classes)
-    return torch.tensor(np.log(classes * shares), dtype=torch.float32)
 
 
 def target_shares(prior: Sequence[float] | None, classes: int) -> np.ndarray:

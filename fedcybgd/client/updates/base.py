@@ -4,16 +4,18 @@ The contract itself, what a rule declares (options, memory estimate, step log) a
 given and returns (:class:`TrainTask`, :class:`TrainOutcome`), is neutral: it lives in
 :mod:`fedcybgd.rules`, because the server reads the declarations at start (validation,
 memory-aware assignment) and must not import this package. Here the client turns a rule's name
-into an object with ``train``: a registered class, or the ``"module:attr"`` a built-in rule is
-declared with (imported on first use).
+into an object with ``train``: a plug-in's registered class, or for a built-in rule (declared
+with no implementation) the class of this package that :data:`BUILTIN_RULES` binds to it.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
+from fedcybgd.client.updates.fo import FirstOrder
+from fedcybgd.client.updates.lezo import LeZO, MeZO
+from fedcybgd.client.updates.zerolock import ZeroLock
 from fedcybgd.rules import (
     RuleSpec,
     TrainOutcome,
@@ -27,18 +29,18 @@ __all__ = ["TrainOutcome", "TrainTask", "UpdateRule", "available_rules", "get_ru
            "step_log_of"]
 
 
+# The built-in rules' code, by the names fedcybgd.rules.builtin declares them under.
+BUILTIN_RULES: dict[str, Callable[[], Any]] = {
+    "fo": FirstOrder, "zerolock": ZeroLock, "lezo": LeZO, "mezo": MeZO}
+
+
 def _implementation(spec: RuleSpec) -> Callable[[], Any]:
-    """The class or factory of ``spec`` (a ``"module:attr"`` text imported here)."""
-    impl = spec.implementation
-    if not isinstance(impl, str):
-        return impl
-    module, _, attr = impl.partition(":")
-    target: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        target = getattr(target, part)
-    if not callable(target):
-        raise TypeError(f"update rule {spec.name!r}: {impl} is not a class or factory")
-    return target
+    """The class or factory of ``spec`` (a built-in's from :data:`BUILTIN_RULES`)."""
+    impl = spec.implementation or BUILTIN_RULES.get(spec.name)
+    if impl is None:
+        raise TypeError(f"update rule {spec.name!r} declares no implementation and is not "
+                        f"built in ({sorted(BUILTIN_RULES)})")
+    return impl
 
 
 def get_rule(name: str) -> UpdateRule:

@@ -1,0 +1,43 @@
+"""Building a run's task: the built-in kinds registered, then the one ``task`` names.
+
+Importing this module imports the built-in task modules, each of which registers its class
+(:func:`fedcybgd.data.kinds.register_task`); a plug-in's is registered when the run config
+loads ``plugin-modules``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from fedcybgd.data.kinds import task_class
+from fedcybgd.tasks import classification, lm, multiple_choice, sft  # noqa: F401 (registers)
+from fedcybgd.tasks.base import Task, reset_cut_counts
+
+if TYPE_CHECKING:
+    from fedcybgd.config import RunConfig
+
+__all__ = ["build_task", "make_task"]
+
+
+def make_task(name: str, run: RunConfig) -> Task:
+    """A new instance of the registered task ``name`` for the run config ``run``."""
+    task = task_class(name)(run)
+    if not isinstance(task, Task):
+        raise TypeError(f"task = {name!r} made {type(task).__name__}, not a Task")
+    return task
+
+
+_TASKS: dict[str, Task] = {}
+
+
+def build_task(run: RunConfig) -> Task:
+    """The task of ``run`` (``task``), one instance per process and run config."""
+    key = json.dumps(run.to_run_config(), sort_keys=True, default=str)
+    task = _TASKS.get(key)
+    if task is None:
+        task = make_task(run.task_kind, run)
+        _TASKS.clear()  # one run per process at a time; do not keep old splits alive
+        reset_cut_counts()  # a new run says its truncation warnings again
+        _TASKS[key] = task
+    return task
