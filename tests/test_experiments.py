@@ -694,3 +694,41 @@ def test_payoff_compute_sentence_says_how_many_pieces_measured_it():
 
     assert "measured side by side in one piece by" in one
     assert "measured side by side, in 2 pieces, by" in two and "`python b`" in two
+
+
+def test_results_page_is_current_and_check_names_a_stale_section(tmp_path, capsys):
+    # Prepare: the page's copied tables, one of them edited by hand
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import results_page
+
+    text = (ROOT / "docs" / "results.md").read_text()
+    first = results_page.parts(text)[0]
+    lines = text.splitlines(keepends=True)
+    lines[first.start] = "| a figure typed by hand |\n"
+    stale = tmp_path / "results.md"
+    stale.write_text("".join(lines))
+
+    # Execute / Assert: the committed page matches its results files
+    assert results_page.main(["--check"]) == 0, \
+        "docs/results.md is not current: run `python experiments/results_page.py`"
+    # ... the edited copy is named by its section, and rewritten back from the file
+    assert results_page.main([str(stale), "--check"]) == 1
+    assert f"section {first.heading!r} is stale" in capsys.readouterr().err
+    assert results_page.main([str(stale)]) == 0
+    assert stale.read_text() == text
+
+
+def test_results_page_refuses_a_marker_it_cannot_resolve(tmp_path):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import results_page
+
+    page = tmp_path / "page.md"
+    for spec in ('experiments/results/nothing.md',
+                 'experiments/results/payoff/payoff.md section="no such section"',
+                 'experiments/results/payoff/payoff.md table=99',
+                 'experiments/results/payoff/payoff.md',  # would bring its headings in
+                 'experiments/results/payoff/payoff.md rows=3'):
+        page.write_text(f"# Page\n\n<!-- results: {spec} -->\n<!-- /results -->\n")
+        assert results_page.main([str(page), "--check"]) == 2, spec
+    page.write_text("<!-- results: experiments/results/demo_seeds.md -->\n")
+    assert results_page.main([str(page)]) == 2  # never closed
