@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedcybgd.config import RunConfig
@@ -41,10 +40,7 @@ from fedcybgd.server.checkpoint import Checkpointer, CheckpointError
 from fedcybgd.server.common import (
     Evaluator,
     class_prior_of,
-    eval_extras,
-    write_samples,
 )
-from fedcybgd.server.early_stop import EarlyStop
 from fedcybgd.server.metrics import (
     MetricsWriter,
     Segments,
@@ -59,14 +55,13 @@ from fedcybgd.server.outputs import (
 )
 from fedcybgd.server.pipeline import run_pipeline_server
 from fedcybgd.server.preflight import check_data, check_model
-from fedcybgd.server.report import print_progress
-from fedcybgd.server.resume import Resumed, checkpoint_state, read_checkpoint
+from fedcybgd.server.resume import Resumed, read_checkpoint
+from fedcybgd.server.round_end import RoundEnd, train
 from fedcybgd.server.session import RunSession
 from fedcybgd.server.stops import STOPS, stop_handling, stop_reason
-from fedcybgd.server.verdict import ReplyWatch, Verdict, installed_any
+from fedcybgd.server.verdict import ReplyWatch
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.plugins import check_names
-from fedcybgd.strategies.record import RoundRecord
 from fedcybgd.tasks.build import build_task
 
 log = logging.getLogger(__name__)
@@ -145,13 +140,11 @@ def run_server(
     checkpointer = Checkpointer(out / "checkpoint", on_file_written=on_checkpoint_file)
 
     lineage = uuid.uuid4().hex[:16]
-    first_round = 1
     resumed: Resumed | None = None
     if run.resume and checkpointer.exists():
         # Checked before anything is installed: the files, the weights, the run config.
         resumed = read_checkpoint(checkpointer, run, blocks, weights, base_hash)
         lineage = resumed.lineage
-        first_round = resumed.round + 1
         log.info("resuming from %s after round %d", checkpointer.root, resumed.round)
     elif run.resume:
         log.info("resume requested but %s holds no checkpoint: starting fresh",
@@ -163,8 +156,7 @@ def run_server(
     strategy = build_strategy(run, blocks, weights, lineage, base_hash,
                               ModelShape.of(model, blocks), device=str(device))
     if resumed is not None:
-        resumed.install(strategy)
-    strategy.summary()
+        resumed.install(strategy)  # the strategy sends nothing for the rounds it holds
     # Resuming: rows after the checkpoint belong to rounds about to be redone. Without a
     # checkpoint, any rows are those of a run that never reached one (it starts again).
     keep_through: int | None = None
@@ -178,11 +170,14 @@ def run_server(
         writer.write(dict(resumed.record))
     evaluator = Evaluator(run, stack, blocks, device)
     stop = StopRecord(run, out, writer, segments, checkpointer)
+    round_end = RoundEnd(run, out, strategy, writer, evaluator, checkpointer, resumed,
+                         (lineage, base_hash), segments, stop, ReplyWatch(grid))
     with stop_handling(stop.write):
         try:
-            summary, failure = _train(run, out, strategy, blocks, model, writer, evaluator,
-                                      checkpointer, resumed, first_round, lineage, base_hash,
-                                      segments, stop, watch=ReplyWatch(grid))
+            failure = train(run, strategy, round_end)
+            summary = _finish(run, out, strategy, blocks, model, writer, checkpointer,
+                              segments, stop, (round_end.initial, round_end.last_eval),
+                              failure, round_end.stopped_early)
         except STOPS as err:
             stop.write(stop_reason(err))
             raise
@@ -245,110 +240,6 @@ def end_segment(checkpointer: Checkpointer, segments: list[dict[str, Any]]) -> N
         checkpointer.amend("segments", segments)
     except CheckpointError as err:
         log.warning("could not record the segment's end in the checkpoint: %s", err)
-
-
-def _train(run: RunConfig, out: Path, strategy: FedCyBGD, blocks: BlockMap, model: Any,
-           writer: MetricsWriter, evaluator: Evaluator, checkpointer: Checkpointer,
-           resumed: Resumed | None, first_round: int, lineage: str, base_hash: str,
-           segments: Segments, stop: StopRecord, watch: ReplyWatch
-           ) -> tuple[dict[str, Any], str | None]:
-    """The rounds, the final model and the summary; returns the summary and the failure, if
-    the run failed (:mod:`fedcybgd.server.verdict`)."""
-    initial = resumed.initial_eval if resumed is not None else _evaluate_first(
-        evaluator, writer, out)
-    log.info("round 0: eval loss %.4f, accuracy %.3f", initial.loss, initial.accuracy)
-    # The latest evaluation and its round; after the loop, the final one.
-    last_eval, last_eval_round = initial, 0
-    if resumed is not None and resumed.last_eval is not None:
-        last_eval, last_eval_round = resumed.last_eval, resumed.round
-    stop.initial, stop.last_eval = initial, last_eval
-    if resumed is not None and first_round > run.num_server_rounds and \
-            last_eval_round != resumed.round:
-        # Nothing left to train, and the checkpoint's model was not evaluated: do it now.
-        log.info("the checkpoint holds no evaluation of round %d; evaluating it",
-                 resumed.round)
-        last_eval, last_eval_round = evaluator(), resumed.round
-
-    # A run that trains nothing fails (fedcybgd.server.verdict has the rule): the watch keeps
-    # each round's replies for it.
-    verdict = Verdict(installed=installed_any(writer.records))
-    # The early-stop state is a function of the evaluations so far (a resumed run's rows too)
-    early = EarlyStop.of(run, writer.records)
-    failure: str | None = None
-    stopped_early: str | None = None
-    for server_round in range(first_round, run.num_server_rounds + 1):
-        round_start = time.perf_counter()
-        messages = strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), watch)
-        if strategy.privacy_stop is not None:  # the next round would exceed the DP budget
-            if server_round > first_round and last_eval_round != server_round - 1:
-                last_eval, last_eval_round = evaluator(), server_round - 1
-            failure = verdict.at_end(server_round - 1,
-                                     run_totals(writer.records)["dropped"])
-            break
-        # Before any instruction goes out: a resume after a kill must not trust what the
-        # checkpoint says these nodes hold (fedcybgd.server.resume)
-        messages = list(messages)
-        checkpointer.note_sent(m.metadata.dst_node_id for m in messages)
-        stop.in_round = server_round
-        replies = watch.send_and_receive(messages, timeout=run.round_timeout)
-        strategy.aggregate_train(server_round, replies)
-        record = strategy.history[-1]
-        is_last = server_round == run.num_server_rounds
-        if is_last or (run.eval_every and server_round % run.eval_every == 0):
-            last_eval, last_eval_round = _evaluate_into(evaluator, record, out), server_round
-            stop.last_eval = last_eval
-        record.round_s = time.perf_counter() - round_start
-        row = record.to_json()
-        # The checkpoint first, then the row: a round has a row only once it is durable, so a
-        # resumed run never lists a round twice (the checkpoint keeps the row, see above).
-        checkpointer.save(
-            server_round,
-            strategy.checkpoint_tensors(),
-            checkpoint_state(lineage, base_hash, strategy, initial,
-                             (last_eval_round, last_eval), run, row,
-                             segments.listed(server_round)),
-        )
-        stop.in_round = None
-        writer.write(row)
-        print_progress(row, run.num_server_rounds)
-        failure = verdict.after_round(server_round, watch.take_round(), bool(record.accepted))
-        if failure is not None:
-            break
-        if early is not None and record.eval_loss is not None and server_round < \
-                run.num_server_rounds:
-            stopped_early = early.observe(record.eval_loss, record.eval_accuracy)
-            if stopped_early is not None:
-                log.info("round %d: stopping early: %s", server_round, stopped_early)
-                failure = verdict.at_end(server_round, run_totals(writer.records)["dropped"])
-                break
-    else:
-        failure = verdict.at_end(run.num_server_rounds, run_totals(writer.records)["dropped"])
-
-    summary = _finish(run, out, strategy, blocks, model, writer, checkpointer, segments, stop,
-                      (initial, last_eval), failure, stopped_early)
-    return summary, failure
-
-
-def _evaluate_first(evaluator: Evaluator, writer: MetricsWriter, out: Path) -> Any:
-    """The evaluation before training (round 0's row and samples)."""
-    initial, cached = evaluator.initial()
-    writer.write(RoundRecord(0, eval_loss=initial.loss, eval_accuracy=initial.accuracy,
-                             eval_examples=initial.examples,
-                             extra=eval_extras(initial, cached)).to_json())
-    write_samples(out, 0, initial)
-    return initial
-
-
-def _evaluate_into(evaluator: Evaluator, record: RoundRecord, out: Path) -> Any:
-    """Evaluate the model after ``record``'s round, into the record and its samples file."""
-    began = time.perf_counter()
-    result = evaluator()
-    record.eval_loss, record.eval_accuracy = result.loss, result.accuracy
-    record.eval_examples = result.examples
-    record.extra.update(eval_extras(result))
-    record.eval_s = time.perf_counter() - began
-    write_samples(out, record.round, result)
-    return result
 
 
 def _finish(run: RunConfig, out: Path, strategy: FedCyBGD, blocks: BlockMap, model: Any,

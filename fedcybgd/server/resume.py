@@ -147,6 +147,7 @@ class Resumed:
             raise CheckpointError(f"checkpoint state {self.path} is malformed: the strategy's "
                                   f"state cannot be restored ({_short(err)})") from err
         strategy.nodes.unconfirmed |= self.unconfirmed
+        strategy.done_through = self.round
 
 
 def checkpoint_state(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +156,12 @@ class ReplyWatch(Grid):
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
         self.current = RoundReplies()
+        # called with the messages about to go out (none: nothing is sent), before they go
+        self.on_send: Callable[[list[Message]], None] | None = None
+
+    def _sending(self, messages: list[Message]) -> None:
+        if messages and self.on_send is not None:
+            self.on_send(messages)
 
     def take_round(self) -> RoundReplies:
         """The replies since the last call (the round that just ended); starts a new round."""
@@ -193,6 +199,7 @@ class ReplyWatch(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Push through the wrapped grid, noting what was asked."""
         messages = list(messages)
+        self._sending(messages)
         ids = list(self.grid.push_messages(messages))
         self._sent(messages)
         return ids
@@ -211,6 +218,7 @@ class ReplyWatch(Grid):
                          timeout: float | None = None) -> Iterable[Message]:
         """Send and receive through the wrapped grid, noting what was asked and came back."""
         messages = list(messages)
+        self._sending(messages)
         replies = self._received(self.grid.send_and_receive(messages, timeout=timeout))
         self._sent(messages)
         return replies

@@ -129,6 +129,7 @@ class FedCyBGD(Strategy):
         self.class_prior, self.classes = class_prior, classes
         self.history: list[RoundRecord] = []
         self.round: RoundInFlight | None = None
+        self.done_through = 0  # rounds a checkpoint restored: asked again, nothing is sent
 
     @classmethod
     def from_config(cls, run: RunConfig, block_map: BlockMap,
@@ -179,6 +180,9 @@ class FedCyBGD(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """One message per sampled node: its block, rule, seed and download."""
+        if server_round <= self.done_through:
+            log.info("round %d: restored from the checkpoint; nothing to send", server_round)
+            return []
         if len(arrays) and (self.round is None or arrays is not self.round.returned):
             self.blocks.load_weights(arrays.to_torch_state_dict())  # e.g. Strategy.start's
         cohort = self.cohort
@@ -255,6 +259,9 @@ class FedCyBGD(Strategy):
         reason in the round's ``dropped``.
         """
         live = self.round
+        if server_round <= self.done_through or (live is not None and not live.sent
+                                                 and self.privacy_stop is not None):
+            return None, None  # a restored round; the round the privacy budget refused
         if live is None or live.record.round != server_round:
             raise RuntimeError(f"aggregate_train({server_round}) without its configure_train")
         record, drops = live.record, DropLog(server_round)
