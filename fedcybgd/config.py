@@ -90,7 +90,7 @@ class RunConfig:
         "`pipeline-schedule = \"zerolock\"`: frozen decoder layers above a stage's chunk that "
         "its local head runs before the final norm + LM head (gradient through their "
         "activations only; the last stage's head is the true loss); 8 closed the learning gap "
-        "to backprop pipelines in docs/results.md, at 7-11% more memory"))
+        "to backprop pipelines in docs/results.md, at 5-15% more training memory"))
     pipeline_activations: str = setting("float32", choices=ACTIVATION_DTYPES, doc=(
         "`strategy = \"pipeline\"`: the type activations (and their gradients) travel in; "
         "`bfloat16`/`float16` halve the traffic and round what the next stage receives"))
