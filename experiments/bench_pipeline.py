@@ -11,8 +11,8 @@ safetensors messages. Same chunks, same micro-batches, same AdamW, one step per 
 * measured wall time of training on THIS machine (the K stages share its cores: with K > cores
   this is not what K devices take) and the micro-batches a second it gives;
 * a projection for K devices with their own core: each operation's measured CPU seconds
-  replayed by the schedule simulator (``fedcybgd.strategies.pipeline.simulate``), every message
-  taking its measured size over a 1 Gbit/s and a 100 Mbit/s link;
+  replayed by the schedule simulator (``fedcybgd.server.pipeline.schedules.simulate``), every
+  message taking its measured size over a 1 Gbit/s and a 100 Mbit/s link;
 * activation traffic per micro-batch (up; and down for backprop);
 * the evaluation loss and accuracy of the trained model on the validation split after the same
   number of examples, beside the untrained model's.

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from fedcybgd.client.pipeline import Stage, StageConfig
+from fedcybgd.client.pipeline.stage import Stage, StageConfig
 from fedcybgd.config import RunConfig
 from fedcybgd.harness.pipeline import PipelineError, PipelineSpec, run_in_process, run_pipeline
 from fedcybgd.model.layerwise import LayerStack
@@ -22,8 +22,8 @@ from fedcybgd.model.loading import load_model, load_tokenizer
 from fedcybgd.protocol import activations
 from fedcybgd.protocol.activations import ActivationError
 from fedcybgd.protocol.pipeline import stage_layers
+from fedcybgd.server.pipeline.schedules import SCHEDULES, Op, in_flight, plan, simulate
 from fedcybgd.server.verdict import RunFailed
-from fedcybgd.strategies.pipeline import SCHEDULES, Op, in_flight, plan, simulate
 from fedcybgd.tasks import shares
 from fedcybgd.tasks.build import build_task
 from fedcybgd.tasks.objective import batch_loss, scored_logits
@@ -295,7 +295,7 @@ def test_flower_pipeline_trains_as_the_stages_do_in_one_process(model, tmp_path,
 def test_a_stage_refuses_a_bad_instruction_by_name(tmp_path):
     from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-    from fedcybgd.client.pipeline_round import handle
+    from fedcybgd.client.pipeline.turn import handle
 
     context = Context(run_id=7, node_id=3, node_config={"cache-dir": str(tmp_path)},
                       state=RecordDict(), run_config={**FLOWER})
@@ -389,7 +389,7 @@ class _DyingGrid:
 
 @pytest.mark.parametrize("every", [0, 1])
 def test_a_vanished_stage_is_rebuilt_on_a_spare_node(tmp_path, clean_run, every):
-    from fedcybgd.server.pipeline import run_pipeline_server
+    from fedcybgd.server.pipeline.runner import run_pipeline_server
 
     config = {**RECOVERY, "pipeline-checkpoint-every": every}
     clean = clean_run[0]
@@ -408,7 +408,7 @@ def test_a_vanished_stage_is_rebuilt_on_a_spare_node(tmp_path, clean_run, every)
 
 
 def test_with_no_spare_the_run_fails_naming_the_stage(tmp_path):
-    from fedcybgd.server.pipeline import run_pipeline_server
+    from fedcybgd.server.pipeline.runner import run_pipeline_server
 
     config = {**FLOWER, "num-server-rounds": 2, "round-timeout": 1.0}
     grid = _DyingGrid.make(config, 2, tmp_path, node=1002, after=0)
@@ -425,7 +425,7 @@ def test_a_stage_cannot_write_another_stages_layers(tmp_path):
 
     from fedcybgd.client.app import app as client_app
     from fedcybgd.harness.loopback import LoopbackGrid
-    from fedcybgd.server.pipeline import run_pipeline_server
+    from fedcybgd.server.pipeline.runner import run_pipeline_server
 
     class Tampering(LoopbackGrid):
         """Node 1002 (stage 1) slips a tensor of layer 0 into its trained chunk."""
@@ -512,7 +512,7 @@ def test_zerolock_aux_layers_shape_the_lower_head_and_stay_frozen(model, batches
 def test_a_stage_sends_activations_in_the_configured_type(tmp_path):
     from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-    from fedcybgd.client.pipeline_round import handle
+    from fedcybgd.client.pipeline.turn import handle
 
     sizes = {}
     for dtype in ("float32", "bfloat16"):

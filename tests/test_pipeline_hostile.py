@@ -27,11 +27,11 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedcybgd.client.app import app as client_app
-from fedcybgd.client.pipeline_round import handle
+from fedcybgd.client.pipeline.turn import handle
 from fedcybgd.config import RunConfig
 from fedcybgd.harness.loopback import LoopbackGrid
 from fedcybgd.protocol import activations as act
-from fedcybgd.server.pipeline import run_pipeline_server
+from fedcybgd.server.pipeline.runner import run_pipeline_server
 from fedcybgd.server.verdict import RunFailed
 
 # Three stages of tiny-llama's four layers, three steps of two micro-batches; every node holds

@@ -61,10 +61,10 @@ def train(msg: Message, context: Context) -> Message:
 @app.train("pipeline")
 def pipeline_stage(msg: Message, context: Context) -> Message:
     """A turn as a pipeline stage (``strategy = "pipeline"``):
-    :func:`fedcybgd.client.pipeline_round.handle`."""
-    from fedcybgd.client import pipeline_round
+    :func:`fedcybgd.client.pipeline.turn.handle`."""
+    from fedcybgd.client.pipeline import turn
 
-    return pipeline_round.handle(msg, context)
+    return turn.handle(msg, context)
 
 
 def __getattr__(name: str) -> Any:

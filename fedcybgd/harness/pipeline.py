@@ -1,11 +1,11 @@
 """A pipeline on this machine: one OS process per stage, activations over pipes.
 
 Each stage is its own process (its own Python, its own copy of the model, ``threads`` torch
-threads) that runs :class:`fedcybgd.client.pipeline.Stage` through its operation list
-(``fedcybgd.strategies.pipeline.plan``). Stage 0 reads the data; messages between neighbours are
-:mod:`fedcybgd.protocol.activations` bytes over one-way pipes, sent by a thread per pipe so a
-stage never blocks on a busy neighbour (a forward going up and a gradient coming down would
-otherwise wait on each other). Nothing is pickled between stages.
+threads) that runs :class:`fedcybgd.client.pipeline.stage.Stage` through its operation list
+(``fedcybgd.server.pipeline.schedules.plan``). Stage 0 reads the data; messages between
+neighbours are :mod:`fedcybgd.protocol.activations` bytes over one-way pipes, sent by a thread
+per pipe so a stage never blocks on a busy neighbour (a forward going up and a gradient coming
+down would otherwise wait on each other). Nothing is pickled between stages.
 
 Per stage it measures: each operation's CPU seconds (process time: with one torch thread that
 is the work a device with its own core does) and wall seconds, the seconds spent waiting for a
@@ -29,9 +29,9 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fedcybgd.client.pipeline import Stage
+    from fedcybgd.client.pipeline.stage import Stage
     from fedcybgd.data.prompts import Batch
-    from fedcybgd.strategies.pipeline import Op
+    from fedcybgd.server.pipeline.schedules import Op
     from fedcybgd.tasks.base import Task
     from fedcybgd.tasks.shares import BatchIterator
 
@@ -179,7 +179,7 @@ def _run_stage(spec: PipelineSpec, k: int, from_below: Connection | None,
     and return its :class:`StageReport` as a dict and its trained chunk as safetensors bytes."""
     from safetensors.torch import save
 
-    from fedcybgd.strategies.pipeline import plan
+    from fedcybgd.server.pipeline.schedules import plan
 
     stage, task, hidden, batches = _build_stage(spec, k)
     up = _Sender(to_above) if to_above is not None else None
@@ -208,7 +208,7 @@ def _build_stage(spec: PipelineSpec, k: int) -> tuple[Stage, Task, int, BatchIte
     the data), its training batches."""
     import torch
 
-    from fedcybgd.client.pipeline import Stage, StageConfig
+    from fedcybgd.client.pipeline.stage import Stage, StageConfig
     from fedcybgd.config import RunConfig
     from fedcybgd.model.loading import load_model, load_tokenizer
     from fedcybgd.tasks import shares
@@ -335,7 +335,7 @@ def run_pipeline(spec: PipelineSpec) -> PipelineResult:
     """Run ``spec`` with one process per stage; the stages' reports and the trained model's
     evaluation (when ``spec.eval_examples``). Raises :class:`PipelineError` naming a stage
     that failed."""
-    from fedcybgd.strategies.pipeline import SCHEDULES
+    from fedcybgd.server.pipeline.schedules import SCHEDULES
 
     if spec.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {spec.schedule!r}")
@@ -428,9 +428,9 @@ def op_seconds(result: PipelineResult) -> dict[tuple[int, str], float]:
 
 def project(result: PipelineResult, link_mbit_s: float) -> dict[str, float]:
     """The makespan K devices with their own core would take (a projection from the measured
-    CPU times, ``fedcybgd.strategies.pipeline.simulate``), each message taking its measured size
-    over a ``link_mbit_s`` link; and the micro-batches a second that gives."""
-    from fedcybgd.strategies.pipeline import plan, simulate
+    CPU times, ``fedcybgd.server.pipeline.schedules.simulate``), each message taking its measured
+    size over a ``link_mbit_s`` link; and the micro-batches a second that gives."""
+    from fedcybgd.server.pipeline.schedules import plan, simulate
 
     spec = result.spec
     transfer: dict[tuple[int, str], float] = {}
@@ -448,13 +448,13 @@ def project(result: PipelineResult, link_mbit_s: float) -> dict[str, float]:
 
 def run_in_process(stages: list[Any], batches: list[Any], micro_batches: int,
                    steps: int = 1, dtype: str = "float32", step: bool = True) -> int:
-    """Run ``stages`` (``fedcybgd.client.pipeline.Stage``, one per stage, in order) in this
+    """Run ``stages`` (``fedcybgd.client.pipeline.stage.Stage``, one per stage, in order) in this
     process through their schedule's operations, one ready operation at a time, every message
     through :mod:`fedcybgd.protocol.activations` as bytes. ``batches[m]`` is micro-batch m.
     ``step = False`` leaves out the ``S`` operations (the mean gradients stay for reading).
     Returns the bytes that crossed between stages."""
     from fedcybgd.protocol import activations
-    from fedcybgd.strategies.pipeline import plan
+    from fedcybgd.server.pipeline.schedules import plan
 
     count = len(stages)
     schedule = stages[0].config.schedule

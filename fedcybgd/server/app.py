@@ -53,7 +53,7 @@ from fedcybgd.server.outputs import (
     remove_final,
     write_model_card,
 )
-from fedcybgd.server.pipeline import run_pipeline_server
+from fedcybgd.server.pipeline.runner import run_pipeline_server
 from fedcybgd.server.preflight import check_data, check_model
 from fedcybgd.server.resume import Resumed, read_checkpoint
 from fedcybgd.server.round_end import RoundEnd, train

@@ -4,7 +4,7 @@ The model's decoder layers ``0..L-1`` are cut into K chunks
 (:func:`fedcybgd.protocol.pipeline.stage_layers`: equal sizes, the remainder to the lowest).
 Stage k trains its chunk's layers; embeddings, final norm and LM head stay frozen on every
 schedule, so the schedules train the same parameters. The operations
-(``fedcybgd.strategies.pipeline``):
+(``fedcybgd.server.pipeline.schedules``):
 
 * :meth:`Stage.forward` (``F``): the chunk on one micro-batch. Stage 0 starts from the
   embeddings; stage k > 0 from the states stage k-1 sent. Every stage rebuilds the layers'
@@ -45,7 +45,7 @@ BACKPROP = ("gpipe", "1f1b")
 
 @dataclass(frozen=True)
 class StageConfig:
-    """How a stage trains: its place, the schedule (``fedcybgd.strategies.pipeline``), AdamW's
+    """How a stage trains: its place, the schedule (``fedcybgd.server.pipeline.schedules``), AdamW's
     settings, and ZeroLock's local head (``aux_layers`` frozen layers above the chunk)."""
 
     stage: int

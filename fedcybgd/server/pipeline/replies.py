@@ -35,7 +35,7 @@ from flwr.app import Array, ArrayRecord, Message
 
 from fedcybgd.config import RunConfig
 from fedcybgd.protocol import activations as act
-from fedcybgd.strategies.pipeline import Op
+from fedcybgd.server.pipeline.schedules import Op
 
 REASON_CHARS = 300  # of a node's own text (a refusal's reason, an error) in a failure's
 LOSS_CEILING = 1e15  # a loss above this is nonsense

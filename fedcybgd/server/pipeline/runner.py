@@ -3,8 +3,8 @@
 The model's decoder layers are cut into K contiguous chunks; the K connected nodes, in node-id
 order, are stages 0..K-1 (stage 0 trains on its own data). One server round is one optimizer
 step of every stage on one mini-batch of ``micro-batches`` micro-batches. The runner plays
-:func:`fedcybgd.strategies.pipeline.plan` with the mini-batch as the unit: a stage's ``F`` or
-``B`` of a step is one ``train.pipeline`` message (``fedcybgd.client.pipeline_round``); its
+:func:`fedcybgd.server.pipeline.schedules.plan` with the mini-batch as the unit: a stage's ``F`` or
+``B`` of a step is one ``train.pipeline`` message (``fedcybgd.client.pipeline.turn``); its
 reply carries the step's activations for the next stage (``F``, up) or their gradients for the
 stage below (``B``, down), and the runner forwards them in the next message. Messages go out as
 soon as their input is there, so under ``zerolock`` stage 0 works on step s + 1 while stage 1
@@ -33,14 +33,14 @@ the stage, the nodes, the step, the steps replayed (the lost work) and the secon
 stage 0 spare trains on its own data, so its replayed steps are not the lost ones exactly.
 With no spare left, the run ends ``failed`` naming the stage and why.
 
-Hostile stages: every reply passes :mod:`fedcybgd.server.pipeline_replies` before any of it is
+Hostile stages: every reply passes :mod:`fedcybgd.server.pipeline.replies` before any of it is
 used or relayed, so a malformed reply, or activations that are not what the receiving stage
 must get, fail their sender (which a spare replaces; a spare that fails while taking over is
 replaced by the next) and never reach an honest stage. Bounded memory: a stage is sent its next
 forward (backward) only once its neighbour has taken the last one it relayed there, so the
 server holds at most one step's relayed bytes per stage (``summary.json``'s
 ``relay_peak_bytes``), and the inputs kept for replays live on disk
-(:mod:`fedcybgd.server.pipeline_replay`).
+(:mod:`fedcybgd.server.pipeline.replay`).
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ from fedcybgd.server.outputs import (
     remove_final,
     write_model_card,
 )
-from fedcybgd.server.pipeline_replay import ReplayLog
-from fedcybgd.server.pipeline_replies import Asked, ReplyReader, StageFailed
+from fedcybgd.server.pipeline.replay import ReplayLog
+from fedcybgd.server.pipeline.replies import Asked, ReplyReader, StageFailed
+from fedcybgd.server.pipeline.schedules import Op, plan
 from fedcybgd.server.report import print_progress
 from fedcybgd.server.session import RunSession
 from fedcybgd.server.stops import STOPS, UncheckpointedStop, stop_handling, stop_reason
-from fedcybgd.strategies.pipeline import Op, plan
 from fedcybgd.tasks.objective import EvalResult
 
 __all__ = ["StageFailed", "run_pipeline_server"]
@@ -337,7 +337,7 @@ class Driver:
 
     # -- replies -----------------------------------------------------------------------------
     def _take(self, reply: Message, k: int, op: Op, sent: float) -> None:
-        """Check a stage's reply (:mod:`fedcybgd.server.pipeline_replies`); route its outputs
+        """Check a stage's reply (:mod:`fedcybgd.server.pipeline.replies`); route its outputs
         to the neighbour; keep what it carries."""
         asked = self._asked(k, op)
         got = self.reader.read(reply, k, self.nodes[k], op, asked)

@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from fedcybgd.client import limits
 from fedcybgd.client.limits import Refusal
-from fedcybgd.client.pipeline import BACKPROP, Stage, StageConfig
+from fedcybgd.client.pipeline.stage import BACKPROP, Stage, StageConfig
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.core.atomic import make_dirs
 from fedcybgd.core.measure import PeakMemory

@@ -1,7 +1,7 @@
 """What the pipeline runner keeps to rebuild a stage on a spare: per stage, the messages it was
 sent since its last checkpoint, their inputs on disk.
 
-A spare replays those messages (``fedcybgd.server.pipeline``), so their inputs (the
+A spare replays those messages (``fedcybgd.server.pipeline.runner``), so their inputs (the
 activations or gradients the stage received) must outlive the messages. Kept in memory they
 would grow with every step a run takes between checkpoints (every step, without
 ``pipeline-checkpoint-every``); here they are written under the run's output folder as the
@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedcybgd.strategies.pipeline import Op
+from fedcybgd.server.pipeline.schedules import Op
 
 
 @dataclass(frozen=True)
