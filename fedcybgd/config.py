@@ -5,7 +5,7 @@ underscores) or a registered update rule's option (:mod:`fedcybgd.rules`). Nothi
 accepted: an unknown key stops the run at start with the closest known key suggested, and a bad
 value (wrong type, NaN, infinite, out of range, not an allowed choice) with a
 :class:`ConfigError` naming the key and what is allowed. The modules named in ``plugin-modules``
-(and ``rule-modules``, its older name) are imported first (their rules, schedules and
+are imported first (their rules, schedules and
 aggregators register themselves, see :mod:`fedcybgd.core.registry`), then ``update-rule`` must name
 a registered rule and every registered rule's options are checked, here, on the server, before
 round 1; each client builds the same :class:`RunConfig`, so it loads the same plug-ins.
@@ -202,8 +202,6 @@ class RunConfig:
     plugin_modules: str = setting("", doc=(
         "comma-separated modules to import first, on the server and every client: plug-in update "
         "rules, block schedules and aggregators register themselves there (see Extending)"))
-    rule_modules: str = setting("", doc=(
-        "the older name of `plugin-modules` (both are imported)"))
     local_steps: int = setting(5, ge=1, doc=(
         "local steps per round"))
     batch_size: int = setting(8, ge=1, doc=(
@@ -536,7 +534,7 @@ class RunConfig:
         """Load the plug-in modules; ``update-rule`` must be registered, and no rule's option
         key may be one of the run's own keys (it would be read as both). ``block-schedule`` and
         ``aggregate`` must be well-formed names (whether registered, the server checks)."""
-        load_plugins(self.rule_modules, self.plugin_modules)
+        load_plugins(self.plugin_modules)
         for key, name in (("block-schedule", self.block_schedule), ("aggregate", self.aggregate)):
             if not re.fullmatch(registry.NAME_PATTERN, name):
                 raise ConfigError(f"{key} must name a registered one ({registry.NAME_PATTERN}), "
@@ -663,8 +661,7 @@ class RunConfig:
             the wrong type, not finite, out of range or not an allowed choice.
         """
         # The plug-in modules first: their rules' option keys are keys of this run config.
-        load_plugins(coerce("rule-modules", run_config.get("rule-modules", ""), str),
-                     coerce("plugin-modules", run_config.get("plugin-modules", ""), str))
+        load_plugins(coerce("plugin-modules", run_config.get("plugin-modules", ""), str))
         known = rules.option_settings()
         options = {k: v for k, v in run_config.items() if k in known}
         core = {k: v for k, v in run_config.items() if k not in known}
@@ -758,9 +755,8 @@ class Privacy:
     clients_per_round: int
 
 
-def load_plugins(rule_modules: str, plugin_modules: str) -> None:
-    """Import the modules of ``rule-modules``, then ``plugin-modules`` (errors name the key)."""
-    registry.load_modules(rule_modules, key="rule-modules")
+def load_plugins(plugin_modules: str) -> None:
+    """Import the modules of ``plugin-modules`` (errors name the key)."""
     registry.load_modules(plugin_modules, key="plugin-modules")
 
 

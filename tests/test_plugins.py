@@ -145,10 +145,12 @@ def test_registries_refuse_malformed_and_taken_names():
 # --------------------------------------------------------------------------------- plug-ins
 
 
-def test_either_module_key_loads_a_plugin(plugin):
-    RunConfig.from_run_config({"rule-modules": MODULE})
-    assert "top-down-watching" in schedule_names() and "first-upload" in aggregator_names()
+def test_plugin_modules_loads_a_plugin_and_one_key_names_it(plugin):
     assert RunConfig.from_run_config({"plugin-modules": MODULE}).plugin_modules == MODULE
+    assert "top-down-watching" in schedule_names() and "first-upload" in aggregator_names()
+    with pytest.raises(ConfigError, match="unknown key 'rule-modules'; did you mean "
+                                          "'plugin-modules'"):
+        RunConfig.from_run_config({"rule-modules": MODULE})
     with pytest.raises(ConfigError, match="plugin-modules: importing 'no_such_plugin' failed"):
         RunConfig.from_run_config({"plugin-modules": "no_such_plugin"})
 

@@ -195,7 +195,7 @@ def test_a_budget_between_the_step_cache_and_the_sparse_restore_takes_lezo_witho
 
 def test_a_plugin_rule_is_selected_by_run_config_and_its_options_parsed(plugin):
     # Execute: the run config names the module, the rule and the rule's option
-    run = RunConfig.from_run_config({"rule-modules": plugin, "update-rule": "signsgd",
+    run = RunConfig.from_run_config({"plugin-modules": plugin, "update-rule": "signsgd",
                                      "signsgd-momentum": 0.5})
     # Assert: registered from outside the package, typed options through the shared parser
     options_class = _plugin_class("SignSGDOptions")
@@ -212,7 +212,7 @@ def test_a_plugin_rule_is_selected_by_run_config_and_its_options_parsed(plugin):
 
 
 def test_a_plugin_rules_options_are_checked_at_start_whatever_the_rule(plugin):
-    base = {"rule-modules": plugin, "update-rule": "fo"}
+    base = {"plugin-modules": plugin, "update-rule": "fo"}
     with pytest.raises(ConfigError, match=r"signsgd-momentum must be in \[0, 1\), got 1.5"):
         RunConfig.from_run_config({**base, "signsgd-momentum": 1.5})
     with pytest.raises(ConfigError, match="did you mean 'signsgd-momentum'"):
@@ -230,7 +230,7 @@ def test_the_serverapp_refuses_an_unregistered_rule_at_start_with_a_suggestion(p
     # Prepare: a run config that flwr run would pass (every default), and a grid never reached
     from fedcybgd.config import run_config_keys
 
-    config = dict(run_config_keys(), **{"rule-modules": plugin})
+    config = dict(run_config_keys(), **{"plugin-modules": plugin})
     # Execute / Assert: a misspelt plug-in rule
     with pytest.raises(ConfigError, match=r"update-rule = 'signsdg'.*did you mean 'signsgd'"):
         _main(None, dict(config, **{"update-rule": "signsdg"}))
@@ -238,20 +238,20 @@ def test_the_serverapp_refuses_an_unregistered_rule_at_start_with_a_suggestion(p
     rules.unregister_rule("signsgd")
     sys.modules.pop(plugin)
     with pytest.raises(ConfigError, match=r"update-rule = 'signsgd'.*plugin-modules"):
-        _main(None, dict(config, **{"update-rule": "signsgd", "rule-modules": ""}))
+        _main(None, dict(config, **{"update-rule": "signsgd", "plugin-modules": ""}))
 
 
-def test_rule_modules_that_cannot_be_loaded_stop_the_run_at_start(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match="rule-modules: importing 'no_such_rules' failed: "
+def test_plugin_modules_that_cannot_be_loaded_stop_the_run_at_start(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="plugin-modules: importing 'no_such_rules' failed: "
                                           "ModuleNotFoundError"):
-        RunConfig.from_run_config({"rule-modules": "no_such_rules"})
-    bad_name = re.escape("rule-modules: '../rules.py' is not a module name")
+        RunConfig.from_run_config({"plugin-modules": "no_such_rules"})
+    bad_name = re.escape("plugin-modules: '../rules.py' is not a module name")
     with pytest.raises(ConfigError, match=bad_name):
-        RunConfig.from_run_config({"rule-modules": "../rules.py"})
+        RunConfig.from_run_config({"plugin-modules": "../rules.py"})
     (tmp_path / "broken_rules.py").write_text("raise RuntimeError('no GPU here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match="importing 'broken_rules' failed: RuntimeError: no GPU"):
-        RunConfig.from_run_config({"rule-modules": "broken_rules"})
+        RunConfig.from_run_config({"plugin-modules": "broken_rules"})
     sys.modules.pop("broken_rules", None)
 
 
@@ -264,7 +264,7 @@ def test_the_server_validates_a_plugin_rule_without_importing_the_client_package
         from fedcybgd.config import RunConfig
         from fedcybgd.memory.estimate import ModelShape, fitting_rule
         from fedcybgd.model.loading import load_model
-        run = RunConfig.from_run_config({{"rule-modules": {plugin!r}, "update-rule": "signsgd",
+        run = RunConfig.from_run_config({{"plugin-modules": {plugin!r}, "update-rule": "signsgd",
                                          "signsgd-momentum": 0.5}})
         model = load_model("tiny-llama")
         blocks = BlockMap(model, 1)
@@ -323,7 +323,7 @@ def test_a_declared_step_log_must_be_returned():
 
 def test_a_plugin_rules_memory_estimate_is_used_for_budgets(plugin, greedy):
     # Prepare
-    RunConfig.from_run_config({"rule-modules": plugin})
+    RunConfig.from_run_config({"plugin-modules": plugin})
     model = load_model("tiny-llama")
     blocks = BlockMap(model, layers_per_block=1)
     shape = ModelShape.of(model, blocks)
@@ -372,7 +372,7 @@ def _records(run_config: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_a_loopback_run_trains_with_a_plugin_rule(plugin, tiny_run_config, tmp_path):
     # Prepare: the run config names the plug-in; exact uploads, so a step shows in the model
-    config = dict(tiny_run_config, **{"rule-modules": plugin, "update-rule": "signsgd",
+    config = dict(tiny_run_config, **{"plugin-modules": plugin, "update-rule": "signsgd",
                                       "signsgd-momentum": 0.5, "upload-codec": "fp32",
                                       "num-server-rounds": 2})
     RunConfig.from_run_config(config)  # loads the module, so its train can be counted
@@ -395,7 +395,7 @@ def test_a_loopback_run_trains_with_a_plugin_rule(plugin, tiny_run_config, tmp_p
     assert len(calls) == 4
     assert all(math.isfinite(r["train_loss"]) and r["bytes_up"] > 0 for r in records)
     summary = json.loads((Path(config["output-dir"]) / "summary.json").read_text())
-    assert summary["run_config"]["rule-modules"] == plugin  # the run records its plug-ins
+    assert summary["run_config"]["plugin-modules"] == plugin  # the run records its plug-ins
 
 
 def test_a_node_budget_moves_a_plugin_rule_to_one_that_fits(greedy, tiny_run_config, tmp_path):

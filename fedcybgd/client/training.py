@@ -322,7 +322,7 @@ def open_round(msg: Message, context: Context) -> Round:
         log.warning("refused an instruction (%s)", err)
         raise Answered(_reply(msg, protocol.REFUSED, None, str(err))) from None
     rule_name = node.update_rule or ins.rule
-    # Registered once the run's rule-modules are loaded (RunConfig above); the node's own
+    # Registered once the run's plugin-modules are loaded (RunConfig above); the node's own
     # choice is checked only here, so a misspelt one names the key.
     try:
         rule_spec(rule_name)

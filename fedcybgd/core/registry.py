@@ -4,8 +4,8 @@ A plug-in is one importable module. Importing it runs its decorators
 (:func:`fedcybgd.rules.register_rule`, :func:`fedcybgd.strategies.register_schedule`,
 :func:`fedcybgd.strategies.register_aggregator`), which add its pieces to the registries by
 name; the run config then selects them by that name (``update-rule``, ``block-schedule``,
-``aggregate``). The run-config key ``plugin-modules`` (and its older name ``rule-modules``)
-names the modules: :class:`fedcybgd.config.RunConfig` imports them (:func:`load_modules`) on
+``aggregate``). The run-config key ``plugin-modules`` names the
+modules: :class:`fedcybgd.config.RunConfig` imports them (:func:`load_modules`) on
 the server at start and on every client, from the same run config, so both sides see the same
 registries.
 

@@ -14,8 +14,8 @@ memory-aware assignment); only a client ever touches the implementation.
   (:mod:`fedcybgd.rules.builtin`); their code lives in the client package, which the server
   must not import, and the client binds it (:mod:`fedcybgd.client.updates.base`).
 
-**Getting a plug-in module loaded.** The run-config key ``plugin-modules`` (or its older name
-``rule-modules``) names importable modules; :class:`fedcybgd.config.RunConfig` imports them
+**Getting a plug-in module loaded.** The run-config key ``plugin-modules`` names importable
+modules; :class:`fedcybgd.config.RunConfig` imports them
 (:func:`fedcybgd.core.registry.load_modules`) before it checks ``update-rule`` and the rules'
 options, on the server at start and on every client, so both sides see the same registry. Why a
 decorator and a config key rather than an entry-point group: see :mod:`fedcybgd.core.registry`.
