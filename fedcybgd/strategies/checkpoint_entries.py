@@ -45,9 +45,7 @@ def restore_entry(blocks: BlockVersions, step: ServerStep, entry: str,
         return
     if entry.startswith(INSTALL_PAYLOAD):
         name = entry.removeprefix(INSTALL_PAYLOAD)
-        # (checkpoints that kept one install: a single "payload")
-        keys = (["payload"] if set(tensors) == {"payload"}
-                else [f"payload.{i}" for i in range(len(tensors))])
+        keys = [f"payload.{i}" for i in range(len(tensors))]
         if name not in blocks.versions or not tensors or set(tensors) != set(keys):
             raise ValueError(f"checkpointed install payload {entry!r} is not one of ours")
         blocks.restore_install_payloads(name, [tensors[key].numpy().tobytes() for key in keys])
