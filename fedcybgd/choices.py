@@ -14,6 +14,9 @@ from __future__ import annotations
 
 PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "movie")  # partitioner
 AUTO_TASK = "auto"  # task: the built-in dataset's own kind; classification for other data
+# update-rule: the built-in rules (declared in fedcybgd.rules.builtin, their code bound by the
+# client package, fedcybgd.client.updates.base; plug-ins add more)
+BUILTIN_RULES: tuple[str, ...] = ("fo", "zerolock", "lezo", "mezo")
 # task: the built-in kinds (each registers its class in fedcybgd.tasks; plug-ins add more)
 BUILTIN_TASKS: tuple[str, ...] = ("classification", "sft", "multiple-choice", "lm")
 # strategy (fedavg: Flower's own FedAvg; pipeline: one model split over several nodes)

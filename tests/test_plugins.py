@@ -1,6 +1,7 @@
 """Block schedules and aggregators of the user's own: registered by a module named in
-``plugin-modules`` (or ``rule-modules``), selected by ``block-schedule`` / ``aggregate``, checked
-by the ServerApp at start with a suggestion; the built-ins are the same functions as before."""
+``plugin-modules``, selected by ``block-schedule`` / ``aggregate``, checked by the ServerApp at
+start with a suggestion; the built-ins are the same functions as before; the registry's lazy
+``"module:attr"`` entries."""
 
 from __future__ import annotations
 
@@ -187,3 +188,30 @@ def test_a_plugin_name_without_its_module_says_where_modules_go(plugin):
                                           r"name its module in plugin-modules"):
         check_names("top-down-watching", "mean")
 
+
+
+def test_a_registry_s_lazy_entries_import_on_first_use_only(tmp_path, monkeypatch):
+    from fedcybgd.core.registry import Registry
+
+    # Prepare: a module that registers its own entry when imported, and one that does not
+    registry: Registry[Any] = Registry("widget", "widget")
+    monkeypatch.setitem(sys.modules, "widget_registry", type(sys)("widget_registry"))
+    sys.modules["widget_registry"].REGISTRY = registry  # type: ignore[attr-defined]
+    (tmp_path / "lazy_plain.py").write_text("def make():\n    return 'plain'\n")
+    (tmp_path / "lazy_self.py").write_text(
+        "from widget_registry import REGISTRY\n"
+        "@REGISTRY.register('self')\n"
+        "def make():\n    return 'self'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.add_lazy("plain", "lazy_plain:make")
+    registry.add_lazy("self", "lazy_self:make")
+    registry.add_lazy("gone", "no_such_widget_module:make")
+    # Execute / Assert: nothing imported until asked; then the named object, or what the
+    # module registered itself; an unimportable entry can still be removed
+    assert "lazy_plain" not in sys.modules and registry.names() == ("plain", "self", "gone")
+    assert registry.get("plain")() == "plain" and registry.get("self")() == "self"
+    assert registry.unregister("gone") == "no_such_widget_module:make"
+    with pytest.raises(ValueError, match="is not 'module:attr'"):
+        registry.add_lazy("bad", "not a target")
+    monkeypatch.delitem(sys.modules, "lazy_plain")
+    monkeypatch.delitem(sys.modules, "lazy_self")

@@ -232,6 +232,16 @@ def test_a_key_the_checkpoint_lacks_counts_as_its_default(tmp_path):
         check_run_config(saved, RunConfig(eval_precision="frozen"), 1, tmp_path)
 
 
+def test_a_retired_key_at_its_unused_value_resumes_and_any_other_value_is_refused(tmp_path):
+    # Prepare: run configs stored while "rule-modules" was a key
+    unused = dict(RunConfig().to_run_config(), **{"rule-modules": ""})
+    used = dict(RunConfig().to_run_config(), **{"rule-modules": "my_rules"})
+    # Execute / Assert
+    check_run_config(unused, RunConfig(), 1, tmp_path)
+    with pytest.raises(ResumeRefused, match="rule-modules: 'my_rules' -> '\\(absent\\)'"):
+        check_run_config(used, RunConfig(), 1, tmp_path)
+
+
 def test_every_harmless_key_is_a_run_config_key():
     assert set(HARMLESS_CHANGES) <= set(RunConfig().to_run_config())
 

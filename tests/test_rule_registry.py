@@ -279,6 +279,31 @@ def test_the_server_validates_a_plugin_rule_without_importing_the_client_package
     assert json.loads(done.stdout.strip().splitlines()[-1]) == ["signsgd", []]
 
 
+def test_a_rule_declared_without_code_must_be_built_in_and_text_code_is_imported_by_the_client():
+    from fedcybgd.choices import BUILTIN_RULES
+    from fedcybgd.client.updates.base import BUILTIN_IMPLEMENTATIONS
+
+    # the client binds exactly the built-ins
+    assert set(BUILTIN_IMPLEMENTATIONS) == set(BUILTIN_RULES) == {
+        s.name for s in rules.rule_specs() if s.implementation is None}
+    # a plug-in rule with no code is refused at declaration (not on the clients, later)
+    with pytest.raises(ValueError, match="'codeless': implementation is required"):
+        rules.declare_rule("codeless", options=None, memory=greedy_memory,
+                           implementation=None)
+    with pytest.raises(ValueError, match="is not 'module:attr'"):
+        rules.declare_rule("codeless", options=None, memory=greedy_memory,
+                           implementation="not a target")
+    # "module:attr": the server keeps the text; a client imports it when it makes the rule
+    rules.declare_rule("greedy", options=GreedyOptions, memory=greedy_memory,
+                       implementation=f"{__name__}:Greedy")
+    try:
+        assert rules.rule_spec("greedy").implementation == f"{__name__}:Greedy"
+        assert isinstance(get_rule("greedy"), Greedy)
+    finally:
+        rules.unregister_rule("greedy")
+    assert "codeless" not in rules.rule_names()
+
+
 def test_registration_refuses_conflicts():
     with pytest.raises(ValueError, match="'fo' is already registered"):
         rules.register_rule("fo", memory=greedy_memory)(Greedy)

@@ -91,19 +91,20 @@ def test_the_node_wait_is_a_run_config_key_every_runner_and_the_strategy_take(mo
 
 
 def test_every_section_key_set_in_the_run_config_reaches_the_strategy(model):
-    # Prepare: every key the strategy's sections read, set away from its default
+    # Prepare: every key the strategy's parts take, set away from its default
     changed = {"clients-per-round": 6, "clients-per-block": 2, "block-schedule": "ascending",
-               "update-rule": "lezo", "seed": 7, "local-steps": 3, "batch-size": 2,
+               "update-rule": "lezo", "seed": 7, "local-steps": 3,
                "upload-codec": "delta+int8+zstd", "download-codec": "delta+fp16+zstd",
                "seedlog-fallback": "delta+fp16+zstd", "seedlog-max-replay": 8.0,
                "download-fraction": 0.5, "max-staleness": 2, "traffic-budget-mb": 5.0,
                "install-codec": "none", "version-history": 3, "install-chain": 4,
                "self-sync": False, "aggregate": "trimmed-mean", "trim-fraction": 0.1,
                "max-update-norm": 2.0, "outlier-factor": 4.0, "max-update-ratio": 0.2}
-    run = RunConfig.from_run_config({"model": "tiny-llama", **changed})
+    run = RunConfig.from_run_config({"model": "tiny-llama", "batch-size": 2, **changed})
     assert all(RunConfig().to_run_config()[key] != value for key, value in changed.items())
     # Execute
     settings = FedCyBGD.from_config(run, BlockMap(model, run.layers_per_block),
                                     dict(model.named_parameters())).settings()
-    # Assert: each key as set, by its run-config name
+    # Assert: each key as the part holding it has it, by its run-config name
     assert {key: settings[key] for key in changed} == changed
+    assert settings["max-examples"] == 3 * 2  # local-steps x batch-size bound a reply

@@ -379,3 +379,29 @@ def test_sft_evaluation_in_batches_by_length_gives_each_row_its_own_answer(tmp_p
     total = sum(float(a[0].sum()) for a in alone)
     count = sum(float(a[1].sum()) for a in alone)
     assert result.loss == pytest.approx(total / count, rel=1e-4)
+
+
+def test_a_plugin_that_replaces_a_built_in_task_keeps_it_whatever_imports_first(tmp_path):
+    # Prepare: a fresh interpreter (no task module imported yet) and a plug-in module that
+    # replaces the built-in classification task before the built-ins' modules are imported
+    import subprocess
+    import sys
+
+    (tmp_path / "my_tasks.py").write_text(
+        "from fedcybgd.tasks import register_task\n"
+        "from fedcybgd.tasks.base import Task\n"
+        "@register_task('classification', replace=True)\n"
+        "class Mine(Task):\n"
+        "    pass\n")
+    script = (
+        "from fedcybgd.config import RunConfig\n"
+        "RunConfig.from_run_config({'plugin-modules': 'my_tasks'})\n"
+        "from fedcybgd.tasks import task_class, task_names\n"
+        "print(task_class('classification').__name__, task_class('lm').__name__,"
+        " len(task_names()))\n")
+    # Execute
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    # Assert: the plug-in's class stands, the other built-ins are there
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["Mine", "LMTask", "4"]

@@ -110,7 +110,9 @@ class Registry(Generic[V]):
         self._name(name)
         self._check(name, entry)
         taken = self._entries.get(name)
-        if taken is not None and taken is not entry and not replace:
+        # (a lazy entry's own module may register the object it names when imported)
+        if taken is not None and taken is not entry and not replace and \
+                not isinstance(taken, str):
             raise ValueError(f"a {self.what} named {name!r} is already registered")
         self._entries[name] = entry
         return entry
@@ -133,19 +135,16 @@ class Registry(Generic[V]):
 
         return add
 
-    def unregister(self, name: str) -> V:
-        """Remove ``name`` (tests, interactive sessions); returns its entry.
+    def unregister(self, name: str) -> V | str:
+        """Remove ``name`` (tests, interactive sessions); returns its entry (a lazy one's
+        ``"module:attr"`` text, not imported).
 
         Raises
         ------
         KeyError
             Nothing of that name is registered.
         """
-        entry = self.find(name)
-        if entry is None:
-            raise KeyError(name)
-        del self._entries[name]
-        return entry
+        return self._entries.pop(name)
 
     def names(self) -> tuple[str, ...]:
         """The registered names, in registration order (the built-ins first)."""
@@ -156,6 +155,9 @@ class Registry(Generic[V]):
         entry = self._entries.get(name)
         if isinstance(entry, str):
             found: V = resolve(entry)
+            current = self._entries.get(name)
+            if current is not None and not isinstance(current, str):
+                return current  # the import registered it itself
             self._check(name, found)
             self._entries[name] = entry = found
         return entry

@@ -21,7 +21,7 @@ from fedcybgd.choices import BUILTIN_TASKS
 from fedcybgd.core.fields import ConfigError, unknown_key
 from fedcybgd.core.registry import PLUGIN_KEY, Registry
 
-__all__ = ["TASKS", "check_task", "register_task", "task_class", "task_names"]
+__all__ = ["TASKS", "builtin_task", "check_task", "register_task", "task_names"]
 
 TaskFactory = Callable[..., Any]
 T = TypeVar("T")
@@ -40,6 +40,20 @@ def register_task(name: str, *, replace: bool = False) -> Callable[[type[T]], ty
     return decorate
 
 
+def builtin_task(name: str) -> Callable[[type[T]], type[T]]:
+    """Class decorator of a built-in task: registers it unless a plug-in loaded earlier already
+    took the name (``register_task(name, replace=True)``: the plug-in's class stays)."""
+    if name not in BUILTIN_TASKS:
+        raise ValueError(f"{name!r} is not one of the built-in tasks {list(BUILTIN_TASKS)}")
+
+    def decorate(cls: type[T]) -> type[T]:
+        if name not in TASKS.names():
+            TASKS.add(name, cls)
+        return cls
+
+    return decorate
+
+
 def task_names() -> tuple[str, ...]:
     """The task names a run config may give: the built-ins, then the registered plug-ins."""
     return BUILTIN_TASKS + tuple(n for n in TASKS.names() if n not in BUILTIN_TASKS)
@@ -52,8 +66,3 @@ def check_task(name: str) -> None:
         raise ConfigError(f"task = {name!r}: {err} (one of your own: name its module in "
                           f"{PLUGIN_KEY})")
 
-
-def task_class(name: str) -> TaskFactory:
-    """The factory of the registered task ``name`` (ConfigError naming the ``task`` key if
-    unknown; the built-ins are registered once :mod:`fedcybgd.tasks.build` is imported)."""
-    return TASKS.get(name)

@@ -222,7 +222,8 @@ class FaultyGrid(LoopbackGrid):
         """Deliver, let the nodes answer, then apply the faults to the answers to train
         instructions (other messages, such as the node-key query, pass unharmed)."""
         messages = list(messages)
-        if not all(m.metadata.message_type == MessageType.TRAIN for m in messages):
+        if not messages or not all(m.metadata.message_type == MessageType.TRAIN
+                                   for m in messages):
             return super().send_and_receive(messages, timeout=timeout)
         replies = list(super().send_and_receive(messages, timeout=timeout))
         delivered = list(self._late)

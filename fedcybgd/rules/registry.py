@@ -30,8 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, is_dataclass
 from typing import Any, TypeVar
 
+from fedcybgd.choices import BUILTIN_RULES
 from fedcybgd.core.fields import ConfigError, Setting, settings, unknown_key
-from fedcybgd.core.registry import NAME_PATTERN, Registry
+from fedcybgd.core.registry import NAME_PATTERN, TARGET_PATTERN, Registry
 from fedcybgd.rules.contract import MemoryEstimate, UpdateRule
 
 __all__ = [
@@ -70,16 +71,17 @@ class RuleSpec:
         Whether ``train`` honours ``TrainTask.privacy`` (example-level DP: every example's
         contribution to a step clipped, the step noised); ``dp = "example"`` runs only such
         rules.
-    implementation : callable or None
-        A zero-argument class or factory making an :class:`~fedcybgd.rules.contract.UpdateRule`;
-        ``None`` for a built-in rule, whose code the client package binds.
+    implementation : callable, str or None
+        A zero-argument class or factory making an :class:`~fedcybgd.rules.contract.UpdateRule`,
+        or ``"module:attr"`` naming one (imported by the client only); ``None`` for a built-in
+        rule (:data:`fedcybgd.choices.BUILTIN_RULES`), whose code the client package binds.
     """
 
     name: str
     options: type[Any] | None
     memory: MemoryEstimate
     step_log: bool
-    implementation: Callable[[], UpdateRule] | None
+    implementation: Callable[[], UpdateRule] | str | None
     example_dp: bool = False
 
     @property
@@ -88,6 +90,8 @@ class RuleSpec:
         impl = self.implementation
         if impl is None:
             return "built in (fedcybgd.client.updates)"
+        if isinstance(impl, str):
+            return impl
         return f"{getattr(impl, '__module__', '?')}:{getattr(impl, '__qualname__', impl)}"
 
 
@@ -110,7 +114,7 @@ def declare_rule(
     *,
     options: type[Any] | None,
     memory: MemoryEstimate,
-    implementation: Callable[[], UpdateRule] | None,
+    implementation: Callable[[], UpdateRule] | str | None,
     step_log: bool = False,
     example_dp: bool = False,
 ) -> RuleSpec:
@@ -121,7 +125,8 @@ def declare_rule(
     ValueError
         ``name`` is malformed, reserved or taken; ``options`` is not a dataclass of config
         settings; an option key is declared differently by an already registered rule;
-        ``memory`` is not callable; ``implementation`` is neither callable nor ``None``.
+        ``memory`` is not callable; ``implementation`` is not callable nor ``"module:attr"``
+        (``None`` only for a built-in rule's name).
     """
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name) or name in RESERVED:
         raise ValueError(f"update rule name {name!r} must match {NAME_PATTERN} and not be one of "
@@ -135,7 +140,16 @@ def declare_rule(
                          f"got {options!r}")
     if not callable(memory):
         raise ValueError(f"update rule {name!r}: memory must be a function of MemoryNeeds")
-    if implementation is not None and not callable(implementation):
+    if implementation is None:
+        if name not in BUILTIN_RULES:
+            raise ValueError(f"update rule {name!r}: implementation is required (a class, a "
+                             "factory or 'module:attr'); only the built-in rules "
+                             f"{list(BUILTIN_RULES)} are bound by the client package")
+    elif isinstance(implementation, str):
+        if not re.fullmatch(TARGET_PATTERN, implementation):
+            raise ValueError(f"update rule {name!r}: implementation {implementation!r} is not "
+                             "'module:attr'")
+    elif not callable(implementation):
         raise ValueError(f"update rule {name!r}: implementation must be callable")
     for key, setting_ in option_keys(options).items():
         _check_same(name, key, setting_)
@@ -208,6 +222,7 @@ def unregister_rule(name: str) -> RuleSpec:
     """
     spec = RULES.unregister(name)
     _changed()
+    assert isinstance(spec, RuleSpec)  # rules are registered as specs, never lazily
     return spec
 
 

@@ -71,6 +71,9 @@ HARMLESS_CHANGES: dict[str, str] = {
 }
 # Schedules whose rates do not depend on num-server-rounds (see HARMLESS_CHANGES).
 _ROUNDS_FREE_SCHEDULES = ("constant",)
+# Keys a checkpoint may hold that the run config no longer has, with the value that meant
+# "unused": a checkpoint holding that value resumes; any other is refused by name.
+RETIRED_KEYS: dict[str, Any] = {"rule-modules": ""}
 _ABSENT = "(absent)"
 _JSON_KINDS: dict[type, str] = {dict: "an object", str: "a string",
                                  list: "a list"}  # in _Fields' messages
@@ -254,7 +257,8 @@ def check_run_config(saved: Mapping[str, Any], run: RunConfig, checkpoint_round:
     run config ``saved``) by ``run`` when they differ outside :data:`HARMLESS_CHANGES`.
 
     A key ``saved`` lacks (one fedcybgd gained after the checkpoint was written) counts as its
-    default.
+    default; a key the run config no longer has is ignored at its unused value
+    (:data:`RETIRED_KEYS`).
 
     Raises
     ------
@@ -269,6 +273,8 @@ def check_run_config(saved: Mapping[str, Any], run: RunConfig, checkpoint_round:
         old_value = saved.get(key, defaults.get(key, _ABSENT))
         new_value = new.get(key, _ABSENT)
         if _same(old_value, new_value):
+            continue
+        if key in RETIRED_KEYS and new_value == _ABSENT and _same(old_value, RETIRED_KEYS[key]):
             continue
         if key in HARMLESS_CHANGES and (key != "num-server-rounds"
                                         or run.lr_schedule in _ROUNDS_FREE_SCHEDULES):
@@ -294,10 +300,8 @@ def checkpoint_layout(blocks: BlockMap, weights: Mapping[str, torch.Tensor],
                       install_chain: int = 1) -> Layout:
     """What each checkpoint entry of this model must hold: a block its parameters (their
     shapes and dtypes), a block's server optimizer state fp32 moments of them, a block's
-    kept install deltas flat byte tensors, ``payload.0`` to ``payload.<install_chain - 1>``
-    (or one ``payload``, as checkpoints that kept a single delta wrote it)."""
-    payloads = {name: TensorSpec((None,), torch.uint8)
-                for name in ["payload", *(f"payload.{i}" for i in range(install_chain))]}
+    kept install deltas flat byte tensors, ``payload.0`` to ``payload.<install_chain - 1>``."""
+    payloads = {f"payload.{i}": TensorSpec((None,), torch.uint8) for i in range(install_chain)}
 
     def params(block: str) -> dict[str, TensorSpec]:
         return {p: TensorSpec(tuple(weights[p].shape), weights[p].dtype)

@@ -86,6 +86,7 @@ class RoundEnd:
         if server_round == 0:
             return self._before_training()
         if server_round < self.first_round:
+            self.round_start = time.perf_counter()
             return None  # the checkpoint holds it
         if self.strategy.privacy_stop is not None:  # this round would exceed the DP budget
             self._privacy_ends(server_round)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import Message, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
@@ -156,12 +156,13 @@ class ReplyWatch(Grid):
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
         self.current = RoundReplies()
-        # called with the messages about to go out (none: nothing is sent), before they go
+        # called with the training instructions about to go out, before they go
         self.on_send: Callable[[list[Message]], None] | None = None
 
     def _sending(self, messages: list[Message]) -> None:
-        if messages and self.on_send is not None:
-            self.on_send(messages)
+        train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
+        if train and self.on_send is not None:
+            self.on_send(train)
 
     def take_round(self) -> RoundReplies:
         """The replies since the last call (the round that just ended); starts a new round."""
@@ -218,6 +219,8 @@ class ReplyWatch(Grid):
                          timeout: float | None = None) -> Iterable[Message]:
         """Send and receive through the wrapped grid, noting what was asked and came back."""
         messages = list(messages)
+        if not messages:  # e.g. a round's empty evaluation: nothing to send or wait for
+            return []
         self._sending(messages)
         replies = self._received(self.grid.send_and_receive(messages, timeout=timeout))
         self._sent(messages)

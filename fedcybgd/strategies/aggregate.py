@@ -64,8 +64,9 @@ def register_aggregator(name: str, *, replace: bool = False) -> Callable[[_F], _
     return AGGREGATOR_REGISTRY.register(name, replace=replace)  # type: ignore[return-value]
 
 
-def unregister_aggregator(name: str) -> AggregatorFactory:
-    """Remove the aggregator ``name`` (tests, interactive sessions); returns its factory."""
+def unregister_aggregator(name: str) -> AggregatorFactory | str:
+    """Remove the aggregator ``name`` (tests, interactive sessions); returns its factory (or
+    its ``"module:attr"`` if never imported)."""
     return AGGREGATOR_REGISTRY.unregister(name)
 
 

@@ -1,13 +1,12 @@
 """The parts a FedCyBGD server is made of, each built from its section of the run config.
 
 :func:`assemble` builds them; :class:`Parts` holds them and gathers what the strategy reports
-and checkpoints from them: :meth:`Parts.settings` (the sections as given, then what the parts
-made of them) and :meth:`Parts.state` / :meth:`Parts.load_state` (each part's own state).
+and checkpoints from them: :meth:`Parts.settings` (what each part holds, by run-config key)
+and :meth:`Parts.state` / :meth:`Parts.load_state` (each part's own state).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,23 +55,39 @@ class Parts:
     self_sync: bool  # in effect: it needs one node a block, an sgd step and no central noise
 
     def settings(self) -> dict[str, Any]:
-        """The settings in effect, by run-config key: the sections as given, then what the
-        parts made of them."""
-        run, step = self.config, self.step
-        out = {key.replace("_", "-"): value
-               for section in (run.cohort, run.codecs, run.robust)
-               for key, value in dataclasses.asdict(section).items()}
-        out.update({
+        """The settings in effect, by run-config key, read from the parts that hold them."""
+        cohort, reader, downloads, step = self.config.cohort, self.reader, self.downloads, self.step
+        quantized = self.installer.quantized
+        return {
             "block-schedule": getattr(self.schedule, "order", type(self.schedule).__name__),
             "cycle": list(self.cycle),
+            "clients-per-round": cohort.clients_per_round,
+            "clients-per-block": cohort.clients_per_block,
+            "update-rule": cohort.update_rule,
+            "seed": cohort.seed,
+            "local-steps": cohort.local_steps,
+            "upload-codec": reader.upload_codec,
+            "seedlog-fallback": reader.seedlog_fallback,
+            "max-payload-bytes": reader.max_payload_bytes,
+            "max-examples": reader.max_examples,
+            "download-codec": downloads.download_codec,
+            "download-fraction": downloads.fraction,
+            "max-staleness": downloads.max_staleness,
+            "seedlog-max-replay": downloads.max_replay,
+            "traffic-budget-mb": 0.0 if self.budget is None else self.budget.budget_bytes / 2**20,
+            "install-codec": "none" if quantized is None else quantized.spec,
+            "version-history": self.blocks.history,
+            "install-chain": self.blocks.chain,
             "aggregate": self.aggregate_name,
+            "trim-fraction": self.config.robust.trim_fraction,
             "max-update-norm": self.screen.max_norm,
-            "self-sync": self.self_sync,
+            "outlier-factor": self.screen.outlier_factor,
+            "max-update-ratio": self.screen.max_ratio,
             "server-step": (step.server_lr, step.damping, step.optimizer, step.beta1,
                             step.beta2, step.eps),
+            "self-sync": self.self_sync,
             **self.privacy.settings(self.aggregate),
-        })
-        return out
+        }
 
     def state(self) -> dict[str, Any]:
         """JSON-able state of every part (weights are saved separately, per block)."""

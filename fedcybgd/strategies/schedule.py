@@ -68,8 +68,9 @@ def register_schedule(name: str, *, replace: bool = False) -> Callable[[_F], _F]
     return SCHEDULE_REGISTRY.register(name, replace=replace)  # type: ignore[return-value]
 
 
-def unregister_schedule(name: str) -> ScheduleFactory:
-    """Remove the schedule ``name`` (tests, interactive sessions); returns its factory."""
+def unregister_schedule(name: str) -> ScheduleFactory | str:
+    """Remove the schedule ``name`` (tests, interactive sessions); returns its factory (or its
+    ``"module:attr"`` if never imported)."""
     return SCHEDULE_REGISTRY.unregister(name)
 
 

@@ -6,15 +6,15 @@ the server's evaluator and the FedAvg baselines all go through it (via the batch
 see :mod:`fedcybgd.tasks.objective`). Built-in kinds (``task``): ``classification``, ``sft``,
 ``multiple-choice``, ``lm``; one's own: :func:`register_task` in a plug-in module.
 
-Importing this package is light (no torch); :class:`Task`, :func:`build_task` and
-:func:`make_task` are loaded on first access.
+Importing this package is light (no torch); :class:`Task`, :func:`build_task`,
+:func:`make_task` and :func:`task_class` are loaded on first access.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fedcybgd.data.kinds import TASKS, register_task, task_class, task_names
+from fedcybgd.data.kinds import TASKS, register_task, task_names
 
 __all__ = ["TASKS", "Task", "build_task", "make_task", "register_task", "task_class",
            "task_names"]
@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
         from fedcybgd.tasks.base import Task
 
         return Task
-    if name in ("build_task", "make_task"):
+    if name in ("build_task", "make_task", "task_class"):
         from fedcybgd.tasks import build
 
         return getattr(build, name)

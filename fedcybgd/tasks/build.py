@@ -10,14 +10,20 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from fedcybgd.data.kinds import task_class
+from fedcybgd.data.kinds import TASKS, TaskFactory
 from fedcybgd.tasks import classification, lm, multiple_choice, sft  # noqa: F401 (registers)
 from fedcybgd.tasks.base import Task, reset_cut_counts
 
 if TYPE_CHECKING:
     from fedcybgd.config import RunConfig
 
-__all__ = ["build_task", "make_task"]
+__all__ = ["build_task", "make_task", "task_class"]
+
+
+def task_class(name: str) -> TaskFactory:
+    """The class (factory) of the task ``name``: a built-in or a registered plug-in's
+    (ConfigError naming the ``task`` key if unknown)."""
+    return TASKS.get(name)
 
 
 def make_task(name: str, run: RunConfig) -> Task:

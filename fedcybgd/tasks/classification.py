@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedcybgd.data.kinds import register_task
+from fedcybgd.data.kinds import builtin_task
 from fedcybgd.data.prompts import Batch, EncodedExamples, PromptEncoder, collate
 from fedcybgd.data.sources import DataError, where
 from fedcybgd.tasks.base import Task, warn_cut
@@ -60,7 +60,7 @@ def check_text(frame: pd.DataFrame, field: str) -> pd.Series:
     return values.astype(str)
 
 
-@register_task("classification")
+@builtin_task("classification")
 class ClassificationTask(Task):
     """See the module docstring."""
 

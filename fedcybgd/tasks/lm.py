@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from fedcybgd.data.builtin import builtin_dataset, builtin_splits
-from fedcybgd.data.kinds import register_task
+from fedcybgd.data.kinds import builtin_task
 from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids, pad_token_id
 from fedcybgd.data.sources import FILE_COLUMN, SPLIT_SEED, DataError
 from fedcybgd.data.text_files import read_texts, split_texts
@@ -91,7 +91,7 @@ def cut_windows(ids: list[int], size: int, lead: list[int]) -> list[list[int]]:
     return [w for w in out if len(w) >= 2]
 
 
-@register_task("lm")
+@builtin_task("lm")
 class LMTask(Task):
     """See the module docstring."""
 

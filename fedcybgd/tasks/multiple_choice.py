@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedcybgd.data.kinds import register_task
+from fedcybgd.data.kinds import builtin_task
 from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids, pad_token_id
 from fedcybgd.data.sources import DataError, where
 from fedcybgd.tasks.base import Task, warn_cut
@@ -107,7 +107,7 @@ class ChoiceEncoder:
         return self.encode([(q, opts[a]) for q, opts, a in items], [a for _, _, a in items])
 
 
-@register_task("multiple-choice")
+@builtin_task("multiple-choice")
 class MultipleChoiceTask(Task):
     """See the module docstring."""
 

@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from fedcybgd.data.kinds import register_task
+from fedcybgd.data.kinds import builtin_task
 from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids, pad_token_id
 from fedcybgd.data.sources import DataError, where
 from fedcybgd.tasks.base import Task, warn_cut
@@ -147,7 +147,7 @@ class SFTEncoder:
             score_positions=[j.positions for j in joined], targets=[j.targets for j in joined])
 
 
-@register_task("sft")
+@builtin_task("sft")
 class SFTTask(Task):
     """See the module docstring."""
 

@@ -5,7 +5,7 @@ given and returns (:class:`TrainTask`, :class:`TrainOutcome`), is neutral: it li
 :mod:`fedcybgd.rules`, because the server reads the declarations at start (validation,
 memory-aware assignment) and must not import this package. Here the client turns a rule's name
 into an object with ``train``: a plug-in's registered class, or for a built-in rule (declared
-with no implementation) the class of this package that :data:`BUILTIN_RULES` binds to it.
+with no implementation) the class of this package that :data:`BUILTIN_IMPLEMENTATIONS` binds to it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from fedcybgd.client.updates.fo import FirstOrder
 from fedcybgd.client.updates.lezo import LeZO, MeZO
 from fedcybgd.client.updates.zerolock import ZeroLock
+from fedcybgd.core.registry import resolve
 from fedcybgd.rules import (
     RuleSpec,
     TrainOutcome,
@@ -30,16 +31,22 @@ __all__ = ["TrainOutcome", "TrainTask", "UpdateRule", "available_rules", "get_ru
 
 
 # The built-in rules' code, by the names fedcybgd.rules.builtin declares them under.
-BUILTIN_RULES: dict[str, Callable[[], Any]] = {
+BUILTIN_IMPLEMENTATIONS: dict[str, Callable[[], Any]] = {
     "fo": FirstOrder, "zerolock": ZeroLock, "lezo": LeZO, "mezo": MeZO}
 
 
 def _implementation(spec: RuleSpec) -> Callable[[], Any]:
-    """The class or factory of ``spec`` (a built-in's from :data:`BUILTIN_RULES`)."""
-    impl = spec.implementation or BUILTIN_RULES.get(spec.name)
+    """The class or factory of ``spec``: a built-in's from :data:`BUILTIN_IMPLEMENTATIONS`, a
+    ``"module:attr"`` imported here."""
+    impl = spec.implementation or BUILTIN_IMPLEMENTATIONS.get(spec.name)
     if impl is None:
         raise TypeError(f"update rule {spec.name!r} declares no implementation and is not "
-                        f"built in ({sorted(BUILTIN_RULES)})")
+                        f"built in ({sorted(BUILTIN_IMPLEMENTATIONS)})")
+    if isinstance(impl, str):
+        impl = resolve(impl)
+        if not callable(impl):
+            raise TypeError(f"update rule {spec.name!r}: {spec.implementation} is not a class "
+                            "or factory")
     return impl
 
 
