@@ -364,3 +364,24 @@ print([m for m in sys.modules if m.split(".")[0] in BLOCKED])
     assert "pip install 'fedcybgd[privacy]'" in lines[0]
     assert "pip install 'fedcybgd[data]'" in lines[1]
     assert lines[-1] == "[]"
+
+
+# ------------------------------------------------------------ sizes a reader can hold
+MAX_FUNCTION_LINES = 80
+MAX_STRATEGY_LINES = 350
+
+
+def test_no_function_is_longer_than_a_screenful_or_two():
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{module}.{node.name}: {lines} lines")
+    assert long == []
+
+
+def test_the_strategy_module_reads_in_one_sitting():
+    lines = len(MODULES["fedcybgd.strategies.fedcybgd"].read_text().splitlines())
+    assert lines <= MAX_STRATEGY_LINES
