@@ -236,7 +236,7 @@ class StoppedGrid(LoopbackGrid):
 
 @pytest.mark.parametrize(("strategy", "after", "done"), [
     ("pipeline", 5, 1),  # gpipe on two stages: F, F, B, B of step 1, then step 2's first F
-    ("fedavg", 4, 1),  # node keys, round 1 (train, an empty evaluate), round 2
+    ("fedavg", 3, 1),  # node keys, round 1, round 2 (an empty evaluation sends nothing)
 ])
 def test_a_stopped_run_that_keeps_no_checkpoint_writes_a_summary_that_says_so(
         tmp_path, strategy, after, done):
