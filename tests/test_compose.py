@@ -86,6 +86,34 @@ def test_build_context_is_the_package_and_docker_extra() -> None:
 
 
 # -- ports -----------------------------------------------------------------------------------
+def test_the_model_conversion_layer_copies_every_module_loading_imports() -> None:
+    # Prepare: the package files the Dockerfile copies into /tmp/convert, and the fedcybgd
+    # modules model/loading.py imports, followed through the modules they import
+    import ast
+
+    copied = {src for line in DOCKERFILE.read_text().splitlines()
+              if line.startswith("COPY ") and line.split()[-1].startswith("/tmp/convert/")
+              for src in line.split()[1:-1]}
+    needed, todo = set(), ["fedcybgd/model/loading.py"]
+    while todo:
+        path = todo.pop()
+        if path in needed:
+            continue
+        needed.add(path)
+        package = Path(path).parent
+        while package.name:  # a module's packages run their __init__ first
+            needed.add(str(package / "__init__.py"))
+            package = package.parent
+        tree = ast.parse((PROJECT / path).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fedcybgd"):
+                module = PROJECT / Path(*node.module.split("."))
+                todo.append(str((module.with_suffix(".py") if module.with_suffix(".py").exists()
+                                 else module / "__init__.py").relative_to(PROJECT)))
+    # Assert: every one of them is copied (a missing one fails the image build)
+    assert needed - {"__init__.py"} <= copied, sorted(needed - copied - {"__init__.py"})
+
+
 def test_only_the_superlink_and_the_gateway_publish_and_on_loopback_by_default() -> None:
     for files in ((COMPOSE,), (COMPOSE, COMPOSE_TLS)):
         services = _services(*files)
