@@ -8,7 +8,7 @@ payoff experiments how far learning can move this task. Scored as the task score
 greedy generations (exact match = the run's accuracy, token F1), overall and by ToMi question
 type, and the response loss / perplexity.
 
-    nice -n 5 python experiments/tomi_baseline.py            # the figures in docs/results.md
+    nice -n 5 python experiments/tomi_baseline.py            # the figures in docs/data.md
     python experiments/tomi_baseline.py --test-examples 48 --steps 4   # a quick look
 
 Writes ``experiments/results/tomi_baseline.json``.
