@@ -20,10 +20,10 @@ update screen, :mod:`~fedcybgd.strategies.screen`, bounds every single upload fi
 
 - ``auto`` (the default): ``median``. It keeps a colluding minority of a block's nodes within a
   small multiple of an honest run's drift, first visits included, at a cost to honest runs
-  inside the seed spread (docs/results.md, "Colluding nodes"). Under ``dp`` every aggregate gives way
-  to DP's mean of clipped deltas (:class:`~fedcybgd.strategies.privacy.DpMean`), whose clip
-  bounds each node; ``auto`` is the one robust setting that lets it, so a DP run needs no
-  ``aggregate`` of its own.
+  inside the seed spread (docs/results.md, "Colluding nodes"). Under ``dp`` every aggregate
+  gives way to DP's mean of clipped deltas (:class:`~fedcybgd.strategies.privacy.DpMean`),
+  whose clip bounds each node; ``auto`` is the one robust setting that lets it, so a DP run
+  needs no ``aggregate`` of its own.
 
 Flower's Krum and Bulyan need ``n >= 2f + 3`` (Bulyan ``4f + 3``) nodes on the same block, more
 than a block is shared by in practice, so they are not offered; a plug-in can add them.
