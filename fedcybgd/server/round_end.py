@@ -56,7 +56,7 @@ class RoundEnd:
 
     def __init__(self, run: RunConfig, out: Path, strategy: FedCyBGD, writer: MetricsWriter,
                  evaluator: Evaluator, checkpointer: Checkpointer, resumed: Resumed | None,
-                 identity: tuple[str, str], segments: Segments, stop: Any,
+                 identity: tuple[str, str], segments: Segments, stop: Any,  # app.StopRecord
                  watch: ReplyWatch) -> None:
         self.run, self.out, self.strategy, self.writer = run, out, strategy, writer
         self.evaluator, self.checkpointer, self.segments = evaluator, checkpointer, segments
@@ -90,7 +90,10 @@ class RoundEnd:
             return None  # the checkpoint holds it
         if self.strategy.privacy_stop is not None:  # this round would exceed the DP budget
             self._privacy_ends(server_round)
-        record = self.strategy.history[-1]
+        record = self.strategy.history[-1] if self.strategy.history else None
+        if record is None or record.round != server_round:
+            raise RuntimeError(f"round {server_round} ended without its record in the "
+                               "strategy's history")
         run = self.run
         is_last = server_round == run.num_server_rounds
         if is_last or (run.eval_every and server_round % run.eval_every == 0):
