@@ -70,7 +70,8 @@ def resolve(target: str) -> Any:
 class Registry(Generic[V]):
     """Entries by name, for one kind of extension (update rules, tasks, block schedules,
     aggregators): each an object, or a ``"module:attr"`` text imported on first use
-    (:meth:`add_lazy`; a module of a higher floor registers its own entries so).
+    (:meth:`add_lazy`: an entry whose module is heavy or belongs to one side only is
+    imported where it is used; the module may also register itself when imported).
 
     Parameters
     ----------
