@@ -72,7 +72,7 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not containers" $(PYTEST_WORKERS)
 
-# Every command the pages show, run as written after the demo (tests/test_documented_commands.py,
+# Every command the pages show, run as written after the demo (tests/docs/test_documented_commands.py,
 # a tiny model): about 15 minutes of whole runs one after the other, so not in make test.
 test-docs: install
 	$(BIN)/python -m pytest -q -m docs
@@ -94,8 +94,8 @@ test-arm64: install
 # the Simulation Engine, real SuperLink/SuperNodes, the FedAvg baselines under Strategy.start,
 # DP wrappers, the node command. Not part of make test (it needs the network and a second venv).
 NEXT_VENV ?= .venv-next
-FLOWER_NEXT_TESTS ?= tests/test_baselines.py tests/test_loopback_run.py tests/test_reproducible.py \
-	tests/test_early_stop.py tests/test_deploy.py tests/test_privacy.py tests/test_node_command.py
+FLOWER_NEXT_TESTS ?= tests/server/test_baselines.py tests/harness/test_loopback_run.py tests/harness/test_reproducible.py \
+	tests/server/test_early_stop.py tests/deploy/test_deploy.py tests/strategies/test_privacy.py tests/cli/test_node_command.py
 test-flower-next:
 	$(PYTHON) -m venv $(NEXT_VENV)
 	$(NEXT_VENV)/bin/pip install --quiet --upgrade pip
@@ -144,7 +144,7 @@ compose-build:
 	docker-compose $(if $(wildcard docker-extra/build.env),--env-file docker-extra/build.env) build
 
 compose-test: install
-	$(BIN)/python -m pytest -q -s -rs tests/test_compose.py tests/test_compose_e2e.py
+	$(BIN)/python -m pytest -q -s -rs tests/deploy/test_compose.py tests/deploy/test_compose_e2e.py
 
 # An arm64 SuperNode (the node image built for linux/arm64; on an x86 machine every arm64
 # instruction is emulated by qemu, so this takes long) joins a SuperLink on 127.0.0.1 over TLS

@@ -58,7 +58,7 @@ CASES: dict[str, dict[str, object]] = {
     "saved-tiny-fo": {**QUICK_RUN_CONFIG, "model": SAVED_TINY, "update-rule": "fo"},
     "saved-tiny-zerolock": {**QUICK_RUN_CONFIG, "model": SAVED_TINY, "update-rule": "zerolock"},
     "saved-tiny-lezo": {**QUICK_RUN_CONFIG, "model": SAVED_TINY, "update-rule": "lezo"},
-    # The smoke test's case (tests/test_arm64_node.py, `make test-arm64`): one round of `fo`.
+    # The smoke test's case (tests/deploy/test_arm64_node.py, `make test-arm64`): one round of `fo`.
     "smoke": {**QUICK_RUN_CONFIG, "model": SAVED_TINY, "update-rule": "fo",
               "num-server-rounds": 1},
 }

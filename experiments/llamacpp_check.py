@@ -8,7 +8,7 @@ For each type (f16, q8_0, q4_1) it exports the folder with ``fedcybgd export``'s
 the file in llama.cpp (through the llama-cpp-python binding, which builds llama.cpp from source
 when pip installs it; run in its own interpreter so the project's venv needs none of it), runs
 the same token ids as the Hugging Face model, and compares every position's logits: the largest
-error over the logits' standard deviation (the measure tests/test_export.py bounds for
+error over the logits' standard deviation (the measure tests/model/test_export.py bounds for
 transformers' own GGUF reader), and how often the two agree on the next token. A greedy
 continuation of a chat prompt is printed from each. Figures go to
 ``experiments/results/llamacpp/`` (``check.json``, ``check.md``).

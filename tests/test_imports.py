@@ -248,6 +248,28 @@ def test_the_package_root_holds_only_sub_packages_and_two_modules():
     assert loose == ["__init__.py", "choices.py", "config.py"]
 
 
+# Folders of tests/ that mirror a top folder of the project rather than one of the package's.
+PROJECT_FOLDERS = {"docs", "examples", "experiments"}
+
+
+def test_the_tests_mirror_the_package():
+    """A module's tests are found from its path: tests/<folder>/ holds the tests of
+    fedcybgd/<folder>/ (or of the project's docs/, examples/, experiments/), and the files at
+    tests/'s top test the package as a whole or a module at its root."""
+    tests = Path(__file__).resolve().parent
+    strays = []
+    for folder in sorted(p for p in tests.rglob("*") if p.is_dir()):
+        rel = folder.relative_to(tests)
+        if "__pycache__" in rel.parts or rel.parts[-1] == "golden":
+            continue
+        mirrored = ROOT / rel if rel.parts[0] not in PROJECT_FOLDERS else ROOT.parent / rel
+        if not mirrored.is_dir():
+            strays.append(str(rel))
+    assert strays == []
+    top = sorted(p.stem.removeprefix("test_") for p in tests.glob("test_*.py"))
+    at_root = {p.stem for p in ROOT.glob("*.py")} | {"imports", "fab"}
+    assert set(top) <= at_root, f"tests at tests/'s top that belong in a folder: {top}"
+
 @pytest.mark.parametrize(("graph", "expected"), [
     ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
     ({"a": {"b"}, "b": set()}, []),

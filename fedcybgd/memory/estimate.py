@@ -40,7 +40,7 @@ MB = 2**20
 # fedcybgd.data stopped importing datasets/flwr-datasets at import time; the project's CI
 # machine measured 602 MB for the same code, so the runtime is a property of the machine: a
 # node measures its own (measured_runtime_mb) and RUNTIME_MB is only the default of an estimate
-# made away from the node. tests/test_memory_budget.py checks the rest of the model against
+# made away from the node. tests/memory/test_memory_budget.py checks the rest of the model against
 # every committed row above that row's own runtime, and a node's own figure against its peak.
 RUNTIME_MB = 534.0  # python + torch + transformers + tokenizer + data, before weights
 ACT_FLOATS_PER_TOKEN_PER_LAYER = 18.0  # x hidden_size: activations autograd keeps per layer
