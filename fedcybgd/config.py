@@ -646,6 +646,27 @@ class RunConfig:
             clip_lr=self.dp_clip_lr, clip_count_stddev=self.dp_clip_count_stddev,
             clients_per_round=self.clients_per_round)
 
+    @property
+    def evaluation(self) -> Evaluation:
+        """When and on what the server evaluates the global model."""
+        return Evaluation(
+            every=self.eval_every, examples=self.eval_examples, batch_size=self.eval_batch_size,
+            cache=self.eval_cache, split=self.eval_split, precision=self.eval_precision)
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """Pipeline mode (``strategy = "pipeline"``): the stages and what crosses between them."""
+        return Pipeline(
+            stages=self.pipeline_stages, schedule=self.pipeline_schedule,
+            aux_layers=self.pipeline_aux_layers, activations=self.pipeline_activations,
+            checkpoint_every=self.pipeline_checkpoint_every, micro_batches=self.micro_batches)
+
+    @property
+    def baseline(self) -> Baseline:
+        """What the FedAvg baseline trains (``strategy = "fedavg"``)."""
+        return Baseline(params=self.fedavg_params, lora_rank=self.lora_rank,
+                        lora_alpha=self.lora_alpha, lora_modules=tuple(self.lora_modules))
+
     def rule_options(self, rule: str) -> RuleOptions:
         """The typed options of the registered update rule ``rule``."""
         return rules.parse_options(rule, self.options)
@@ -675,7 +696,7 @@ class RunConfig:
         return out
 
 
-# ------------------------------------------------------------------ the strategy's sections
+# ------------------------------------------------------------------ the run's sections
 # Views of a RunConfig (its properties build them); no defaults here: RunConfig keeps them.
 @dataclass(frozen=True)
 class Cohort:
@@ -753,6 +774,42 @@ class Privacy:
     clip_lr: float
     clip_count_stddev: float
     clients_per_round: int
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """``eval-every``, ``eval-examples``, ``eval-batch-size``, ``eval-cache``, ``eval-split``,
+    ``eval-precision``."""
+
+    every: int
+    examples: int
+    batch_size: int
+    cache: bool
+    split: str
+    precision: str
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """``pipeline-stages``, ``pipeline-schedule``, ``pipeline-aux-layers``,
+    ``pipeline-activations``, ``pipeline-checkpoint-every``, ``micro-batches``."""
+
+    stages: int
+    schedule: str
+    aux_layers: int
+    activations: str
+    checkpoint_every: int
+    micro_batches: int
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """``fedavg-params``, ``lora-rank``, ``lora-alpha``, ``lora-target-modules`` (as names)."""
+
+    params: str
+    lora_rank: int
+    lora_alpha: int
+    lora_modules: tuple[str, ...]
 
 
 def load_plugins(plugin_modules: str) -> None:

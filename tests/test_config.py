@@ -468,3 +468,38 @@ def test_a_schedule_the_pipeline_would_not_follow_is_refused(extra):
         RunConfig.from_run_config({"strategy": "pipeline", **extra})
     for strategy in ("fedcybgd", "fedavg"):  # both send each round's rate
         assert RunConfig.from_run_config({"strategy": strategy, **extra}).strategy == strategy
+
+
+SECTIONS = ("cohort", "codecs", "robust", "server_step", "privacy", "evaluation", "pipeline",
+            "baseline")
+
+
+def _other_value(setting: Setting) -> Any:
+    """A value of ``setting``'s type other than its default (sections are views: no checks)."""
+    if setting.kind is bool:
+        return not setting.default
+    if setting.kind is int:
+        return setting.default + 1
+    if setting.kind is float:
+        return setting.default * 2 + 0.5
+    choices = setting.bounds.choices
+    if choices:
+        return next(c for c in choices if c != setting.default)
+    return setting.default + ",other" if setting.default else "other"
+
+
+def test_every_field_of_every_section_follows_a_key_of_the_run_config():
+    import copy
+    import dataclasses
+
+    base = RunConfig()
+    moved: dict[str, set[str]] = {s: set() for s in SECTIONS}
+    for setting in settings(RunConfig).values():
+        changed = copy.copy(base)
+        object.__setattr__(changed, setting.name, _other_value(setting))
+        for section in SECTIONS:
+            before = dataclasses.asdict(getattr(base, section))
+            after = dataclasses.asdict(getattr(changed, section))
+            moved[section] |= {field for field in before if before[field] != after[field]}
+    still = {s: sorted(set(dataclasses.asdict(getattr(base, s))) - moved[s]) for s in SECTIONS}
+    assert still == {s: [] for s in SECTIONS}  # a field no key moves reads no key

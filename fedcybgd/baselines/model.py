@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from fedcybgd.config import RunConfig
+from fedcybgd.config import Baseline, RunConfig
 from fedcybgd.model.layerwise import LayerStack
 from fedcybgd.model.loading import load_model
 
@@ -83,11 +83,11 @@ def check_tensors(
             raise ValueError(f"array '{name}' holds NaN or Inf")
 
 
-def lora_config(run: RunConfig) -> LoraConfig:
+def lora_config(baseline: Baseline) -> LoraConfig:
     """The adapters of a LoRA run (no dropout: the runs compare update rules, not regularisers)."""
     config: LoraConfig = _peft().LoraConfig(
-        r=run.lora_rank, lora_alpha=run.lora_alpha, target_modules=run.lora_modules,
-        lora_dropout=0.0, bias="none")
+        r=baseline.lora_rank, lora_alpha=baseline.lora_alpha,
+        target_modules=list(baseline.lora_modules), lora_dropout=0.0, bias="none")
     return config
 
 
@@ -106,7 +106,7 @@ def build_lora(run: RunConfig) -> BaselineModel:
     for p in base.parameters():
         p.requires_grad_(False)
     torch.manual_seed(run.seed)
-    peft_model = _peft().get_peft_model(base, lora_config(run))
+    peft_model = _peft().get_peft_model(base, lora_config(run.baseline))
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     inner = cast(PreTrainedModel, peft_model.base_model.model)  # the LoRA-injected model
     return BaselineModel(peft_model, LayerStack(inner), trainable, lora=True)
@@ -114,4 +114,4 @@ def build_lora(run: RunConfig) -> BaselineModel:
 
 def build_baseline(run: RunConfig) -> BaselineModel:
     """The model ``run`` exchanges under FedAvg (``fedavg-params``)."""
-    return build_lora(run) if run.fedavg_params == "lora" else build_full(run.model)
+    return build_lora(run) if run.baseline.params == "lora" else build_full(run.model)

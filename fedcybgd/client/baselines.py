@@ -42,8 +42,7 @@ _MODELS: dict[tuple[object, ...], BaselineModel] = {}
 
 def _client_model(run: RunConfig) -> BaselineModel:
     # One model per client process, as for FedCyBGD; FedAvg overwrites it every round.
-    key = (run.model, run.fedavg_params, run.lora_rank, run.lora_alpha,
-           run.lora_target_modules, run.seed)
+    key = (run.model, run.baseline, run.seed)
     if key not in _MODELS:
         _MODELS.clear()
         _MODELS[key] = build_baseline(run)

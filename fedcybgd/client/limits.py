@@ -175,8 +175,8 @@ def check_pipeline(run: RunConfig, node: NodeConfig) -> None:
     Refusal
         A value beyond its limit, named.
     """
-    if run.micro_batches > node.max_micro_batches:
-        raise beyond("run-config 'micro-batches'", run.micro_batches, "max-micro-batches",
+    if run.pipeline.micro_batches > node.max_micro_batches:
+        raise beyond("run-config 'micro-batches'", run.pipeline.micro_batches, "max-micro-batches",
                      node.max_micro_batches)
     if run.max_seq_len > node.max_row_tokens:
         raise beyond("run-config 'max-seq-len'", run.max_seq_len, "max-row-tokens",

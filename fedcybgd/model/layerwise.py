@@ -18,8 +18,8 @@ That replay is exact only if the model's layer loop does nothing but chain its l
 tail (final norm, output projection, LM head, logit scaling or softcapping) is known here.
 :class:`LayerStack` checks both when it is built: it runs a short padded probe through the
 model's own forward and piece by piece, and refuses the model (``UnsupportedModelError`` naming
-the family) unless the logits agree. ``tests/model/test_layerwise.py`` checks the families one by one
-with padding and with sequences longer than the sliding window.
+the family) unless the logits agree. ``tests/model/test_layerwise.py`` checks the families one
+by one with padding and with sequences longer than the sliding window.
 """
 
 from __future__ import annotations

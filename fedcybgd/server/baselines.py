@@ -285,7 +285,7 @@ def _train_record(strategy: CheckedFedAvg, run: RunConfig, server_round: int) ->
              for r in kept + strategy.last_dropped)  # dropped uploads crossed the wire too
     return RoundRecord(
         server_round,
-        rule=f"fedavg-{run.fedavg_params}",
+        rule=f"fedavg-{run.baseline.params}",
         clients=[r.metadata.src_node_id for r in kept],
         dropped_uploads=len(strategy.last_dropped),
         dropped=strategy.last_drops,
@@ -361,7 +361,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
             verdict.after_round(server_round, watch.take_round(), bool(record.clients))
         is_last = server_round == rounds  # the rounds that run (a DP budget may cut them)
         if server_round == 0 or is_last or (
-            run.eval_every and server_round % run.eval_every == 0
+            run.evaluation.every and server_round % run.evaluation.every == 0
         ):
             server.set(from_record(arrays))
             result, cached = evaluator.initial() if server_round == 0 else (evaluator(), False)
@@ -384,8 +384,9 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
                              "eval_accuracy": record.eval_accuracy})  # type: ignore[dict-item]
 
     driver = strategy if privacy is None else _with_dp(strategy, run)
-    head = {"model": run.model, "strategy": "fedavg", "update_rule": f"fedavg-{run.fedavg_params}",
-            "rounds": rounds, "run_config": run.to_run_config()}
+    head = {"model": run.model, "strategy": "fedavg",
+            "update_rule": f"fedavg-{run.baseline.params}", "rounds": rounds,
+            "run_config": run.to_run_config()}
     stop = UncheckpointedStop(out, head, writer, started)
     with stop_handling(stop.write):
         try:
@@ -398,7 +399,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
             stop.write(stop_reason(err))
             raise
     return session.finish(summary, failure, writer.records,
-                          f"FedAvg-{run.fedavg_params}, {run.model}, seed {run.seed}")
+                          f"FedAvg-{run.baseline.params}, {run.model}, seed {run.seed}")
 
 
 def _fedavg(run: RunConfig, server: BaselineModel, prior: Any, classes: Any) -> CheckedFedAvg:

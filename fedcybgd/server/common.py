@@ -49,13 +49,13 @@ class Evaluator:
         self.stack = stack
         self._master = stack.model
         self.task = build_task(run)
-        self.frame = self.task.eval_frame(run.eval_split, run.eval_examples)
+        self.frame = self.task.eval_frame(run.evaluation.split, run.evaluation.examples)
         self.tokenizer = load_tokenizer(run.model)
         self.run = run
         self.device = device or torch.device("cpu")
         self.blocks = blocks
         self.copy: FrozenBlocks | None = None
-        frozen = run.eval_precision == "frozen"
+        frozen = run.evaluation.precision == "frozen"
         if blocks is not None and (self.device.type != "cpu" or frozen):
             precision = Precision(run.frozen_dtype, run.frozen_quant) if frozen else Precision()
             twin = copy.deepcopy(stack.model)
@@ -74,12 +74,12 @@ class Evaluator:
             self._refresh()
         # The task's scoring moves each batch to the model's device (fedcybgd.tasks.objective).
         return self.task.evaluate(self.stack, self.tokenizer, self.frame,
-                                  self.run.eval_batch_size, self.run.max_seq_len)
+                                  self.run.evaluation.batch_size, self.run.max_seq_len)
 
     def initial(self) -> tuple[EvalResult, bool]:
         """The evaluation before any training, and whether it came from the cache
         (``eval-cache``: runs from the same weights on the same rows share it)."""
-        if not self.run.eval_cache:
+        if not self.run.evaluation.cache:
             return self(), False
         cache = EvalCache(eval_cache_root())
         key = eval_key(self.run, self.task, self.frame, self._master, self.device)

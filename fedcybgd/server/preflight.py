@@ -129,11 +129,11 @@ def check_data(run: RunConfig) -> DataCheck:
     if done is not None:
         return done
     rows = {split: len(task.split(split)) for split in SPLITS}
-    held_out = task.eval_frame(run.eval_split, run.eval_examples)
-    result = DataCheck(rows=rows, eval_rows=len(held_out), eval_asked=run.eval_examples)
+    held_out = task.eval_frame(run.evaluation.split, run.evaluation.examples)
+    result = DataCheck(rows=rows, eval_rows=len(held_out), eval_asked=run.evaluation.examples)
     if result.eval_rows < result.eval_asked:
         source = (f"eval-dataset = {run.eval_dataset!r}" if run.eval_dataset
-                  else f"the {run.eval_split} split of dataset = {run.dataset!r}")
+                  else f"the {run.evaluation.split} split of dataset = {run.dataset!r}")
         log.warning("eval-examples = %d, but %s holds %d rows: every evaluation of this run "
                     "uses those %d", result.eval_asked, source, result.eval_rows,
                     result.eval_rows)

@@ -96,7 +96,7 @@ class RoundEnd:
                                "strategy's history")
         run = self.run
         is_last = server_round == run.num_server_rounds
-        if is_last or (run.eval_every and server_round % run.eval_every == 0):
+        if is_last or (run.evaluation.every and server_round % run.evaluation.every == 0):
             self._evaluate_into(record)
         record.round_s = time.perf_counter() - self.round_start
         row = record.to_json()

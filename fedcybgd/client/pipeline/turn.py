@@ -77,13 +77,13 @@ def read_instruction(record: ConfigRecord | None, run: RunConfig) -> StageInstru
     checkpoint = values.get("checkpoint", False)
     chunk = values.get("chunk", False)
     if not isinstance(stage, int) or isinstance(stage, bool) or not (
-            0 <= stage < run.pipeline_stages):
+            0 <= stage < run.pipeline.stages):
         raise Refusal(f"instruction field 'stage' = {stage!r}: not in 0.."
-                      f"{run.pipeline_stages - 1}")
+                      f"{run.pipeline.stages - 1}")
     if kind not in ("F", "B", "R"):
         raise Refusal(f"instruction field 'kind' = {kind!r}: must be 'F', 'B' or 'R'")
-    if kind == "B" and run.pipeline_schedule not in BACKPROP:
-        raise Refusal(f"instruction field 'kind' = 'B': schedule {run.pipeline_schedule!r} "
+    if kind == "B" and run.pipeline.schedule not in BACKPROP:
+        raise Refusal(f"instruction field 'kind' = 'B': schedule {run.pipeline.schedule!r} "
                       "has no backward")
     if not isinstance(step, int) or isinstance(step, bool) or not (
             0 <= step < run.num_server_rounds):
@@ -157,8 +157,8 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
     task = build_task(run)
     model = load_model(run.model)
     hidden, vocab = int(model.config.hidden_size), int(model.config.vocab_size)
-    stage = Stage(model, StageConfig(ins.stage, run.pipeline_stages, run.pipeline_schedule,
-                                     run.lr, run.weight_decay, run.pipeline_aux_layers), task)
+    stage = Stage(model, StageConfig(ins.stage, run.pipeline.stages, run.pipeline.schedule,
+                                     run.lr, run.weight_decay, run.pipeline.aux_layers), task)
     folder = stage_dir(node, context.run_id, ins.stage)
     make_dirs(folder)
     state_file = folder / "stage.safetensors"
@@ -167,7 +167,7 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
     if state_file.exists():
         stage.load_state(load_file(str(state_file)))
     loaded_s = time.perf_counter() - started
-    m = run.micro_batches
+    m = run.pipeline.micro_batches
     mbs = list(range(ins.step * m, (ins.step + 1) * m))
     inputs = _inputs(msg, run, node, stage, ins, mbs, folder, hidden, vocab, task)
     outputs: dict[str, bytes] = {}
@@ -176,13 +176,13 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
         for mb in mbs:
             batch, states = inputs[mb]
             out = stage.forward(mb, batch, states)
-            if run.pipeline_schedule in BACKPROP:
+            if run.pipeline.schedule in BACKPROP:
                 stage.drop(mb)  # recomputed for the backward (module docstring)
             else:
                 stage.local_update(mb)
             if not stage.last:
-                outputs[f"mb.{mb}"] = act.encode("F", mb, out, batch, run.pipeline_activations)
-        if run.pipeline_schedule not in BACKPROP:
+                outputs[f"mb.{mb}"] = act.encode("F", mb, out, batch, run.pipeline.activations)
+        if run.pipeline.schedule not in BACKPROP:
             stage.step()
     else:
         grads = {} if stage.last else _decoded(msg, "B", mbs, hidden, vocab, task, run)
@@ -191,7 +191,7 @@ def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
             stage.forward(mb, batch, states)
             back = stage.backward(mb, None if stage.last else grads[mb][0])
             if back is not None:
-                outputs[f"mb.{mb}"] = act.encode("B", mb, back, None, run.pipeline_activations)
+                outputs[f"mb.{mb}"] = act.encode("B", mb, back, None, run.pipeline.activations)
         stage.step()
         for mb in mbs:
             (folder / f"input-{mb}.bin").unlink(missing_ok=True)
@@ -284,7 +284,7 @@ def _inputs(msg: Message, run: RunConfig, node: NodeConfig, stage: Stage,
     if ins.kind == "F":
         record = msg.content.config_records.get(act.ACTIVATIONS)
         decoded = _decoded(msg, "F", mbs, hidden, vocab, task, run)
-        if run.pipeline_schedule in BACKPROP:  # kept for the backward's recomputation
+        if run.pipeline.schedule in BACKPROP:  # kept for the backward's recomputation
             assert record is not None
             for mb in mbs:
                 data = record[f"mb.{mb}"]

@@ -20,7 +20,8 @@ perturbations are computed from the kept start, and the restore is a copy: no el
 saving. Otherwise (e.g. LeZO-0.25 on a whole SmolLM2: 216 MB) z is drawn three times a step
 (perturb, swap sign, restore+update) and never stored, and the restore is the sparse one below.
 Both paths compute the same values with the same ops in the same order: the weights and the
-step log are bit-identical (tests/client/updates/test_lezo.py), so the server's replay does not care.
+step log are bit-identical (tests/client/updates/test_lezo.py), so the server's replay does not
+care.
 
 **Exact restore.** fp32 ``(theta + d) - d`` is not always ``theta``: an element differs by an
 ulp when ``theta + d`` lands in a coarser binade (7 % of N(0, 0.02) weights at ``eps = 1e-3``;

@@ -116,7 +116,7 @@ class ReplyReader:
 
     def forget(self, step: int) -> None:
         """Drop what is kept of ``step``'s micro-batches (every stage is done with it)."""
-        m = self.run.micro_batches
+        m = self.run.pipeline.micro_batches
         for mb in range(step * m, (step + 1) * m):
             self.batches.pop(mb, None)
 
@@ -194,7 +194,7 @@ class ReplyReader:
             if record:
                 raise StageFailed(f"{where}: the reply carries activations where none travel on")
             return None
-        m = self.run.micro_batches
+        m = self.run.pipeline.micro_batches
         mbs = range(op.mb * m, (op.mb + 1) * m)
         want = {f"mb.{mb}" for mb in mbs}
         if record is None or set(record) != want:

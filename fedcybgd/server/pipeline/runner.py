@@ -92,7 +92,7 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
     (no spare left for a failed stage) writes its summary, then raises :class:`RunFailed`."""
     if run.resume:
         raise ConfigError("strategy = \"pipeline\" keeps no checkpoint to resume from")
-    count = run.pipeline_stages
+    count = run.pipeline.stages
     session = RunSession(grid, run, count, can_resume=False, nodes_key="pipeline-stages")
     out, started = session.out, session.started
     model = load_model(run.model)
@@ -103,8 +103,8 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
     evaluator = Evaluator(run, stack)
     writer = session.records()
     head = {"model": run.model, "strategy": "pipeline",
-            "update_rule": f"pipeline-{run.pipeline_schedule}",
-            "schedule": run.pipeline_schedule, "stages": count,
+            "update_rule": f"pipeline-{run.pipeline.schedule}",
+            "schedule": run.pipeline.schedule, "stages": count,
             "rounds": run.num_server_rounds, "run_config": run.to_run_config()}
     stop = UncheckpointedStop(out, head, writer, started)
     with stop_handling(stop.write):
@@ -114,7 +114,7 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
             stop.write(stop_reason(err))
             raise
     return session.finish(summary, failure, writer.records,
-                          f"Pipeline-{run.pipeline_schedule}, {run.model}, {count} stages, "
+                          f"Pipeline-{run.pipeline.schedule}, {run.model}, {count} stages, "
                           f"seed {run.seed}")
 
 
@@ -201,16 +201,16 @@ class Driver:
         self.grid, self.run, self.writer, self.evaluate = grid, run, writer, evaluate
         self.last_close = time.perf_counter()  # when the latest step's row was written
         # the steps (0-based) after which the model is evaluated, besides the last
-        every = run.eval_every
+        every = run.evaluation.every
         self.eval_steps = {s for s in range(run.num_server_rounds - 1)
                            if every and (s + 1) % every == 0}
         self.eval_chunks: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # step -> stage
-        self.count = run.pipeline_stages
+        self.count = run.pipeline.stages
         self.nodes = sorted(grid.get_node_ids())[:self.count]
         self.first_nodes = list(self.nodes)
         self.failed: set[int] = set()
         self.ops = [[op for op in stage if op.kind in ("F", "B")] for stage in
-                    plan(run.pipeline_schedule, self.count, 1, run.num_server_rounds)]
+                    plan(run.pipeline.schedule, self.count, 1, run.num_server_rounds)]
         self.cursor = [0] * self.count
         self.busy: dict[str, tuple[int, Op, float]] = {}  # message id -> (stage, op, sent)
         # relayed bytes waiting for their stage: (stage, kind, step) -> checked activations
@@ -231,7 +231,7 @@ class Driver:
 
     def _asked(self, k: int, op: Op, replay: bool = False) -> Asked:
         """What ``op``'s message asks of stage ``k``'s reply (a replay's output is dropped)."""
-        every = self.run.pipeline_checkpoint_every
+        every = self.run.pipeline.checkpoint_every
         last = self._last_of_step(k, op)
         target = k + 1 if op.kind == "F" else k - 1
         return Asked(
