@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,25 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 def run_harness(*args: str) -> subprocess.CompletedProcess[str]:
     return run_script("run_experiments.py", *args)
+
+
+@pytest.fixture(scope="module")
+def payoff_smoke(tmp_path_factory: pytest.TempPathFactory) -> Callable[
+        [Path], tuple[subprocess.CompletedProcess[str], list[str]]]:
+    """The payoff smoke profile's ``fedcybgd-fo`` and ``central-lora`` runs (8 runs), made once
+    for the module; each test gets its own copy of the results and work folders."""
+    first = tmp_path_factory.mktemp("payoff-smoke")
+    done = run_harness("--profile", "payoff-smoke", "--results", str(first / "results"),
+                       "--work", str(first / "work"), "--only", "fedcybgd-fo,central-lora")
+
+    def copy_to(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+        for part in ("results", "work"):
+            if (first / part).exists():
+                shutil.copytree(first / part, tmp_path / part)
+        return done, ["--profile", "payoff-smoke", "--results", str(tmp_path / "results"),
+                      "--work", str(tmp_path / "work")]
+
+    return copy_to
 
 
 @pytest.mark.slow
@@ -309,14 +330,10 @@ def test_payoff_learning_curve_needs_evaluations_along_the_way():
 
 
 @pytest.mark.slow
-def test_payoff_smoke_profile_runs_tasks_seeds_and_bounds(tmp_path):
-    # Prepare: FedCyBGD-fo and the centralized LoRA bound of the payoff smoke profile (two
-    # tasks, two seeds, one partition)
-    common = ["--profile", "payoff-smoke", "--results", str(tmp_path / "results"),
-              "--work", str(tmp_path / "work")]
-
-    # Execute
-    done = run_harness(*common, "--only", "fedcybgd-fo,central-lora")
+def test_payoff_smoke_profile_runs_tasks_seeds_and_bounds(payoff_smoke, tmp_path):
+    # Prepare, Execute: FedCyBGD-fo and the centralized LoRA bound of the payoff smoke profile
+    # (two tasks, two seeds, one partition), run once for this file
+    done, common = payoff_smoke(tmp_path)
 
     # Assert
     assert done.returncode == 0, done.stderr[-3000:]
@@ -345,12 +362,11 @@ def test_payoff_smoke_profile_runs_tasks_seeds_and_bounds(tmp_path):
 
 
 @pytest.mark.slow
-def test_client_compute_measures_each_run_side_by_side_and_payoff_uses_it(tmp_path):
-    # Prepare: FedCyBGD-fo and the centralized LoRA bound of the payoff smoke profile, whose
-    # report is written first from the seconds the runs recorded
-    common = ["--profile", "payoff-smoke", "--results", str(tmp_path / "results"),
-              "--work", str(tmp_path / "work")]
-    done = run_harness(*common, "--only", "fedcybgd-fo,central-lora")
+def test_client_compute_measures_each_run_side_by_side_and_payoff_uses_it(payoff_smoke,
+                                                                           tmp_path):
+    # Prepare: FedCyBGD-fo and the centralized LoRA bound of the payoff smoke profile (run
+    # once for this file), whose report is written first from the seconds the runs recorded
+    done, common = payoff_smoke(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "results" / "payoff-smoke"
     assert "summed." in (out / "payoff.md").read_text()
