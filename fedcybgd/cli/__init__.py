@@ -3,6 +3,7 @@
     fedcybgd run [APP] [SUPERLINK] [--run-config ...] [--federation-config ...]
     fedcybgd node --superlink HOST:PORT --root-certificates CA --auth-key KEY [...]
     fedcybgd export DIR --gguf OUT.gguf [--type f16]
+    fedcybgd export MODEL --executorch OUT_DIR [--layers-per-block 1] [--block NAME]
     fedcybgd report OUTPUT_DIR [OUTPUT_DIR ...]
     fedcybgd plots OUTPUT_DIR
     fedcybgd demo | certs | deploy-local | gateway [their own flags; --help]
@@ -13,7 +14,8 @@ did not finish ``finished:completed`` (see :mod:`fedcybgd.cli.launch`). ``config
 the configuration reference's tables from the typed fields (see :mod:`fedcybgd.cli.reference`).
 ``node`` checks a node's files and settings and runs it as a SuperNode (see
 :mod:`fedcybgd.cli.node`); ``export`` writes a run's model as GGUF
-(:mod:`fedcybgd.model.export`).
+(:mod:`fedcybgd.model.export`), or each block's training step as an ExecuTorch program
+(:mod:`fedcybgd.model.block_programs`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from fedcybgd.cli import node
 from fedcybgd.cli.launch import EXIT_CODES, Launch, launch
+from fedcybgd.config import RunConfig
 from fedcybgd.core.registry import resolve
 
 
@@ -118,10 +121,26 @@ def _add_export(commands: Any) -> None:
     export.add_argument("folder", metavar="DIR", help="A run's output-dir (its final/ is "
                         "exported, e.g. outputs/demo) or a model folder (e.g. "
                         "outputs/demo/final).")
-    export.add_argument("--gguf", required=True, metavar="OUT", help="The GGUF file to write.")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--gguf", metavar="OUT", help="The GGUF file to write.")
+    target.add_argument("--executorch", metavar="OUT_DIR", help=(
+        "Write each block's training step as an ExecuTorch program instead: OUT_DIR/<block>.pte "
+        "(the model with the language-modelling loss and the block's backward, every weight "
+        "outside it), <block>.ptd (its weights) and manifest.json (model, block, shapes, the "
+        "program's checksum, the weights' base hash). DIR may also be a built-in model name "
+        "(e.g. smollm2-135m). Needs ExecuTorch (`make executorch`)."))
     export.add_argument("--type", default="f16", choices=("f32", "f16", "q8_0", "q4_1"),
-                        help="Weight type: f32, f16 (default), q8_0 or q4_1 (1-D tensors "
+                        help="GGUF weight type: f32, f16 (default), q8_0 or q4_1 (1-D tensors "
                              "stay f32).")
+    defaults = RunConfig()
+    export.add_argument("--layers-per-block", type=int, default=defaults.layers_per_block,
+                        help="ExecuTorch: the run's layers-per-block.")
+    export.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                        help="ExecuTorch: the run's batch-size (the program's batch).")
+    export.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len,
+                        help="ExecuTorch: the run's max-seq-len (the program's window).")
+    export.add_argument("--block", action="append", metavar="NAME",
+                        help="ExecuTorch: export only this block (repeatable; default: all).")
 
 
 # Commands that are their own module's command line: name -> (module, what it does)
@@ -147,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         return _config_docs(args.path, args.check)
     if args.command == "node":
         return node.run(args)
+    if args.command == "export" and args.executorch:
+        return _export_executorch(args)
     if args.command == "export":
         return _export(args.folder, args.gguf, args.type)
     if args.command in ("report", "plots"):
@@ -189,6 +210,31 @@ def _config_docs(path: str | None, check: bool) -> int:
         print(f"{target} is not current; run `fedcybgd config-docs {target}`")
         return 1
     print(f"{target}: {'current' if current else 'updated'}")
+    return 0
+
+
+def _export_executorch(args: Any) -> int:
+    """``fedcybgd export --executorch``: the block programs of a model (a built-in name, a model
+    folder, or a run's output-dir whose ``final/`` is one). A refusal is one line on stderr and
+    exit status 2."""
+    from pathlib import Path
+
+    from fedcybgd.model.block_programs import ExecuTorchError, export_programs
+
+    source = args.folder
+    if (Path(source) / "final" / "config.json").is_file():
+        source = str(Path(source) / "final")
+    try:
+        written = export_programs(source, Path(args.executorch), args.layers_per_block,
+                                  args.batch_size, args.max_seq_len, args.block)
+    except (ExecuTorchError, OSError, ValueError) as err:
+        print(f"fedcybgd export: {err}", file=sys.stderr)
+        return 2
+    for entry in written:
+        size = (Path(args.executorch) / entry.program).stat().st_size
+        print(f"{Path(args.executorch) / entry.program}: {size / 1024:.0f} KiB, block "
+              f"{entry.block}, {len(entry.trainable)} trainable tensors, batch "
+              f"{entry.batch} x {entry.seq}")
     return 0
 
 

@@ -1,0 +1,307 @@
+"""A block's training step as an ExecuTorch program, equal to eager PyTorch's.
+
+ExecuTorch is PyTorch's runtime for phones. A FedCyBGD node trains one block, everything else
+frozen; that step exports as one program per block:
+
+1. The model with the language-modelling loss (next-token cross-entropy over the scored
+   positions, a padded position ignored) is traced by ``torch.export`` with only the block's
+   parameters trainable, and its joint forward-backward graph is taken
+   (``_export_forward_backward``): the program returns the loss, the block's gradients and the
+   block's parameters.
+2. ``to_edge`` and ``to_executorch`` lower it with every weight *outside* the program
+   (``external_constants``): ``<block>.pte`` holds the graph (a few hundred KB), a ``.ptd``
+   file the weights. One program per block serves every round: a round's weights are a new
+   ``.ptd`` (:func:`write_weights`), written from the node's own tensors.
+3. :class:`ProgramTrainer` loads a program with its weights and trains: the runtime's
+   ``forward_backward`` gives the loss and the gradients; the runtime lends the block's
+   parameter tensors without copying them, so ``torch.optim.AdamW`` steps them in place
+   (the same optimizer, the same arithmetic as the eager node's).
+
+The program's inputs have the shapes it was exported with (``batch`` x ``seq``): a node exports
+for its run's ``batch-size`` and ``max-seq-len`` and pads a short batch's windows.
+
+ExecuTorch is optional (``make executorch`` builds ``.venv-executorch``, which sees this venv's
+packages): importing this module does not import it; :func:`require_executorch` names what is
+missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from fedcybgd.model.blocks import BlockMap
+
+__all__ = ["BlockProgram", "ExecuTorchError", "ProgramTrainer", "WithLMLoss", "export_block",
+           "export_programs", "lm_inputs", "named_tensors", "read_manifest",
+           "require_executorch", "write_weights"]
+
+PREFIX = "model."  # the wrapper's attribute: program names are "model." + the model's own
+IGNORE = -100  # a target the loss skips (a padded position)
+MANIFEST = "manifest.json"
+
+
+class ExecuTorchError(RuntimeError):
+    """The ExecuTorch runtime is missing, or a program does not fit what it is asked to do."""
+
+
+def require_executorch() -> None:
+    """Import ExecuTorch's training runtime, or fail naming the install step."""
+    try:
+        import executorch.extension.training  # noqa: F401
+    except ImportError as err:
+        raise ExecuTorchError(
+            f"ExecuTorch is not installed in this environment ({err}); `make executorch` "
+            "builds .venv-executorch with it") from None
+
+
+class WithLMLoss(nn.Module):
+    """The model and its language-modelling loss: what a block program computes.
+
+    ``ids``, ``mask`` ``[B, T]``; ``targets`` ``[B, T - 1]``: the next token of each position,
+    ``IGNORE`` where a position is not scored. The loss is the mean over the scored positions,
+    as the ``lm`` task's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor,
+                targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                               targets.reshape(-1), ignore_index=IGNORE)
+
+
+def lm_inputs(windows: list[list[int]], seq: int, pad: int) -> tuple[torch.Tensor, ...]:
+    """``(ids, mask, targets)`` of ``windows`` padded to ``seq`` tokens (a window longer than
+    ``seq`` is an error: the program's shape is fixed)."""
+    ids = torch.full((len(windows), seq), pad, dtype=torch.long)
+    mask = torch.zeros((len(windows), seq), dtype=torch.long)
+    targets = torch.full((len(windows), seq - 1), IGNORE, dtype=torch.long)
+    for row, window in enumerate(windows):
+        if not 2 <= len(window) <= seq:
+            raise ExecuTorchError(f"a window of {len(window)} tokens does not fit the "
+                                  f"program's {seq}")
+        ids[row, :len(window)] = torch.tensor(window)
+        mask[row, :len(window)] = 1
+        targets[row, :len(window) - 1] = torch.tensor(window[1:])
+    return ids, mask, targets
+
+
+@dataclass(frozen=True)
+class BlockProgram:
+    """A block program's manifest entry: what it was exported from and for."""
+
+    model: str
+    block: str
+    task: str
+    batch: int
+    seq: int
+    program: str  # file name of the .pte beside the manifest
+    weights: str  # file name of the .ptd written at export (the pretrained weights)
+    program_sha256: str
+    base_hash: str
+    trainable: dict[str, list[int]] = field(default_factory=dict)  # name -> shape
+    constants: dict[str, list[int]] = field(default_factory=dict)  # every weight the .ptd holds
+
+
+def _rewrite_empty_permuted(graph_module: torch.fx.GraphModule) -> None:
+    """``to_edge`` refuses ``aten.empty_permuted`` (the joint graph's backward makes some):
+    each becomes ``empty`` of the physical shape and the inverse ``permute``."""
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.empty_permuted.default:
+            continue
+        size, order = node.args[0], list(node.args[1])
+        with graph.inserting_before(node):
+            empty = graph.call_function(torch.ops.aten.empty.memory_format,
+                                        ([size[i] for i in order],), dict(node.kwargs))
+            back = graph.call_function(torch.ops.aten.permute.default,
+                                       (empty, [order.index(i) for i in range(len(order))]))
+        empty.meta, back.meta = dict(node.meta), dict(node.meta)
+        node.replace_all_uses_with(back)
+        graph.erase_node(node)
+    graph_module.recompile()
+
+
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by its program name (tied weights under each name)."""
+    pairs = [*model.named_parameters(remove_duplicate=False),
+             *model.named_buffers(remove_duplicate=False)]
+    return {PREFIX + name: tensor for name, tensor in pairs}
+
+
+def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path, *, name: str,
+                 base_hash: str, batch: int, seq: int) -> BlockProgram:
+    """Export ``block``'s training step of ``model`` to ``out/<block>.pte`` (and its weights
+    to ``out/<block>.ptd``) for batches of ``batch`` x ``seq`` tokens; the model's
+    ``requires_grad`` flags are restored afterwards."""
+    require_executorch()
+    from executorch.exir import ExecutorchBackendConfig, to_edge
+    from torch.export import export
+    from torch.export.experimental import _export_forward_backward
+
+    own = set(blocks.info(block).param_names)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    attention = model.config._attn_implementation
+    model.config._attn_implementation = "eager"  # SDPA's CPU backward is outside core ATen
+    try:
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in own)
+        wrapped = WithLMLoss(model)
+        example = lm_inputs([[1] * seq] * batch, seq, 0)
+        joint = _export_forward_backward(export(wrapped, example, strict=False))
+        _rewrite_empty_permuted(joint.graph_module)
+        config = ExecutorchBackendConfig(external_constants=True, external_mutable_weights=True)
+        lowered = to_edge(joint).to_executorch(config)
+    finally:
+        model.config._attn_implementation = attention
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
+    out.mkdir(parents=True, exist_ok=True)
+    program = out / f"{block}.pte"
+    program.write_bytes(lowered.buffer)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        lowered.write_tensor_data_to_file(tmp)
+        (written,) = Path(tmp).glob("*.ptd")
+        constants = {k: list(v.sizes) for k, v in _read_layouts(written).items()}
+    tensors = named_tensors(model)
+    entry = BlockProgram(
+        model=name, block=block, task="lm", batch=batch, seq=seq, program=program.name,
+        weights=f"{block}.ptd", program_sha256=hashlib.sha256(lowered.buffer).hexdigest(),
+        base_hash=base_hash,
+        trainable={PREFIX + n: list(tensors[PREFIX + n].shape) for n in sorted(own)},
+        constants=constants)
+    write_weights(out / entry.weights, entry, tensors)
+    _add_to_manifest(out, entry)
+    return entry
+
+
+def _read_layouts(path: Path) -> dict[str, Any]:
+    from executorch.exir._serialize._cord import Cord
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
+
+    payload = FlatTensorSerializer().deserialize(Cord(path.read_bytes()))
+    return {k: e.tensor_layout for k, e in payload.named_data.items()}
+
+
+def write_weights(path: Path, entry: BlockProgram, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write the ``.ptd`` weights of ``entry``'s program from ``tensors`` (program names, fp32;
+    every name the program reads, with its shape)."""
+    from executorch.exir._serialize.data_serializer import DataEntry, DataPayload
+    from executorch.exir.scalar_type import ScalarType
+    from executorch.exir.tensor_layout import TensorLayout
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
+
+    buffers, named = [], {}
+    for index, (key, shape) in enumerate(sorted(entry.constants.items())):
+        tensor = tensors.get(key)
+        if tensor is None:
+            raise ExecuTorchError(f"the weights of {entry.block}'s program lack {key!r}")
+        if list(tensor.shape) != shape or tensor.dtype != torch.float32:
+            raise ExecuTorchError(f"{key!r} is {tuple(tensor.shape)} {tensor.dtype}; the "
+                                  f"program reads {tuple(shape)} torch.float32")
+        buffers.append(tensor.detach().cpu().contiguous().numpy().tobytes())
+        named[key] = DataEntry(index, 16, TensorLayout(ScalarType.FLOAT, list(shape),
+                                                       list(range(len(shape)))))
+    blob = FlatTensorSerializer().serialize(DataPayload(buffers=buffers, named_data=named))
+    path.write_bytes(bytes(blob))
+
+
+def _add_to_manifest(out: Path, entry: BlockProgram) -> None:
+    path = out / MANIFEST
+    programs = json.loads(path.read_text())["programs"] if path.is_file() else []
+    programs = [p for p in programs if p["block"] != entry.block] + [asdict(entry)]
+    path.write_text(json.dumps({"programs": programs}, indent=1) + "\n")
+
+
+def read_manifest(out: Path) -> dict[str, BlockProgram]:
+    """The programs of an export folder by block."""
+    programs = json.loads((out / MANIFEST).read_text())["programs"]
+    return {p["block"]: BlockProgram(**p) for p in programs}
+
+
+class ProgramTrainer:
+    """Train a block through its ExecuTorch program with AdamW.
+
+    Parameters
+    ----------
+    folder, entry
+        The export folder and the program's manifest entry (its ``.pte`` is checked against
+        ``program_sha256``).
+    tensors
+        The round's weights by program name (the node's frozen blocks and the block's start).
+    lr, weight_decay
+        AdamW's, as the eager node's.
+    """
+
+    def __init__(self, folder: Path, entry: BlockProgram, tensors: Mapping[str, torch.Tensor],
+                 lr: float, weight_decay: float) -> None:
+        require_executorch()
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch
+        from executorch.extension.training.pybindings._training_module import TrainingModule
+
+        program = folder / entry.program
+        if hashlib.sha256(program.read_bytes()).hexdigest() != entry.program_sha256:
+            raise ExecuTorchError(f"{program} does not match its manifest's checksum")
+        self.entry = entry
+        self._dir = tempfile.TemporaryDirectory(prefix="fedcybgd-et-")
+        weights = Path(self._dir.name) / "weights.ptd"
+        write_weights(weights, entry, tensors)
+        self.module = TrainingModule(_load_for_executorch(str(program), data_path=str(weights)))
+        self.optimizer: torch.optim.AdamW | None = None
+        self.lr, self.weight_decay = lr, weight_decay
+
+    def step(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> float:
+        """One AdamW step on a batch; returns its loss (before the step)."""
+        (loss,) = self.module.forward_backward("forward", (ids, mask, targets))
+        params = self.module.named_parameters()
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(list(params.values()), lr=self.lr,
+                                               weight_decay=self.weight_decay)
+        grads = self.module.named_gradients()
+        for name, tensor in params.items():
+            tensor.grad = grads[name]
+        self.optimizer.step()
+        return float(loss)
+
+    def block(self) -> dict[str, torch.Tensor]:
+        """The block's trained tensors by the model's own names (copies)."""
+        return {name.removeprefix(PREFIX): t.detach().clone()
+                for name, t in self.module.named_parameters().items()}
+
+    def close(self) -> None:
+        """Remove the round's weights file."""
+        self._dir.cleanup()
+
+
+def export_programs(name: str, out: Path, layers_per_block: int, batch: int, seq: int,
+                    only: list[str] | None = None) -> list[BlockProgram]:
+    """Export the block programs of the model ``name`` (a built-in name or a model folder) cut
+    into blocks of ``layers_per_block`` layers: every block, or those ``only`` names (an
+    unknown name is an error naming the blocks there are)."""
+    from fedcybgd.core.checksum import content_checksum
+    from fedcybgd.model.loading import load_model
+
+    require_executorch()
+    model = load_model(name)
+    blocks = BlockMap(model, layers_per_block)
+    chosen = only or list(blocks.names)
+    unknown = [b for b in chosen if b not in blocks.names]
+    if unknown:
+        raise ExecuTorchError(f"no block {unknown[0]!r} in {name} at {layers_per_block} "
+                              f"layer(s) a block; its blocks: {', '.join(blocks.names)}")
+    base_hash = content_checksum(dict(model.named_parameters()))
+    return [export_block(model, blocks, block, out, name=name, base_hash=base_hash,
+                         batch=batch, seq=seq) for block in chosen]

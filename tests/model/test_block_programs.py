@@ -1,0 +1,163 @@
+"""A block's training step as an ExecuTorch program: exported per block with its weights outside,
+trained through the runtime with AdamW, equal to eager PyTorch on three tiny families.
+
+The tests marked ``executorch`` run in ``.venv-executorch`` (``make executorch``; ``make test``
+runs them there); the one without the mark runs in the project's venv, which has no ExecuTorch.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fedcybgd.core.checksum import content_checksum
+from fedcybgd.model.block_programs import (
+    ExecuTorchError,
+    ProgramTrainer,
+    WithLMLoss,
+    export_block,
+    lm_inputs,
+    named_tensors,
+    read_manifest,
+    write_weights,
+)
+from fedcybgd.model.blocks import BlockMap
+from fedcybgd.model.loading import load_model
+
+BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-3
+
+
+def batches(vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    """``STEPS`` batches of one full window and one short (padded) window."""
+    g = torch.Generator().manual_seed(seed)
+    return [lm_inputs([torch.randint(0, vocab, (SEQ,), generator=g).tolist(),
+                       torch.randint(0, vocab, (SEQ - 5,), generator=g).tolist()], SEQ, 0)
+            for _ in range(STEPS)]
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+def exported(request, tmp_path_factory):
+    """A tiny model of each family with its second block exported."""
+    model = load_model(request.param)
+    blocks = BlockMap(model, 1)
+    block = blocks.names[1]
+    out = tmp_path_factory.mktemp(request.param)
+    entry = export_block(model, blocks, block, out, name=request.param, base_hash="h",
+                         batch=BATCH, seq=SEQ)
+    return model, blocks, block, out, entry
+
+
+@pytest.mark.executorch
+def test_adamw_steps_through_the_program_equal_eager_pytorchs(exported):
+    # Prepare: the eager twin, only the block trainable, AdamW at the same settings
+    model, blocks, block, out, entry = exported
+    eager = copy.deepcopy(model)
+    own = set(blocks.info(block).param_names)
+    for name, p in eager.named_parameters():
+        p.requires_grad_(name in own)
+    optimizer = torch.optim.AdamW([p for n, p in eager.named_parameters() if n in own], lr=LR,
+                                  weight_decay=0.01)
+    trainer = ProgramTrainer(out, entry, named_tensors(model), lr=LR, weight_decay=0.01)
+    wrapped = WithLMLoss(eager)
+
+    # Execute: the same batches both ways
+    losses = []
+    for ids, mask, targets in batches(int(model.config.vocab_size)):
+        program_loss = trainer.step(ids, mask, targets)
+        optimizer.zero_grad()
+        loss = wrapped(ids, mask, targets)
+        loss.backward()
+        optimizer.step()
+        losses.append((program_loss, float(loss)))
+    trained = trainer.block()
+    trainer.close()
+
+    # Assert: same losses; the trained block's change equal within 1e-3 of its size (AdamW
+    # turns a near-zero gradient's last-bit difference into up to one lr step on that element)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in losses), losses
+    start = dict(model.named_parameters())
+    ref = {n: p.detach() for n, p in eager.named_parameters() if n in own}
+    assert sorted(trained) == sorted(ref)
+    diff = sum(float(((trained[n] - ref[n])).norm() ** 2) for n in ref) ** 0.5
+    size = sum(float((ref[n] - start[n]).norm() ** 2) for n in ref) ** 0.5
+    assert size > 0 and diff <= 1e-3 * size, (diff, size)
+
+
+@pytest.mark.executorch
+def test_a_rounds_new_weights_reach_the_same_program(exported):
+    # Prepare: every weight moved, as a round's downloads move the frozen blocks
+    model, _blocks, _block, out, entry = exported
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.02)
+    ids, mask, targets = batches(int(model.config.vocab_size))[0]
+
+    # Execute
+    trainer = ProgramTrainer(out, entry, named_tensors(moved), lr=LR, weight_decay=0.0)
+    loss = trainer.step(ids, mask, targets)
+    trainer.close()
+
+    # Assert: the program computes the moved model's loss, not the exported one's
+    with torch.no_grad():
+        assert abs(loss - float(WithLMLoss(moved)(ids, mask, targets))) <= 1e-5 * abs(loss)
+        assert abs(loss - float(WithLMLoss(model)(ids, mask, targets))) > 1e-4
+
+
+@pytest.mark.executorch
+def test_weights_of_another_shape_or_a_changed_program_are_refused(exported, tmp_path):
+    model, _blocks, _block, out, entry = exported
+    tensors = dict(named_tensors(model))
+    name = next(iter(entry.trainable))
+    tensors[name] = torch.zeros(3, 3)
+    with pytest.raises(ExecuTorchError, match=name.replace(".", r"\.")):
+        write_weights(tmp_path / "w.ptd", entry, tensors)
+    missing = {k: v for k, v in named_tensors(model).items() if k != name}
+    with pytest.raises(ExecuTorchError, match="lack"):
+        write_weights(tmp_path / "w.ptd", entry, missing)
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    (changed / entry.program).write_bytes((out / entry.program).read_bytes() + b"\0")
+    with pytest.raises(ExecuTorchError, match="checksum"):
+        ProgramTrainer(changed, entry, named_tensors(model), lr=LR, weight_decay=0.0)
+
+
+@pytest.mark.executorch
+def test_export_command_writes_programs_weights_and_a_manifest(tmp_path):
+    out = tmp_path / "programs"
+    done = subprocess.run([sys.executable, "-m", "fedcybgd.cli", "export", "tiny-llama",
+                           "--executorch", str(out), "--layers-per-block", "1", "--block",
+                           "layer.0", "--batch-size", "2", "--max-seq-len", "16"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    entry = read_manifest(out)["layer.0"]
+    model = load_model("tiny-llama")
+    assert entry.base_hash == content_checksum(dict(model.named_parameters()))
+    assert (entry.batch, entry.seq, entry.task) == (2, 16, "lm")
+    assert (out / "layer.0.pte").stat().st_size < 1_000_000  # the graph only: weights outside
+    assert (out / "layer.0.ptd").stat().st_size > 4 * sum(p.numel() for p in model.parameters())
+    assert set(entry.trainable) == {f"model.{n}" for n in BlockMap(model, 1).info(
+        "layer.0").param_names}
+    unknown = subprocess.run([sys.executable, "-m", "fedcybgd.cli", "export", "tiny-llama",
+                              "--executorch", str(out), "--layers-per-block", "1", "--block",
+                              "layer.9"],
+                             capture_output=True, text=True, timeout=600)
+    assert unknown.returncode == 2 and "no block 'layer.9'" in unknown.stderr
+    assert json.loads((out / "manifest.json").read_text())["programs"][0]["block"] == "layer.0"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("executorch") is not None,
+                    reason="ExecuTorch is installed here")
+def test_export_without_executorch_names_the_install_step(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "fedcybgd.cli", "export", "tiny-llama",
+                           "--executorch", str(tmp_path / "p")], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 2
+    assert "make executorch" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "p").exists()
