@@ -36,3 +36,4 @@ DP_MODES: tuple[str, ...] = ("off", "central", "local", "example")  # dp
 WANDB_MODES: tuple[str, ...] = ("offline", "online")  # wandb-mode
 PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zerolock")  # pipeline schedule
 ACTIVATION_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # pipeline-activations
+TRAINERS: tuple[str, ...] = ("eager", "executorch")  # trainer (node config)

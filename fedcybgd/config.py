@@ -38,6 +38,7 @@ from fedcybgd.choices import (
     PIPELINE_SCHEDULES,
     SERVER_OPTIMIZERS,
     STRATEGIES,
+    TRAINERS,
     WANDB_MODES,
 )
 from fedcybgd.compression import CodecError, lossy_delta_spec, parse_spec
@@ -839,6 +840,10 @@ class NodeConfig:
         "the node's block cache; empty: `FEDCYBGD_CACHE` or `~/.cache/fedcybgd`"))
     device: str = setting("", doc=(
         "empty: the run's `device`; else this node's own (`cpu`, `cuda:1`, `mps`, ...)"))
+    trainer: str = setting("eager", choices=TRAINERS, doc=(
+        "how the node trains its block: `eager` (PyTorch) or `executorch` (the block's "
+        "ExecuTorch program, exported on the node at first use into the cache folder; `fo` on "
+        "the `lm` task; needs `make executorch`). See [docs/deploy.md](deploy.md)"))
     data_path: str = setting("", doc=(
         "this node's own training data (a file or folder on the node, read there and never sent); "
         "replaces its partition of `dataset`. See [docs/deploy.md](deploy.md)"))

@@ -45,6 +45,7 @@ from fedcybgd.client.privacy import LedgerError, NodeLedger, round_entry
 from fedcybgd.client.runtime import ClientModel, client_model
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_of
+from fedcybgd.client.updates.fo_program import ProgramFirstOrder, unsupported
 from fedcybgd.compression import (
     CodecError,
     decode,
@@ -60,13 +61,14 @@ from fedcybgd.core.checksum import content_checksum
 from fedcybgd.core.measure import PeakMemory, cgroup_memory, rss_bytes
 from fedcybgd.data.prompts import Batch
 from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule_options, measured_runtime_mb
+from fedcybgd.model.block_programs import ExecuTorchError, require_executorch
 from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
 from fedcybgd.protocol import Holding, dp, seedlog, seedsync, selfsync, zeroth_order
 from fedcybgd.protocol.zeroth_order import SeedLog
 from fedcybgd.rules import ExampleDp, rule_spec
-from fedcybgd.rules.builtin import LEAN_OPTIONS
+from fedcybgd.rules.builtin import LEAN_OPTIONS, FoOptions
 from fedcybgd.tasks.base import warn_cut
 from fedcybgd.tasks.build import build_task
 from fedcybgd.tasks.shares import target_shares
@@ -497,7 +499,7 @@ def train_block(rnd: Round) -> tuple[TrainOutcome, dict[str, torch.Tensor],
                      weight_decay=run.weight_decay, seed=ins.seed, options=dict(rnd.options),
                      state_dir=rnd.rule_state, privacy=rnd.privacy)
     began = time.perf_counter()
-    rule = get_rule(rnd.rule_name)
+    rule = get_rule(rnd.rule_name) if rnd.node.trainer == "eager" else program_rule(rnd)
     try:
         with PeakMemory() as mem:
             outcome = rule.train(task)
@@ -514,6 +516,26 @@ def train_block(rnd: Round) -> tuple[TrainOutcome, dict[str, torch.Tensor],
              outcome.examples, run.max_seq_len, "see the task's truncation rule",
              key=("training", rnd.msg.metadata.run_id))
     return outcome, trained, start, start_holding, mem, train_s
+
+
+def program_rule(rnd: Round) -> ProgramFirstOrder:
+    """``fo`` through the block's ExecuTorch program (node config ``trainer = "executorch"``),
+    or the round refused naming what the program does not cover or what is not installed."""
+    run = rnd.run
+    frozen = run.frozen_quant if run.frozen_quant != "none" else run.frozen_dtype
+    reason = unsupported(rnd.rule_name, run.task_kind, rnd.privacy is not None, frozen,
+                         rnd.device.type, FoOptions.from_options(rnd.options).recompute)
+    try:
+        require_executorch()
+    except ExecuTorchError as err:
+        reason = reason or str(err)
+    if reason is not None:
+        raise rnd.answer(protocol.REFUSED, f"trainer = 'executorch' (node config) cannot "
+                                           f"train this round: {reason}")
+    folder = (rnd.cache_dir / "executorch"
+              / f"{rnd.cm.base_hash[:16]}-{run.batch_size}x{run.max_seq_len}")
+    return ProgramFirstOrder(folder, run.model, rnd.cm.base_hash, run.batch_size,
+                             run.max_seq_len)
 
 
 def upload_reply(rnd: Round, outcome: TrainOutcome, trained: dict[str, torch.Tensor],

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -143,10 +144,12 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path, *, name: str,
-                 base_hash: str, batch: int, seq: int) -> BlockProgram:
-    """Export ``block``'s training step of ``model`` to ``out/<block>.pte`` (and its weights
-    to ``out/<block>.ptd``) for batches of ``batch`` x ``seq`` tokens; the model's
-    ``requires_grad`` flags are restored afterwards."""
+                 base_hash: str, batch: int, seq: int, with_weights: bool = True
+                 ) -> BlockProgram:
+    """Export ``block``'s training step of ``model`` to ``out/<block>.pte`` (and, with
+    ``with_weights``, the model's weights to ``out/<block>.ptd``; a node writes its own each
+    round) for batches of ``batch`` x ``seq`` tokens; the model's ``requires_grad`` flags are
+    restored afterwards."""
     require_executorch()
     from executorch.exir import ExecutorchBackendConfig, to_edge
     from torch.export import export
@@ -183,7 +186,8 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
         base_hash=base_hash,
         trainable={PREFIX + n: list(tensors[PREFIX + n].shape) for n in sorted(own)},
         constants=constants)
-    write_weights(out / entry.weights, entry, tensors)
+    if with_weights:
+        write_weights(out / entry.weights, entry, tensors)
     _add_to_manifest(out, entry)
     return entry
 
@@ -264,8 +268,11 @@ class ProgramTrainer:
         self.lr, self.weight_decay = lr, weight_decay
 
     def step(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> float:
-        """One AdamW step on a batch; returns its loss (before the step)."""
+        """One AdamW step on a batch; returns its loss (before the step). A batch whose loss
+        is not finite changes nothing (as the eager ``fo`` rule skips it)."""
         (loss,) = self.module.forward_backward("forward", (ids, mask, targets))
+        if not math.isfinite(float(loss)):
+            return float(loss)
         params = self.module.named_parameters()
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(list(params.values()), lr=self.lr,

@@ -1,0 +1,134 @@
+"""The ``fo`` rule through the block's ExecuTorch program (node config ``trainer = "executorch"``).
+
+The same AdamW steps as :class:`fedcybgd.client.updates.fo.FirstOrder`, on the same batches,
+computed by ExecuTorch's runtime instead of eager PyTorch (:mod:`fedcybgd.model.block_programs`).
+The node exports each block's program the first time it is assigned that block, into its cache
+folder (``executorch/<base hash>-<batch>x<window>/``; a minute or more for SmolLM2, once), then
+every round writes the round's weights (the model as the node holds it: its cached blocks and
+the block's start) beside it and trains. The protocol does not change: the trained block goes
+back into the model and is uploaded as the eager node's would be.
+
+What the program does not cover is refused before the round trains, by name
+(:func:`unsupported`): another rule, a task other than ``lm``, example-level DP, frozen blocks
+held in another precision, a device other than the CPU, ``fo-recompute``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from fedcybgd.data.prompts import Batch
+from fedcybgd.model.block_programs import (
+    IGNORE,
+    BlockProgram,
+    ProgramTrainer,
+    export_block,
+    named_tensors,
+    read_manifest,
+)
+from fedcybgd.rules import TrainOutcome, TrainTask
+from fedcybgd.rules.builtin import FoOptions
+
+__all__ = ["ProgramFirstOrder", "program_inputs", "unsupported"]
+
+
+def unsupported(rule: str, task_kind: str, example_dp: bool, frozen: str, device: str,
+                recompute: bool) -> str | None:
+    """Why a round cannot train through the ExecuTorch program, or ``None`` when it can."""
+    if rule != "fo":
+        return f"update rule {rule!r} (the ExecuTorch trainer runs `fo`)"
+    if task_kind != "lm":
+        return f"task {task_kind!r} (the block programs carry the `lm` task's loss)"
+    if example_dp:
+        return "dp = 'example' (per-example clipping is not in the program)"
+    if frozen != "float32":
+        return f"frozen blocks held as {frozen} (the program reads fp32 weights)"
+    if device != "cpu":
+        return f"device {device!r} (the ExecuTorch trainer runs on the CPU)"
+    if recompute:
+        return "fo-recompute (the program keeps its own activations)"
+    return None
+
+
+def program_inputs(batch: Batch, rows: int, seq: int) -> tuple[torch.Tensor, ...]:
+    """``(ids, mask, targets)`` of ``batch`` at the program's fixed ``rows`` x ``seq``: the
+    windows right-padded (a masked position's token changes nothing); a row the batch lacks
+    attends to one token and scores nothing."""
+    have, width = batch.input_ids.shape
+    if have > rows or width > seq:
+        raise ValueError(f"a batch of {have} x {width} tokens does not fit the program's "
+                         f"{rows} x {seq}")
+    ids = torch.zeros((rows, seq), dtype=torch.long)
+    mask = torch.zeros((rows, seq), dtype=torch.long)
+    ids[:have, :width] = batch.input_ids.cpu()
+    mask[:have, :width] = batch.attention_mask.cpu()
+    mask[have:, 0] = 1
+    targets = torch.full((rows, seq - 1), IGNORE, dtype=torch.long)
+    if batch.score_rows is None or batch.score_positions is None:
+        raise ValueError("the batch has no scored positions (not an `lm` batch)")
+    targets[batch.score_rows.cpu(), batch.score_positions.cpu()] = batch.target_ids.cpu()
+    return ids, mask, targets
+
+
+class ProgramFirstOrder:
+    """``fo`` through the block's ExecuTorch program; see the module docstring.
+
+    Parameters
+    ----------
+    folder
+        The node's program folder for this model, batch and window.
+    model_name, base_hash
+        The model the programs are exported from and its weights' checksum (the manifest's).
+    rows, seq
+        The run's ``batch-size`` and ``max-seq-len``.
+    """
+
+    name = "fo"
+
+    def __init__(self, folder: Path, model_name: str, base_hash: str, rows: int,
+                 seq: int) -> None:
+        self.folder, self.model_name, self.base_hash = folder, model_name, base_hash
+        self.rows, self.seq = rows, seq
+
+    def program(self, task: TrainTask) -> BlockProgram:
+        """The block's program, exported now if the folder has none for this block."""
+        if (self.folder / "manifest.json").is_file():
+            entry = read_manifest(self.folder).get(task.block)
+            if entry is not None and (entry.base_hash, entry.batch, entry.seq) == (
+                    self.base_hash, self.rows, self.seq):
+                return entry
+        return export_block(task.model, task.blocks, task.block, self.folder,  # type: ignore[arg-type]
+                            name=self.model_name, base_hash=self.base_hash, batch=self.rows,
+                            seq=self.seq, with_weights=False)
+
+    def train(self, task: TrainTask) -> TrainOutcome:
+        """Run ``task.steps`` AdamW steps on ``task.block`` through its program; the trained
+        block is written back into ``task.model``."""
+        if FoOptions.from_options(task.options).recompute:
+            raise ValueError(unsupported("fo", "lm", False, "float32", "cpu", True))
+        entry = self.program(task)
+        trainer = ProgramTrainer(self.folder, entry, named_tensors(task.model), task.lr,
+                                 task.weight_decay)
+        losses: list[float] = []
+        examples = skipped = 0
+        try:
+            for _ in range(task.steps):
+                batch = next(task.batches)
+                loss = trainer.step(*program_inputs(batch, self.rows, self.seq))
+                examples += len(batch)
+                if not math.isfinite(loss):
+                    skipped += 1
+                    continue
+                losses.append(loss)
+            trained = trainer.block()
+        finally:
+            trainer.close()
+        with torch.no_grad():
+            own = dict(task.model.named_parameters())
+            for name, tensor in trained.items():
+                own[name].copy_(tensor)
+        mean = sum(losses) / len(losses) if losses else float("nan")
+        return TrainOutcome(mean, len(losses), examples, skipped)
