@@ -9,7 +9,8 @@ running this file as a script against that commit's tree::
     PYTHONPATH=/tmp/before .venv/bin/python tests/strategies/test_behaviour_golden.py --write
 
 ``wire_bytes_down``/``wire_bytes_up`` (serialised message sizes) were added to the
-rows later, from a run whose every other number matched this file; the runs keep self-sync and
+rows later, from a run whose every other number matched this file, and recounted the same way
+when the message object's ids began to be counted at their widest; the runs keep self-sync and
 error feedback off, the behaviour they were recorded with.
 
 The numbers cannot be recomputed from a reference implementation (the reference IS the old
