@@ -1,0 +1,176 @@
+"""A block's fo steps through ExecuTorch against eager PyTorch on SmolLM2, side by side.
+
+    .venv-executorch/bin/python experiments/executorch_node.py              # layer.3, 8 x 128
+    .venv-executorch/bin/python experiments/executorch_node.py --block layer.20 --steps 5
+
+One block of SmolLM2-135M (one layer a block) trains ``--steps`` AdamW steps on the same
+random-token batches two ways, each in a process of its own so its peak RSS is its own, the two
+alternating ``--repeats`` times: ``eager`` (PyTorch: the model with the language-modelling loss,
+only the block trainable, as the ``fo`` rule) and ``executorch`` (the block's ExecuTorch program,
+:class:`fedcybgd.model.block_programs.ProgramTrainer`, with the round's weights written to a
+``.ptd``). The program is exported once first (its time and peak RSS reported; a node does this
+once per block). Reported: seconds a step (median over steps after the first), the process's
+peak RSS, and the trained block of the two compared (relative L2 of the difference of the
+changes). Writes ``experiments/results/executorch/node.json`` and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def batches(vocab: int, rows: int, seq: int, steps: int) -> list[tuple[torch.Tensor, ...]]:
+    from fedcybgd.model.block_programs import lm_inputs
+
+    g = torch.Generator().manual_seed(0)
+    return [lm_inputs([torch.randint(0, vocab, (seq,), generator=g).tolist()
+                       for _ in range(rows)], seq, 0) for _ in range(steps)]
+
+
+def train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One mode's steps in this process; saves the trained block beside the programs."""
+    from safetensors.torch import save_file
+
+    from fedcybgd.model.block_programs import (
+        ProgramTrainer,
+        WithLMLoss,
+        named_tensors,
+        read_manifest,
+    )
+    from fedcybgd.model.blocks import BlockMap
+    from fedcybgd.model.loading import load_model
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model)
+    blocks = BlockMap(model, 1)
+    own = set(blocks.info(args.block).param_names)
+    data = batches(int(model.config.vocab_size), args.batch, args.seq, args.steps)
+    times = []
+    if mode == "eager":
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in own)
+        params = [p for n, p in model.named_parameters() if n in own]
+        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+        wrapped = WithLMLoss(model)
+        for ids, mask, targets in data:
+            began = time.perf_counter()
+            optimizer.zero_grad()
+            wrapped(ids, mask, targets).backward()
+            optimizer.step()
+            times.append(time.perf_counter() - began)
+        trained = {n: p.detach().clone() for n, p in model.named_parameters() if n in own}
+    else:
+        entry = read_manifest(args.programs)[args.block]
+        trainer = ProgramTrainer(args.programs, entry, named_tensors(model), args.lr, 0.0)
+        for ids, mask, targets in data:
+            began = time.perf_counter()
+            trainer.step(ids, mask, targets)
+            times.append(time.perf_counter() - began)
+        trained = trainer.block()
+        trainer.close()
+    save_file({k: v.contiguous() for k, v in trained.items()},
+              str(args.programs / f"trained-{mode}.safetensors"))
+    return {"mode": mode, "step_s": times,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def export(args: argparse.Namespace) -> dict[str, Any]:
+    """Export the block's program in this process (its time and peak RSS)."""
+    from fedcybgd.model.block_programs import export_programs, read_manifest
+
+    if (args.programs / "manifest.json").is_file():
+        entry = read_manifest(args.programs).get(args.block)
+        if entry is not None and (entry.batch, entry.seq) == (args.batch, args.seq):
+            return {"export_s": None, "note": "program reused"}
+    began = time.perf_counter()
+    export_programs(args.model, args.programs, 1, args.batch, args.seq, [args.block])
+    return {"export_s": time.perf_counter() - began,
+            "export_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def child(what: str, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", what, "--model", args.model, "--block",
+               args.block, "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
+               str(args.steps), "--lr", str(args.lr), "--threads", str(args.threads),
+               "--programs", str(args.programs)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def compare(args: argparse.Namespace) -> dict[str, float]:
+    from safetensors.torch import load_file
+
+    from fedcybgd.model.loading import load_model
+
+    base = dict(load_model(args.model).named_parameters())
+    eager = load_file(str(args.programs / "trained-eager.safetensors"))
+    program = load_file(str(args.programs / "trained-executorch.safetensors"))
+    diff = sum(float((program[n] - eager[n]).norm() ** 2) for n in eager) ** 0.5
+    size = sum(float((eager[n] - base[n].detach()).norm() ** 2) for n in eager) ** 0.5
+    worst = max(float((program[n] - eager[n]).abs().max()) for n in eager)
+    return {"relative_l2_of_change_difference": diff / size, "max_abs_difference": worst,
+            "change_l2": size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--block", default="layer.3")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--programs", type=Path, default=Path("outputs/executorch-programs"))
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "executorch")
+    parser.add_argument("--child", choices=("export", "eager", "executorch"))
+    args = parser.parse_args()
+    if args.child == "export":
+        print(json.dumps(export(args)))
+        return
+    if args.child:
+        print(json.dumps(train(args.child, args)))
+        return
+    exported = child("export", args)
+    runs = [child(mode, args) for _ in range(args.repeats) for mode in ("eager", "executorch")]
+    summary = {}
+    for mode in ("eager", "executorch"):
+        mine = [r for r in runs if r["mode"] == mode]
+        steps = [s for r in mine for s in r["step_s"][1:]]
+        summary[mode] = {"median_step_s": statistics.median(steps),
+                         "min_step_s": min(steps), "max_step_s": max(steps),
+                         "first_step_s": [r["step_s"][0] for r in mine],
+                         "peak_rss_mb": max(r["peak_rss_mb"] for r in mine)}
+    from importlib.metadata import version
+
+    result = {"machine": f"{platform.machine()}, {platform.python_version()}, torch "
+                         f"{torch.__version__}, executorch {version('executorch')}",
+              "time": time.strftime("%Y-%m-%d %H:%M"),
+              "command": "python experiments/executorch_node.py " + " ".join(sys.argv[1:]),
+              "args": {k: str(v) for k, v in vars(args).items()}, "export": exported,
+              "side_by_side": summary, "trained_block": compare(args), "runs": runs}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "node.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
