@@ -214,6 +214,9 @@ def after_the_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
             (clone / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, clone / name)
     (clone / ".venv").symlink_to(BIN.parent, target_is_directory=True)
+    if (ROOT / ".venv-executorch").is_dir():  # make test-docs builds it (make executorch)
+        (clone / ".venv-executorch").symlink_to(ROOT / ".venv-executorch",
+                                                target_is_directory=True)
     (clone / "outputs" / "demo").mkdir(parents=True)
     (clone / "outputs" / "demo" / "summary.json").write_text('{"status": "completed"}')
     for name, write in USER_FILES.items():
