@@ -91,7 +91,7 @@ TEST_WORKERS ?= 3
 PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: install executorch
 	$(BIN)/python -m pytest -q -m "not containers and not docs and not executorch" $(PYTEST_WORKERS)
-	$(ET_BIN)/python -m pytest -q -m executorch -n 2 --dist loadfile
+	$(ET_BIN)/python -m pytest -q -m executorch $(if $(filter 0,$(TEST_WORKERS)),,-n 2 --dist loadfile)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not containers and not executorch" $(PYTEST_WORKERS)
@@ -182,4 +182,4 @@ arm64-node: install
 	$(BIN)/python experiments/arm64_node.py --resume
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) $(ET_VENV) outputs

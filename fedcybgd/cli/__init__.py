@@ -221,6 +221,10 @@ def _export_executorch(args: Any) -> int:
 
     from fedcybgd.model.block_programs import ExecuTorchError, export_programs
 
+    if args.type != "f16":
+        print("fedcybgd export: --type is the GGUF file's weight type; the ExecuTorch programs "
+              "read fp32 weights", file=sys.stderr)
+        return 2
     source = args.folder
     if (Path(source) / "final" / "config.json").is_file():
         source = str(Path(source) / "final")

@@ -302,6 +302,7 @@ def train(msg: Message, context: Context) -> Message:
         check_downloads(rnd)
         prepare_batches(rnd)
         fit_memory_budget(rnd)
+        check_trainer(rnd)
         check_privacy_budget(rnd)
         install_downloads(rnd)
         outcome, trained, start, base, mem, train_s = train_block(rnd)
@@ -518,9 +519,11 @@ def train_block(rnd: Round) -> tuple[TrainOutcome, dict[str, torch.Tensor],
     return outcome, trained, start, start_holding, mem, train_s
 
 
-def program_rule(rnd: Round) -> ProgramFirstOrder:
-    """``fo`` through the block's ExecuTorch program (node config ``trainer = "executorch"``),
-    or the round refused naming what the program does not cover or what is not installed."""
+def check_trainer(rnd: Round) -> None:
+    """With node config ``trainer = "executorch"``, refuse the round (before anything is
+    installed) naming what the block program does not cover or what is not installed."""
+    if rnd.node.trainer == "eager":
+        return
     run = rnd.run
     frozen = run.frozen_quant if run.frozen_quant != "none" else run.frozen_dtype
     reason = unsupported(rnd.rule_name, run.task_kind, rnd.privacy is not None, frozen,
@@ -532,10 +535,14 @@ def program_rule(rnd: Round) -> ProgramFirstOrder:
     if reason is not None:
         raise rnd.answer(protocol.REFUSED, f"trainer = 'executorch' (node config) cannot "
                                            f"train this round: {reason}")
-    folder = (rnd.cache_dir / "executorch"
-              / f"{rnd.cm.base_hash[:16]}-{run.batch_size}x{run.max_seq_len}")
-    return ProgramFirstOrder(folder, run.model, rnd.cm.base_hash, run.batch_size,
-                             run.max_seq_len)
+
+
+def program_rule(rnd: Round) -> ProgramFirstOrder:
+    """``fo`` through the block's ExecuTorch program (node config ``trainer = "executorch"``;
+    :func:`check_trainer` has passed), its programs in the node's rule-state folder."""
+    run = rnd.run
+    return ProgramFirstOrder(rnd.rule_state / "executorch", run.model, rnd.cm.base_hash,
+                             run.batch_size, run.max_seq_len)
 
 
 def upload_reply(rnd: Round, outcome: TrainOutcome, trained: dict[str, torch.Tensor],

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -44,8 +45,8 @@ from transformers import PreTrainedModel
 from fedcybgd.model.blocks import BlockMap
 
 __all__ = ["BlockProgram", "ExecuTorchError", "ProgramTrainer", "WithLMLoss", "export_block",
-           "export_programs", "lm_inputs", "named_tensors", "read_manifest",
-           "require_executorch", "write_weights"]
+           "export_programs", "lm_inputs", "named_tensors", "program_intact", "read_manifest",
+           "require_executorch", "runtime_key", "write_weights"]
 
 PREFIX = "model."  # the wrapper's attribute: program names are "model." + the model's own
 IGNORE = -100  # a target the loss skips (a padded position)
@@ -174,7 +175,7 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
             p.requires_grad_(flags[n])
     out.mkdir(parents=True, exist_ok=True)
     program = out / f"{block}.pte"
-    program.write_bytes(lowered.buffer)
+    _replace(program, lowered.buffer)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         lowered.write_tensor_data_to_file(tmp)
         (written,) = Path(tmp).glob("*.ptd")
@@ -225,9 +226,34 @@ def write_weights(path: Path, entry: BlockProgram, tensors: Mapping[str, torch.T
 
 def _add_to_manifest(out: Path, entry: BlockProgram) -> None:
     path = out / MANIFEST
-    programs = json.loads(path.read_text())["programs"] if path.is_file() else []
-    programs = [p for p in programs if p["block"] != entry.block] + [asdict(entry)]
-    path.write_text(json.dumps({"programs": programs}, indent=1) + "\n")
+    try:
+        programs = json.loads(path.read_text())["programs"]
+    except (OSError, ValueError, KeyError):  # none yet, or torn: this entry starts it again
+        programs = []
+    programs = [p for p in programs if p.get("block") != entry.block] + [asdict(entry)]
+    _replace(path, (json.dumps({"programs": programs}, indent=1) + "\n").encode())
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a temporary file beside it, then renamed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def runtime_key(base_hash: str, batch: int, seq: int) -> str:
+    """The folder name of a node's programs: the weights they were exported for, their shapes,
+    and the torch and ExecuTorch releases (another release exports again)."""
+    from importlib.metadata import version
+
+    return f"{base_hash[:16]}-{batch}x{seq}-torch{torch.__version__}-et{version('executorch')}"
+
+
+def program_intact(folder: Path, entry: BlockProgram) -> bool:
+    """Whether ``entry``'s program file is there and matches its checksum."""
+    path = folder / entry.program
+    return path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == \
+        entry.program_sha256
 
 
 def read_manifest(out: Path) -> dict[str, BlockProgram]:
@@ -257,13 +283,20 @@ class ProgramTrainer:
         from executorch.extension.training.pybindings._training_module import TrainingModule
 
         program = folder / entry.program
-        if hashlib.sha256(program.read_bytes()).hexdigest() != entry.program_sha256:
-            raise ExecuTorchError(f"{program} does not match its manifest's checksum")
+        if not program_intact(folder, entry):
+            raise ExecuTorchError(f"{program} is missing or does not match its manifest's "
+                                  "checksum")
         self.entry = entry
-        self._dir = tempfile.TemporaryDirectory(prefix="fedcybgd-et-")
-        weights = Path(self._dir.name) / "weights.ptd"
-        write_weights(weights, entry, tensors)
-        self.module = TrainingModule(_load_for_executorch(str(program), data_path=str(weights)))
+        # the round's weights beside the program (not in a RAM-backed /tmp), gone after it
+        self._dir = tempfile.TemporaryDirectory(prefix=".round-", dir=folder)
+        try:
+            weights = Path(self._dir.name) / "weights.ptd"
+            write_weights(weights, entry, tensors)
+            self.module = TrainingModule(_load_for_executorch(str(program),
+                                                              data_path=str(weights)))
+        except BaseException:
+            self._dir.cleanup()
+            raise
         self.optimizer: torch.optim.AdamW | None = None
         self.lr, self.weight_decay = lr, weight_decay
 

@@ -228,7 +228,7 @@ class LMTask(Task):
             group = group if group in frame.columns else None
             windows = self._require(self.windows(frame, group, field),
                                     f"reference-dataset = {spec!r}")
-            self._reference = windows.head(self.run.eval_examples)
+            self._reference = windows.head(self.run.evaluation.examples)
         return self._reference
 
     # ------------------------------------------------------------------------------ encoding

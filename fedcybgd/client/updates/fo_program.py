@@ -2,8 +2,9 @@
 
 The same AdamW steps as :class:`fedcybgd.client.updates.fo.FirstOrder`, on the same batches,
 computed by ExecuTorch's runtime instead of eager PyTorch (:mod:`fedcybgd.model.block_programs`).
-The node exports each block's program the first time it is assigned that block, into its cache
-folder (``executorch/<base hash>-<batch>x<window>/``; a minute or more for SmolLM2, once), then
+The node exports each block's program the first time it is assigned that block, into its
+rule-state folder (``executorch/<base hash>-<batch>x<window>-<torch>-<executorch>/``; minutes for
+SmolLM2, once; a program whose file no longer matches its checksum is exported again), then
 every round writes the round's weights (the model as the node holds it: its cached blocks and
 the block's start) beside it and trains. The protocol does not change: the trained block goes
 back into the model and is uploaded as the eager node's would be.
@@ -27,7 +28,9 @@ from fedcybgd.model.block_programs import (
     ProgramTrainer,
     export_block,
     named_tensors,
+    program_intact,
     read_manifest,
+    runtime_key,
 )
 from fedcybgd.rules import TrainOutcome, TrainTask
 from fedcybgd.rules.builtin import FoOptions
@@ -79,7 +82,7 @@ class ProgramFirstOrder:
     Parameters
     ----------
     folder
-        The node's program folder for this model, batch and window.
+        The node's program folder (one sub-folder per weights, shapes and runtime versions).
     model_name, base_hash
         The model the programs are exported from and its weights' checksum (the manifest's).
     rows, seq
@@ -94,13 +97,16 @@ class ProgramFirstOrder:
         self.rows, self.seq = rows, seq
 
     def program(self, task: TrainTask) -> BlockProgram:
-        """The block's program, exported now if the folder has none for this block."""
-        if (self.folder / "manifest.json").is_file():
-            entry = read_manifest(self.folder).get(task.block)
-            if entry is not None and (entry.base_hash, entry.batch, entry.seq) == (
-                    self.base_hash, self.rows, self.seq):
-                return entry
-        return export_block(task.model, task.blocks, task.block, self.folder,  # type: ignore[arg-type]
+        """The block's program, exported now unless the folder holds one for this block, these
+        weights and shapes, and these runtime versions, whose file matches its checksum."""
+        folder = self.folder / runtime_key(self.base_hash, self.rows, self.seq)
+        try:
+            entry = read_manifest(folder).get(task.block)
+        except (OSError, ValueError, TypeError, KeyError):  # none yet, or a torn one
+            entry = None
+        if entry is not None and program_intact(folder, entry):
+            return entry
+        return export_block(task.model, task.blocks, task.block, folder,  # type: ignore[arg-type]
                             name=self.model_name, base_hash=self.base_hash, batch=self.rows,
                             seq=self.seq, with_weights=False)
 
@@ -110,7 +116,8 @@ class ProgramFirstOrder:
         if FoOptions.from_options(task.options).recompute:
             raise ValueError(unsupported("fo", "lm", False, "float32", "cpu", True))
         entry = self.program(task)
-        trainer = ProgramTrainer(self.folder, entry, named_tensors(task.model), task.lr,
+        folder = self.folder / runtime_key(self.base_hash, self.rows, self.seq)
+        trainer = ProgramTrainer(folder, entry, named_tensors(task.model), task.lr,
                                  task.weight_decay)
         losses: list[float] = []
         examples = skipped = 0
