@@ -46,28 +46,6 @@ class WithLoss(torch.nn.Module):
             logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def rewrite_empty_permuted(graph_module: torch.fx.GraphModule) -> int:
-    """Replace each ``aten.empty_permuted`` by ``empty`` of the physical shape and the inverse
-    ``permute``; returns how many there were."""
-    count = 0
-    graph = graph_module.graph
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target != torch.ops.aten.empty_permuted.default:
-            continue
-        size, order = node.args[0], node.args[1]
-        with graph.inserting_before(node):
-            empty = graph.call_function(torch.ops.aten.empty.memory_format,
-                                        ([size[i] for i in order],), dict(node.kwargs))
-            back = graph.call_function(torch.ops.aten.permute.default,
-                                       (empty, [list(order).index(i) for i in range(len(order))]))
-        empty.meta, back.meta = dict(node.meta), dict(node.meta)
-        node.replace_all_uses_with(back)
-        graph.erase_node(node)
-        count += 1
-    graph_module.recompile()
-    return count
-
-
 def measure(name: str, block_index: int, batch: int, seq: int, seed: int) -> dict[str, Any]:
     """One model's block: the program's size and times, its loss and gradients against eager."""
     from executorch.exir import to_edge
@@ -75,6 +53,7 @@ def measure(name: str, block_index: int, batch: int, seq: int, seed: int) -> dic
     from torch.export import export
     from torch.export.experimental import _export_forward_backward
 
+    from fedcybgd.model.block_programs import rewrite_empty_permuted
     from fedcybgd.model.blocks import BlockMap
     from fedcybgd.model.loading import load_model
 
@@ -91,7 +70,9 @@ def measure(name: str, block_index: int, batch: int, seq: int, seed: int) -> dic
                         generator=torch.Generator().manual_seed(seed))
     began = time.perf_counter()
     program = _export_forward_backward(export(wrapped, (ids,), strict=False))
-    rewritten = rewrite_empty_permuted(program.graph_module)
+    rewritten = sum(n.target == torch.ops.aten.empty_permuted.default
+                    for n in program.graph_module.graph.nodes)
+    rewrite_empty_permuted(program.graph_module)
     exported_s = time.perf_counter() - began
     buffer = to_edge(program).to_executorch().buffer
     lowered_s = time.perf_counter() - began - exported_s

@@ -46,7 +46,8 @@ from fedcybgd.model.blocks import BlockMap
 
 __all__ = ["BlockProgram", "ExecuTorchError", "ProgramTrainer", "WithLMLoss", "export_block",
            "export_programs", "lm_inputs", "named_tensors", "program_intact", "read_manifest",
-           "require_executorch", "runtime_key", "write_weights"]
+           "require_executorch", "rewrite_empty_permuted", "runtime_key",
+           "write_weights"]
 
 PREFIX = "model."  # the wrapper's attribute: program names are "model." + the model's own
 IGNORE = -100  # a target the loss skips (a padded position)
@@ -118,7 +119,7 @@ class BlockProgram:
     constants: dict[str, list[int]] = field(default_factory=dict)  # every weight the .ptd holds
 
 
-def _rewrite_empty_permuted(graph_module: torch.fx.GraphModule) -> None:
+def rewrite_empty_permuted(graph_module: torch.fx.GraphModule) -> None:
     """``to_edge`` refuses ``aten.empty_permuted`` (the joint graph's backward makes some):
     each becomes ``empty`` of the physical shape and the inverse ``permute``."""
     graph = graph_module.graph
@@ -166,7 +167,7 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
         wrapped = WithLMLoss(model)
         example = lm_inputs([[1] * seq] * batch, seq, 0)
         joint = _export_forward_backward(export(wrapped, example, strict=False))
-        _rewrite_empty_permuted(joint.graph_module)
+        rewrite_empty_permuted(joint.graph_module)
         config = ExecutorchBackendConfig(external_constants=True, external_mutable_weights=True)
         lowered = to_edge(joint).to_executorch(config)
     finally:
