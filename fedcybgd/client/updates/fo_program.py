@@ -96,10 +96,14 @@ class ProgramFirstOrder:
         self.folder, self.model_name, self.base_hash = folder, model_name, base_hash
         self.rows, self.seq = rows, seq
 
+    def programs(self) -> Path:
+        """The folder of the programs for these weights, shapes and runtime versions."""
+        return self.folder / runtime_key(self.base_hash, self.rows, self.seq)
+
     def program(self, task: TrainTask) -> BlockProgram:
         """The block's program, exported now unless the folder holds one for this block, these
         weights and shapes, and these runtime versions, whose file matches its checksum."""
-        folder = self.folder / runtime_key(self.base_hash, self.rows, self.seq)
+        folder = self.programs()
         try:
             entry = read_manifest(folder).get(task.block)
         except (OSError, ValueError, TypeError, KeyError):  # none yet, or a torn one
@@ -116,8 +120,7 @@ class ProgramFirstOrder:
         if FoOptions.from_options(task.options).recompute:
             raise ValueError(unsupported("fo", "lm", False, "float32", "cpu", True))
         entry = self.program(task)
-        folder = self.folder / runtime_key(self.base_hash, self.rows, self.seq)
-        trainer = ProgramTrainer(folder, entry, named_tensors(task.model), task.lr,
+        trainer = ProgramTrainer(self.programs(), entry, named_tensors(task.model), task.lr,
                                  task.weight_decay)
         losses: list[float] = []
         examples = skipped = 0
