@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import sys
 import tempfile
 
@@ -58,12 +59,44 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: -known.get(_test_file(item.nodeid), math.inf))  # stable
 
 
+_cpu_recorded: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of every process it started that has ended."""
+    own, ended = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With FEDCYBGD_RECORD_DURATIONS set, each test's CPU seconds (its own and those of the
+    processes it started) go with its last report (``user_properties``)."""
+    if not os.environ.get("FEDCYBGD_RECORD_DURATIONS"):
+        return (yield)
+    start = _cpu_seconds()
+    item.user_properties.append(("cpu_start", start))
+    return (yield)
+
+
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
+    """The CPU seconds since the test started, on its teardown report."""
+    if call.when == "teardown" and os.environ.get("FEDCYBGD_RECORD_DURATIONS"):
+        starts = [v for k, v in item.user_properties if k == "cpu_start"]
+        if starts:
+            item.user_properties.append(("cpu_s", _cpu_seconds() - starts[-1]))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Add up each file's time (setup, call and teardown); under xdist the controller sees every
-    worker's reports."""
+    """Add up each file's time (setup, call and teardown) and CPU seconds; under xdist the
+    controller sees every worker's reports."""
     if os.environ.get("FEDCYBGD_RECORD_DURATIONS"):
         name = _test_file(report.nodeid)
         _recorded[name] = _recorded.get(name, 0.0) + report.duration
+        for key, value in report.user_properties:
+            if key == "cpu_s":
+                _cpu_recorded[name] = _cpu_recorded.get(name, 0.0) + float(value)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -73,6 +106,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         ordered = dict(sorted(((k, round(v, 1)) for k, v in _recorded.items()),
                               key=lambda kv: -kv[1]))
         Path(target).write_text(json.dumps(ordered, indent=1) + "\n")
+        cpu = dict(sorted(((k, round(v, 1)) for k, v in _cpu_recorded.items()),
+                          key=lambda kv: -kv[1]))
+        Path(target).with_suffix(".cpu.json").write_text(json.dumps(cpu, indent=1) + "\n")
 
 
 @pytest.fixture(autouse=True)

@@ -60,7 +60,12 @@ from fedcybgd.config import ConfigError, NodeConfig, RunConfig
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.core.measure import PeakMemory, cgroup_memory, rss_bytes
 from fedcybgd.data.prompts import Batch
-from fedcybgd.memory.estimate import estimate_peak_mb, fitting_rule_options, measured_runtime_mb
+from fedcybgd.memory.estimate import (
+    estimate_peak_mb,
+    fitting_rule_options,
+    measured_runtime_mb,
+    weights_mb,
+)
 from fedcybgd.model.block_programs import ExecuTorchError, require_executorch
 from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
@@ -535,6 +540,26 @@ def check_trainer(rnd: Round) -> None:
     if reason is not None:
         raise rnd.answer(protocol.REFUSED, f"trainer = 'executorch' (node config) cannot "
                                            f"train this round: {reason}")
+    if not rnd.node.memory_budget_mb:
+        return
+    # With a budget, the program's own figures decide (the block's program is exported now if
+    # the node has none yet: its export, once a block, is not held to the budget).
+    cm, block = rnd.cm, rnd.ins.block
+    runtime = measured_runtime_mb(cm.shape, cm.blocks, rnd.precision, rss_bytes() / 2**20)
+    try:
+        entry = program_rule(rnd).program(cm.model, cm.blocks, block)
+    except ExecuTorchError as err:
+        raise rnd.answer(protocol.REFUSED, f"trainer = 'executorch' (node config): {err}",
+                         store=False) from None
+    held = weights_mb(cm.shape, cm.blocks, block, rnd.precision)
+    need = ProgramFirstOrder.peak_mb(entry, held, runtime)
+    if need > rnd.node.memory_budget_mb:
+        raise rnd.answer(
+            protocol.REJECTED,
+            f"memory-budget-mb = {rnd.node.memory_budget_mb:.0f} is below what block {block}'s "
+            f"ExecuTorch program needs, about {need:.0f} MB ({runtime:.0f} MB of it this "
+            f"process's runtime, {entry.planned_bytes / 2**20:.0f} MB planned by the program "
+            "for a step)", store=False)
 
 
 def program_rule(rnd: Round) -> ProgramFirstOrder:

@@ -115,6 +115,7 @@ class BlockProgram:
     weights: str  # file name of the .ptd written at export (the pretrained weights)
     program_sha256: str
     base_hash: str
+    planned_bytes: int  # the memory the runtime plans for one step (activations, gradients)
     trainable: dict[str, list[int]] = field(default_factory=dict)  # name -> shape
     constants: dict[str, list[int]] = field(default_factory=dict)  # every weight the .ptd holds
 
@@ -182,10 +183,12 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
         (written,) = Path(tmp).glob("*.ptd")
         constants = {k: list(v.sizes) for k, v in _read_layouts(written).items()}
     tensors = named_tensors(model)
+    planned = sum(sum(plan.non_const_buffer_sizes)
+                  for plan in lowered.executorch_program.execution_plan)
     entry = BlockProgram(
         model=name, block=block, task="lm", batch=batch, seq=seq, program=program.name,
         weights=f"{block}.ptd", program_sha256=hashlib.sha256(lowered.buffer).hexdigest(),
-        base_hash=base_hash,
+        base_hash=base_hash, planned_bytes=int(planned),
         trainable={PREFIX + n: list(tensors[PREFIX + n].shape) for n in sorted(own)},
         constants=constants)
     if with_weights:
@@ -195,11 +198,22 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
 
 
 def _read_layouts(path: Path) -> dict[str, Any]:
-    from executorch.exir._serialize._cord import Cord
-    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
+    """Each tensor's layout in the ``.ptd`` at ``path``, read from the file's head alone (its
+    header and table of contents, not the weights behind them)."""
+    from executorch.extension.flat_tensor.serialize.serialize import (
+        FlatTensorHeader,
+        _deserialize_to_flat_tensor,
+    )
 
-    payload = FlatTensorSerializer().deserialize(Cord(path.read_bytes()))
-    return {k: e.tensor_layout for k, e in payload.named_data.items()}
+    with path.open("rb") as f:
+        head = f.read(8 + FlatTensorHeader.EXPECTED_LENGTH)
+        header = FlatTensorHeader.from_bytes(head[8:])
+        if not header.is_valid():
+            raise ExecuTorchError(f"{path} is not an ExecuTorch data file")
+        f.seek(0)
+        table = _deserialize_to_flat_tensor(
+            f.read(header.flatbuffer_offset + header.flatbuffer_size))
+    return {entry.key: entry.tensor_layout for entry in table.named_data}
 
 
 def write_weights(path: Path, entry: BlockProgram, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -218,11 +232,45 @@ def write_weights(path: Path, entry: BlockProgram, tensors: Mapping[str, torch.T
         if list(tensor.shape) != shape or tensor.dtype != torch.float32:
             raise ExecuTorchError(f"{key!r} is {tuple(tensor.shape)} {tensor.dtype}; the "
                                   f"program reads {tuple(shape)} torch.float32")
-        buffers.append(tensor.detach().cpu().contiguous().numpy().tobytes())
+        buffers.append(_tensor_bytes(tensor))
         named[key] = DataEntry(index, 16, TensorLayout(ScalarType.FLOAT, list(shape),
                                                        list(range(len(shape)))))
     blob = FlatTensorSerializer().serialize(DataPayload(buffers=buffers, named_data=named))
-    path.write_bytes(bytes(blob))
+    with path.open("wb") as out:
+        blob.write_to_file(out)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> Any:
+    """``tensor``'s bytes as a piece of ExecuTorch's serializer's output that is written
+    straight from the tensor's memory: the ``.ptd`` streams to its file with no copy of the
+    weights (a copy of every weight, then of the joined file, would hold three models at once).
+    The serializer takes such a piece where it takes a file's contents (``FileBackedData``)."""
+    from executorch.exir._serialize._cord import FileBackedData
+
+    class TensorBytes(FileBackedData):
+        def __init__(self, view: memoryview) -> None:  # no file: the tensor's memory
+            self._view = view
+
+        def __len__(self) -> int:
+            return self._view.nbytes
+
+        def prefix(self, size: int) -> bytes:
+            return bytes(self._view[:size])
+
+        def sha256(self) -> bytes:
+            return hashlib.sha256(self._view).digest()
+
+        def to_bytes(self) -> bytes:
+            return bytes(self._view)
+
+        def write_to_file(self, outfile: Any) -> None:
+            outfile.write(self._view)
+
+        def close(self) -> None:
+            pass
+
+    array = tensor.detach().cpu().contiguous().numpy()
+    return TensorBytes(array.data.cast("B"))
 
 
 def _add_to_manifest(out: Path, entry: BlockProgram) -> None:

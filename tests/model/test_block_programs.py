@@ -111,6 +111,31 @@ def test_a_rounds_new_weights_reach_the_same_program(exported):
 
 
 @pytest.mark.executorch
+def test_weights_stream_to_the_file_the_serializer_writes_from_whole_bytes(exported, tmp_path):
+    # Prepare: the serializer's own way, every weight copied to bytes and the file joined
+    from executorch.exir._serialize.data_serializer import DataEntry, DataPayload
+    from executorch.exir.scalar_type import ScalarType
+    from executorch.exir.tensor_layout import TensorLayout
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
+
+    model, _blocks, _block, _out, entry = exported
+    tensors = named_tensors(model)
+    names = sorted(entry.constants)
+    whole = FlatTensorSerializer().serialize(DataPayload(
+        buffers=[tensors[k].detach().contiguous().numpy().tobytes() for k in names],
+        named_data={k: DataEntry(i, 16, TensorLayout(ScalarType.FLOAT, entry.constants[k],
+                                                     list(range(len(entry.constants[k])))))
+                    for i, k in enumerate(names)}))
+
+    # Execute
+    write_weights(tmp_path / "streamed.ptd", entry, tensors)
+
+    # Assert: the same bytes; the program plans memory for its step
+    assert (tmp_path / "streamed.ptd").read_bytes() == bytes(whole)
+    assert entry.planned_bytes > 0
+
+
+@pytest.mark.executorch
 def test_weights_of_another_shape_or_a_changed_program_are_refused(exported, tmp_path):
     model, _blocks, _block, out, entry = exported
     tensors = dict(named_tensors(model))

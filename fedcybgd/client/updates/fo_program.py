@@ -32,8 +32,11 @@ from fedcybgd.model.block_programs import (
     read_manifest,
     runtime_key,
 )
+from fedcybgd.model.blocks import BlockMap
 from fedcybgd.rules import TrainOutcome, TrainTask
 from fedcybgd.rules.builtin import FoOptions
+
+MB = 2**20
 
 __all__ = ["ProgramFirstOrder", "program_inputs", "unsupported"]
 
@@ -100,26 +103,42 @@ class ProgramFirstOrder:
         """The folder of the programs for these weights, shapes and runtime versions."""
         return self.folder / runtime_key(self.base_hash, self.rows, self.seq)
 
-    def program(self, task: TrainTask) -> BlockProgram:
-        """The block's program, exported now unless the folder holds one for this block, these
-        weights and shapes, and these runtime versions, whose file matches its checksum."""
+    def program(self, model: torch.nn.Module, blocks: BlockMap, block: str) -> BlockProgram:
+        """``block``'s program, exported now from ``model`` unless the folder holds one for this
+        block, these weights and shapes, and these runtime versions, whose file matches its
+        checksum (a manifest of another release of this module, or torn, exports again)."""
         folder = self.programs()
         try:
-            entry = read_manifest(folder).get(task.block)
+            entry = read_manifest(folder).get(block)
         except (OSError, ValueError, TypeError, KeyError):  # none yet, or a torn one
             entry = None
         if entry is not None and program_intact(folder, entry):
             return entry
-        return export_block(task.model, task.blocks, task.block, folder,  # type: ignore[arg-type]
+        return export_block(model, blocks, block, folder,  # type: ignore[arg-type]
                             name=self.model_name, base_hash=self.base_hash, batch=self.rows,
                             seq=self.seq, with_weights=False)
+
+    @staticmethod
+    def peak_mb(entry: BlockProgram, held_mb: float, runtime_mb: float) -> float:
+        """Estimated peak resident memory (MiB) of a round trained through ``entry``'s program,
+        by a process whose runtime holds ``runtime_mb`` besides the node's model (``held_mb``).
+
+        On top of the node's own model the runtime holds the round's weights file
+        (:func:`~fedcybgd.model.block_programs.write_weights` streams it from the model's
+        tensors; the runtime reads it whole, the block's weights copied into its plan), the
+        memory the program plans for a step (activations, gradients: fixed at export, the
+        manifest's ``planned_bytes``), AdamW's two moments of the block and the trained block's
+        copy handed back."""
+        weights = sum(math.prod(shape) for shape in entry.constants.values()) * 4 / MB
+        block = sum(math.prod(shape) for shape in entry.trainable.values()) * 4 / MB
+        return runtime_mb + held_mb + weights + entry.planned_bytes / MB + 3 * block
 
     def train(self, task: TrainTask) -> TrainOutcome:
         """Run ``task.steps`` AdamW steps on ``task.block`` through its program; the trained
         block is written back into ``task.model``."""
         if FoOptions.from_options(task.options).recompute:
             raise ValueError(unsupported("fo", "lm", False, "float32", "cpu", True))
-        entry = self.program(task)
+        entry = self.program(task.model, task.blocks, task.block)
         trainer = ProgramTrainer(self.programs(), entry, named_tensors(task.model), task.lr,
                                  task.weight_decay)
         losses: list[float] = []

@@ -93,3 +93,128 @@ def test_a_federation_with_an_executorch_node_ends_where_the_all_eager_one_does(
     assert diff <= 1e-3 * size, (diff, size)
     assert any((tmp_path / "mixed" / "cache-0").rglob("*.pte"))  # node 0 exported its programs
     assert not any((tmp_path / "mixed" / "cache-1").rglob("*.pte"))
+
+
+@pytest.mark.executorch
+def test_a_memory_budget_below_what_the_program_needs_is_refused_by_name(tiny_run_config,
+                                                                          tmp_path):
+    # Prepare: an lm run; a first round with no budget lets node 0 export its programs and
+    # both nodes load what they hold between rounds (this process is both nodes)
+    from fedcybgd.client.app import app as client_app
+    from fedcybgd.client.updates.fo_program import ProgramFirstOrder
+    from fedcybgd.config import RunConfig
+    from fedcybgd.core.measure import rss_bytes
+    from fedcybgd.harness.loopback import LoopbackGrid
+    from fedcybgd.memory.estimate import (
+        ModelShape,
+        estimate_peak_mb,
+        measured_runtime_mb,
+        weights_mb,
+    )
+    from fedcybgd.model.block_programs import read_manifest
+    from fedcybgd.model.blocks import BlockMap
+    from fedcybgd.model.loading import load_model
+    from fedcybgd.tasks.build import build_task
+    from tests.harness.test_loopback_run import make_strategy, play_round
+
+    folder = write_books(tmp_path / "books", books=8, lines=12)
+    config = {**tiny_run_config, "task": "lm", "dataset": str(folder), "max-seq-len": 64,
+              "batch-size": 8, "eval-examples": 6}
+    run = RunConfig.from_run_config(config)
+    trainers = ["executorch", "eager"]
+
+    def grid(budget: float) -> LoopbackGrid:
+        return LoopbackGrid(client_app, 2, config, node_config=lambda i: {
+            "cache-dir": str(tmp_path / f"cache-{i}"), "trainer": trainers[i],
+            "memory-budget-mb": budget if i == 0 else 0.0})
+
+    _, strategy, _ = make_strategy(run)
+    play_round(strategy, grid(0.0), 1)
+    assert not strategy.excluded
+    manifest = next((tmp_path / "cache-0").rglob("executorch/*/manifest.json"))
+    entry = next(iter(read_manifest(manifest.parent).values()))
+    # a budget halfway between what eager fo needs and what the program needs (the program
+    # holds a second copy of the weights and plans its whole step), both on this process's
+    # runtime figure, taken as the node takes its own: everything loaded, the next round's
+    # strategy and grid made
+    _, strategy, _ = make_strategy(run)
+    budgeted = grid(0.0)
+    model = load_model("tiny-llama")
+    blocks = BlockMap(model, 1)
+    shape = ModelShape.of(model, blocks)
+    held = weights_mb(shape, blocks, entry.block, None)
+    scored = build_task(run).max_scored_tokens(run.batch_size, run.max_seq_len)
+    runtime = measured_runtime_mb(shape, blocks, None, rss_bytes() / 2**20)
+    eager = estimate_peak_mb(shape, blocks, "fo", entry.block, run.batch_size, run.max_seq_len,
+                             None, run.options, scored, runtime)
+    program = ProgramFirstOrder.peak_mb(entry, held, runtime)
+    assert program - eager > 20, (program, eager)
+    budget = (program + eager) / 2
+    for context in budgeted.contexts.values():
+        if context.node_config["trainer"] == "executorch":
+            context.node_config["memory-budget-mb"] = budget
+
+    # Execute: rounds with node 0 held to that budget
+    for server_round in (1, 2):
+        play_round(strategy, budgeted, server_round)
+
+    # Assert: node 0 was told why, by name, and left out; node 1 trained
+    assert "ExecuTorch program needs" in strategy.excluded[1001], strategy.excluded
+    assert 1002 not in strategy.excluded
+    assert any(1002 in h.clients and not h.failed_blocks for h in strategy.history)
+
+
+# One fo round through the program in a fresh process, as a node's round after its first (the
+# program exported by an earlier process): the estimate from the node's own runtime figure
+# against the round's measured peak.
+PROGRAM_ROUND = """
+import json, sys
+from pathlib import Path
+import torch
+from fedcybgd.client.local_data import training_batches
+from fedcybgd.client.runtime import client_model
+from fedcybgd.client.updates.fo_program import ProgramFirstOrder
+from fedcybgd.config import NodeConfig, RunConfig
+from fedcybgd.core.measure import PeakMemory, rss_bytes
+from fedcybgd.memory.estimate import measured_runtime_mb, weights_mb
+from fedcybgd.model.precision import Precision
+from fedcybgd.rules import TrainTask
+run = RunConfig.from_run_config({"model": "smollm2-135m", "task": "lm", "batch-size": %d,
+                                 "max-seq-len": %d, "local-steps": 2})
+node = NodeConfig.from_node_config({"partition-id": 0, "num-partitions": 4})
+precision = Precision(run.frozen_dtype, run.frozen_quant)
+cm = client_model(run.model, run.layers_per_block, "cpu", precision)
+block = [b for b in cm.blocks.names if b.startswith("layer.")][-1]
+rule = ProgramFirstOrder(Path(sys.argv[1]), run.model, cm.base_hash, run.batch_size,
+                         run.max_seq_len)
+if sys.argv[2] == "export":
+    rule.program(cm.model, cm.blocks, block)
+    raise SystemExit(0)
+batches = training_batches(run, node, seed=0)
+runtime = measured_runtime_mb(cm.shape, cm.blocks, precision, rss_bytes() / 2**20)
+entry = rule.program(cm.model, cm.blocks, block)
+estimate = rule.peak_mb(entry, weights_mb(cm.shape, cm.blocks, block, precision), runtime)
+cm.train_block(block, None)
+task = TrainTask(model=cm.model, stack=cm.stack, blocks=cm.blocks, block=block,
+                 batches=iter(batches), steps=run.local_steps, lr=run.lr,
+                 weight_decay=run.weight_decay, seed=0, options=dict(run.options))
+with PeakMemory() as mem:
+    rule.train(task)
+print(json.dumps({"runtime_mb": runtime, "estimate_mb": estimate, "peak_mb": mem.peak_mb,
+                  "planned_mb": entry.planned_bytes / 2**20}))
+"""
+
+
+@pytest.mark.executorch
+def test_the_programs_memory_estimate_meets_a_smollm2_rounds_peak(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = PROGRAM_ROUND % (4, 64)
+    for step in ("export", "train"):
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path), step],
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert abs(row["estimate_mb"] / row["peak_mb"] - 1) <= 0.10, row
