@@ -11,7 +11,9 @@ only the block trainable, as the ``fo`` rule) and ``executorch`` (the block's Ex
 ``.ptd``). The program is exported once first (its time and peak RSS reported; a node does this
 once per block). Reported: seconds a step (median over steps after the first), the process's
 peak RSS, and the trained block of the two compared (relative L2 of the difference of the
-changes). Writes ``experiments/results/executorch/node.json`` and prints it.
+changes), and for the program the peak a node's memory budget is held against
+(:meth:`fedcybgd.client.updates.fo_program.ProgramFirstOrder.peak_mb`, from the process's own
+runtime figure). Writes ``experiments/results/executorch/node.json`` and prints it.
 """
 
 from __future__ import annotations
@@ -73,7 +75,13 @@ def train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - began)
         trained = {n: p.detach().clone() for n, p in model.named_parameters() if n in own}
     else:
+        from fedcybgd.client.updates.fo_program import ProgramFirstOrder
+        from fedcybgd.core.measure import rss_bytes
+
         entry = read_manifest(args.programs)[args.block]
+        held = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        runtime = rss_bytes() / 2**20 - held  # as a node measures its own, between rounds
+        estimate = ProgramFirstOrder.peak_mb(entry, held, runtime)
         trainer = ProgramTrainer(args.programs, entry, named_tensors(model), args.lr, 0.0)
         for ids, mask, targets in data:
             began = time.perf_counter()
@@ -83,18 +91,23 @@ def train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         trainer.close()
     save_file({k: v.contiguous() for k, v in trained.items()},
               str(args.programs / f"trained-{mode}.safetensors"))
-    return {"mode": mode, "step_s": times,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    row = {"mode": mode, "step_s": times,
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if mode == "executorch":  # what a node's memory budget is held against
+        row["estimate_mb"] = estimate
+    return row
 
 
 def export(args: argparse.Namespace) -> dict[str, Any]:
     """Export the block's program in this process (its time and peak RSS)."""
     from fedcybgd.model.block_programs import export_programs, read_manifest
 
-    if (args.programs / "manifest.json").is_file():
+    try:
         entry = read_manifest(args.programs).get(args.block)
-        if entry is not None and (entry.batch, entry.seq) == (args.batch, args.seq):
-            return {"export_s": None, "note": "program reused"}
+    except (OSError, ValueError, TypeError, KeyError):  # none, or another release's manifest
+        entry = None
+    if entry is not None and (entry.batch, entry.seq) == (args.batch, args.seq):
+        return {"export_s": None, "note": "program reused"}
     began = time.perf_counter()
     export_programs(args.model, args.programs, 1, args.batch, args.seq, [args.block])
     return {"export_s": time.perf_counter() - began,
@@ -159,6 +172,8 @@ def main() -> None:
                          "min_step_s": min(steps), "max_step_s": max(steps),
                          "first_step_s": [r["step_s"][0] for r in mine],
                          "peak_rss_mb": max(r["peak_rss_mb"] for r in mine)}
+        if mode == "executorch":
+            summary[mode]["estimate_mb"] = max(r["estimate_mb"] for r in mine)
     from importlib.metadata import version
 
     result = {"machine": f"{platform.machine()}, {platform.python_version()}, torch "

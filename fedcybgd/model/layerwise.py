@@ -160,8 +160,24 @@ class _Probed:
 
 # Models that passed the probe, with what it learned. The probe runs the real layers, so their
 # hooks fire; a second stack on the same model object (a rule building its own) neither pays
-# for it again nor shows up in a caller's layer hooks.
+# for it again nor shows up in a caller's layer hooks. What the probe learns is a property of
+# the architecture (the modules and their order, the config, the dtype), not of the weights, so
+# a model loaded again in the same process (a pipeline stage's every message) is not probed
+# again either.
 _VERIFIED: weakref.WeakKeyDictionary[nn.Module, _Probed] = weakref.WeakKeyDictionary()
+_VERIFIED_ARCHITECTURES: dict[tuple[Any, ...], _Probed] = {}
+_ARCHITECTURES_KEPT = 16
+
+
+def _architecture(model: nn.Module) -> tuple[Any, ...]:
+    """What the probe's outcome depends on: the model's class, config, parameter dtype and
+    every module's name and class in order."""
+    config: Any = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    described = to_json(use_diff=False) if callable(to_json) else repr(config)
+    dtype = next((p.dtype for p in model.parameters()), None)
+    modules = tuple((name, type(m).__qualname__) for name, m in model.named_modules())
+    return (type(model).__qualname__, described, str(dtype), modules)
 
 
 class LayerStack:
@@ -197,7 +213,13 @@ class LayerStack:
         self.head: nn.Module = self._build_head()
         probed = _VERIFIED.get(model)
         if probed is None and verify:
-            probed = self.verify()
+            architecture = _architecture(model)
+            probed = _VERIFIED_ARCHITECTURES.get(architecture)
+            if probed is None:
+                probed = self.verify()
+                if len(_VERIFIED_ARCHITECTURES) >= _ARCHITECTURES_KEPT:
+                    _VERIFIED_ARCHITECTURES.pop(next(iter(_VERIFIED_ARCHITECTURES)))
+                _VERIFIED_ARCHITECTURES[architecture] = probed
             _VERIFIED[model] = probed
         if probed is not None:
             self._arity = probed.arity

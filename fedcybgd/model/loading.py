@@ -13,12 +13,14 @@ is one of these that this machine can load (:class:`ModelNameError` otherwise).
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.metadata
 import json
 import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -334,22 +336,40 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """What a tiny model takes from its tokenizer: the vocabulary's size and special ids."""
+
+    size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> Vocabulary:
+        """Read them from ``tokenizer``."""
+        return cls(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
+                   tokenizer.pad_token_id)
+
+
 def build_tiny(
-    family: str, tokenizer: PreTrainedTokenizerBase, **overrides: Any
+    family: str, tokenizer: PreTrainedTokenizerBase | Vocabulary, **overrides: Any
 ) -> PreTrainedModel:
     """A tiny random model of ``family``, identical on every machine with the same torch.
 
+    ``tokenizer``: the tokenizer whose vocabulary it takes, or that :class:`Vocabulary`;
     ``overrides`` change config fields (tests: another sliding window, OPT's input/output
     projections, a smaller vocabulary); the weights are drawn from the same seed.
     """
     if family not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny model family '{family}'; allowed: {sorted(TINY_CONFIGS)}")
+    vocab = tokenizer if isinstance(tokenizer, Vocabulary) else Vocabulary.of(tokenizer)
     special = dict(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=vocab.bos_token_id,
+        eos_token_id=vocab.eos_token_id,
+        pad_token_id=vocab.pad_token_id,
     )
-    fields = {"vocab_size": len(tokenizer), **special, **TINY_CONFIGS[family], **overrides}
+    fields = {"vocab_size": vocab.size, **special, **TINY_CONFIGS[family], **overrides}
     model_type = fields.pop("model_type", family)
     config = AutoConfig.for_model(model_type, **fields)
     if family == "opt":
@@ -360,11 +380,18 @@ def build_tiny(
     return model
 
 
+@functools.lru_cache(maxsize=1)
+def _tiny_vocabulary() -> Vocabulary:
+    """The SmolLM2 tokenizer's :class:`Vocabulary`, read once per process: a tokenizer takes
+    about 0.2 s to load, a tiny model less."""
+    return Vocabulary.of(load_tokenizer("tiny-"))
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load the causal LM ``name`` (see module docstring) in eval mode."""
     if name.startswith("tiny-"):
         family = name.removeprefix("tiny-").replace("-", "_")
-        model = build_tiny(family, load_tokenizer(name))
+        model = build_tiny(family, _tiny_vocabulary())
         model = model.to(dtype)  # type: ignore[arg-type]  # transformers types .to oddly
     else:
         model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype)
