@@ -66,7 +66,7 @@ from fedcybgd.memory.estimate import (
     measured_runtime_mb,
     weights_mb,
 )
-from fedcybgd.model.block_programs import ExecuTorchError, require_executorch
+from fedcybgd.model.block_programs import ExecuTorchError, require_executorch, tied_weights
 from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
@@ -533,6 +533,10 @@ def check_trainer(rnd: Round) -> None:
     frozen = run.frozen_quant if run.frozen_quant != "none" else run.frozen_dtype
     reason = unsupported(rnd.rule_name, run.task_kind, rnd.privacy is not None, frozen,
                          rnd.device.type, FoOptions.from_options(rnd.options).recompute)
+    tied = tied_weights(rnd.cm.model, set(rnd.cm.blocks.info(rnd.ins.block).param_names))
+    if reason is None and tied:
+        reason = (f"block {rnd.ins.block} holds {tied[0][0]}, tied to {tied[0][1]} (a block "
+                  "program trains no tied weight yet)")
     try:
         require_executorch()
     except ExecuTorchError as err:

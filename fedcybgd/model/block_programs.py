@@ -46,7 +46,7 @@ from fedcybgd.model.blocks import BlockMap
 
 __all__ = ["BlockProgram", "ExecuTorchError", "ProgramTrainer", "WithLMLoss", "export_block",
            "export_programs", "lm_inputs", "named_tensors", "program_intact", "read_manifest",
-           "require_executorch", "rewrite_empty_permuted", "runtime_key",
+           "require_executorch", "rewrite_empty_permuted", "runtime_key", "tied_weights",
            "write_weights"]
 
 PREFIX = "model."  # the wrapper's attribute: program names are "model." + the model's own
@@ -146,6 +146,16 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {PREFIX + name: tensor for name, tensor in pairs}
 
 
+def tied_weights(model: nn.Module, names: set[str] | frozenset[str]) -> list[tuple[str, str]]:
+    """``(name, other)`` for each parameter in ``names`` that the model also holds under another
+    name (a tied input embedding and output projection)."""
+    by_tensor: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(n)
+    return [(n, other) for shared in by_tensor.values() if len(shared) > 1
+            for n in shared if n in names for other in shared if other != n]
+
+
 def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path, *, name: str,
                  base_hash: str, batch: int, seq: int, with_weights: bool = True
                  ) -> BlockProgram:
@@ -159,6 +169,11 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
     from torch.export.experimental import _export_forward_backward
 
     own = set(blocks.info(block).param_names)
+    tied = tied_weights(model, own)
+    if tied:
+        raise ExecuTorchError(
+            f"block {block} holds {tied[0][0]}, which the model ties to {tied[0][1]}: a block "
+            "program trains no tied weight yet (the export gives each name its own gradient)")
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     attention = model.config._attn_implementation
     model.config._attn_implementation = "eager"  # SDPA's CPU backward is outside core ATen

@@ -25,6 +25,7 @@ from fedcybgd.model.block_programs import (
     lm_inputs,
     named_tensors,
     read_manifest,
+    tied_weights,
     write_weights,
 )
 from fedcybgd.model.blocks import BlockMap
@@ -55,8 +56,33 @@ def exported(request, tmp_path_factory):
 
 @pytest.mark.executorch
 def test_adamw_steps_through_the_program_equal_eager_pytorchs(exported):
+    assert_steps_equal_eager(*exported)
+
+
+@pytest.mark.executorch
+def test_around_a_tied_embedding_the_head_trains_as_eager_and_the_embedding_is_refused(
+        tmp_path):
+    # Prepare: tiny-llama's output projection is its input embedding (one tensor, two names)
+    model = load_model("tiny-llama")
+    assert model.config.tie_word_embeddings
+    blocks = BlockMap(model, 1)
+    # Execute / Assert: the head block (the final norm) exports and trains as eager PyTorch
+    entry = export_block(model, blocks, "head", tmp_path, name="tiny-llama", base_hash="h",
+                         batch=BATCH, seq=SEQ)
+    assert_steps_equal_eager(model, blocks, "head", tmp_path, entry)
+    # the embedding block is refused by name: the export would train its two names apart
+    assert tied_weights(model, {"model.embed_tokens.weight"}) == [
+        ("model.embed_tokens.weight", "lm_head.weight")]
+    with pytest.raises(ExecuTorchError, match=r"embed_tokens\.weight.*ties to lm_head"):
+        export_block(model, blocks, "embed", tmp_path, name="tiny-llama", base_hash="h",
+                     batch=BATCH, seq=SEQ)
+    assert not (tmp_path / "embed.pte").exists()
+
+
+def assert_steps_equal_eager(model, blocks, block, out, entry) -> None:
+    """``STEPS`` AdamW steps on ``block`` through its program and in eager PyTorch: the same
+    losses, the same trained block."""
     # Prepare: the eager twin, only the block trainable, AdamW at the same settings
-    model, blocks, block, out, entry = exported
     eager = copy.deepcopy(model)
     own = set(blocks.info(block).param_names)
     for name, p in eager.named_parameters():
