@@ -12,8 +12,9 @@ only the block trainable, as the ``fo`` rule) and ``executorch`` (the block's Ex
 once per block). Reported: seconds a step (median over steps after the first), the process's
 peak RSS, and the trained block of the two compared (relative L2 of the difference of the
 changes), and for the program the peak a node's memory budget is held against
-(:meth:`fedcybgd.client.updates.fo_program.ProgramFirstOrder.peak_mb`, from the process's own
-runtime figure). Writes ``experiments/results/executorch/node.json`` and prints it.
+(:meth:`fedcybgd.client.updates.fo_program.ProgramFirstOrder.peak_mb`, on the process's own
+memory before the model was loaded). Writes ``experiments/results/executorch/node.json`` and
+prints it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One mode's steps in this process; saves the trained block beside the programs."""
     from safetensors.torch import save_file
 
+    from fedcybgd.core.measure import rss_bytes
     from fedcybgd.model.block_programs import (
         ProgramTrainer,
         WithLMLoss,
@@ -56,6 +58,12 @@ def train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     from fedcybgd.model.loading import load_model
 
     torch.set_num_threads(args.threads)
+    if mode == "executorch":  # the runtime's libraries count in the process's own memory
+        import executorch.extension.training  # noqa: F401
+        from executorch.extension.pybindings import portable_lib  # noqa: F401
+    # What the process holds besides the model (the node's runtime figure). After the load the
+    # weights are not all resident yet (read lazily), so it is taken before it.
+    runtime = rss_bytes() / 2**20
     model = load_model(args.model)
     blocks = BlockMap(model, 1)
     own = set(blocks.info(args.block).param_names)
@@ -76,11 +84,9 @@ def train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         trained = {n: p.detach().clone() for n, p in model.named_parameters() if n in own}
     else:
         from fedcybgd.client.updates.fo_program import ProgramFirstOrder
-        from fedcybgd.core.measure import rss_bytes
 
         entry = read_manifest(args.programs)[args.block]
         held = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        runtime = rss_bytes() / 2**20 - held  # as a node measures its own, between rounds
         estimate = ProgramFirstOrder.peak_mb(entry, held, runtime)
         trainer = ProgramTrainer(args.programs, entry, named_tensors(model), args.lr, 0.0)
         for ids, mask, targets in data:
