@@ -27,6 +27,7 @@ missing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -260,6 +261,12 @@ def _tensor_bytes(tensor: torch.Tensor) -> Any:
     straight from the tensor's memory: the ``.ptd`` streams to its file with no copy of the
     weights (a copy of every weight, then of the joined file, would hold three models at once).
     The serializer takes such a piece where it takes a file's contents (``FileBackedData``)."""
+    array = tensor.detach().cpu().contiguous().numpy()
+    return _tensor_bytes_type()(array.data.cast("B"))
+
+
+@functools.cache
+def _tensor_bytes_type() -> type:
     from executorch.exir._serialize._cord import FileBackedData
 
     class TensorBytes(FileBackedData):
@@ -284,8 +291,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> Any:
         def close(self) -> None:
             pass
 
-    array = tensor.detach().cpu().contiguous().numpy()
-    return TensorBytes(array.data.cast("B"))
+    return TensorBytes
 
 
 def _add_to_manifest(out: Path, entry: BlockProgram) -> None:
