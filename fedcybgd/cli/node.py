@@ -43,7 +43,8 @@ RUNTIME_HOST = "127.0.0.1"  # where flower-supernode listens on that port (its d
 # flag -> node-config key (the rest are connection settings)
 NODE_KEYS = {"data": "data-path", "memory_budget_mb": "memory-budget-mb", "node_key": "node-key",
              "cache_dir": "cache-dir", "update_rule": "update-rule", "device": "device",
-             "partition_id": "partition-id", "num_partitions": "num-partitions"}
+             "partition_id": "partition-id", "num_partitions": "num-partitions",
+             "trainer": "trainer"}
 
 
 class NodeSetupError(ValueError):
@@ -91,6 +92,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                         help="This node's own rule (default: the run's).")
     parser.add_argument("--device", metavar="DEVICE",
                         help="cpu, cuda, cuda:N or mps (default: the run's).")
+    parser.add_argument("--trainer", metavar="TRAINER",
+                        help="eager (PyTorch, the default) or executorch (the block's training "
+                             "step as an ExecuTorch program: run this command from "
+                             ".venv-executorch/bin, built by make executorch).")
     parser.add_argument("--partition-id", type=int, metavar="I",
                         help="This node's partition of the run's dataset (default 0).")
     parser.add_argument("--num-partitions", type=int, metavar="N",
@@ -149,6 +154,14 @@ def plan(settings: dict[str, Any]) -> list[str]:
         NodeConfig.from_node_config(values)
     except ConfigError as err:
         raise NodeSetupError(f"node config: {err}") from None
+    if values.get("trainer") == "executorch":
+        from fedcybgd.model.block_programs import ExecuTorchError, require_executorch
+
+        try:
+            require_executorch()
+        except ExecuTorchError as err:
+            raise NodeSetupError(f"--trainer executorch: {err}, and this command runs from "
+                                 "there (.venv-executorch/bin/fedcybgd node)") from None
     port = int(settings.get("port") or DEFAULT_PORT)
     if not 0 < port < 65536:
         raise NodeSetupError(f"--port {port} is not a port number")
@@ -172,10 +185,22 @@ def run(args: argparse.Namespace) -> int:
     if settings.get("dry_run"):
         return 0
     sys.stdout.flush()
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")  # the model and data come from installed packages
-    os.execve(command[0], command, env)
+    os.execve(command[0], command, node_environment())
     return 0  # not reached
+
+
+def node_environment() -> dict[str, str]:
+    """The SuperNode's environment: this one, offline (the model and data come from installed
+    packages), with this environment's commands first on ``PATH``: the SuperNode starts Flower's
+    SuperExec and the SuperExec a ClientApp process per message by name, and those must be this
+    environment's (``.venv-executorch`` for a node with ``trainer = "executorch"``), not the
+    first ``flower-superexec`` found elsewhere."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    here = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([here, *(p for p in env.get("PATH", "").split(os.pathsep)
+                                          if p and p != here)])
+    return env
 
 
 def merged(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,6 +4,7 @@ with node authentication through it."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -149,3 +150,29 @@ def test_a_node_joins_a_tls_federation_with_node_auth_through_the_command(tmp_pa
             log.close()
         text = (tmp_path / "node.log").read_text()
         assert "fedcybgd node: the checks passed" in text
+
+
+def test_the_supernode_finds_flowers_commands_in_the_nodes_own_environment(monkeypatch):
+    # Prepare: this environment's folder also further down PATH
+    from fedcybgd.cli.node import node_environment
+
+    here = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", here, "/bin"]))
+    # Execute
+    env = node_environment()
+    # Assert: first, and once (the SuperNode starts the SuperExec, the SuperExec a ClientApp
+    # process, each by name)
+    assert env["PATH"].split(os.pathsep) == [here, "/usr/bin", "/bin"]
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("executorch") is not None,
+                    reason="ExecuTorch is installed here")
+def test_a_node_asking_for_executorch_where_it_is_missing_is_told_where_it_is(capsys):
+    code, out, err = _node(capsys, "--superlink", "127.0.0.1:9092", "--insecure",
+                           "--trainer", "executorch", "--dry-run")
+    assert code == 2 and out == ""
+    assert "--trainer executorch" in err and ".venv-executorch/bin/fedcybgd node" in err
+    code, _, err = _node(capsys, "--superlink", "127.0.0.1:9092", "--insecure",
+                         "--trainer", "tflite", "--dry-run")
+    assert code == 2 and "trainer = 'tflite' is not allowed" in err

@@ -91,6 +91,12 @@ SKIP: dict[tuple[str, str], str] = {
                        "--update-rule lezo --memory-budget-mb 1500"):
         "joins a deployed SuperLink (link.example.org) with its CA certificate and a node key "
         "the operator registered",
+    ("docs/deploy.md", ".venv-executorch/bin/fedcybgd node --superlink link.example.org:9092 "
+                       "--root-certificates ~/.fedcybgd/ca.crt --auth-key ~/.fedcybgd/node_key "
+                       "--trainer executorch"):
+        "joins a deployed SuperLink (link.example.org) with its CA certificate and a node key "
+        "the operator registered; an ExecuTorch node on real SuperNodes is "
+        "tests/client/updates/test_fo_program.py's",
 }
 
 _FEDCYBGD = re.compile(r"^(?:cd \S+ && )?(?:[A-Z_]+=\S* )*\S*\bfedcybgd\s")

@@ -240,3 +240,52 @@ def test_a_smollm2_round_through_the_program_fits_its_estimate_and_equals_the_ea
     ours, theirs = row["losses"]
     assert abs(ours - theirs) <= 1e-4 * abs(theirs), row
     assert row["change"] > 0 and row["relative_difference"] <= 5e-3, row
+
+
+@pytest.mark.executorch
+@pytest.mark.slow
+def test_real_supernodes_one_training_through_executorch_complete_a_run(tmp_path):
+    # Prepare: a SuperLink and two SuperNodes on 127.0.0.1, run from this environment
+    # (.venv-executorch, whose commands make executorch writes), node 0 with trainer =
+    # "executorch"; an lm run on a text folder
+    import json
+    import subprocess
+    import sys
+
+    from fedcybgd.deploy.commands import format_config
+    from fedcybgd.deploy.local import PROJECT, LocalDeployment
+
+    folder = write_books(tmp_path / "books", books=8, lines=12)
+    out = tmp_path / "out"
+    config = {"model": "tiny-llama", "task": "lm", "dataset": str(folder), "partitioner": "iid",
+              "layers-per-block": 1, "clients-per-block": 1, "num-server-rounds": 2,
+              "local-steps": 2, "batch-size": 4, "max-seq-len": 32, "eval-examples": 6,
+              "train-embeddings": False, "train-head": False}
+    deployment = LocalDeployment(tmp_path / "state", out / "logs", tls=False,
+                                 threads_per_process=1)
+    try:
+        deployment.start_superlink()
+        deployment.start_supernodes(2, per_node={0: {"trainer": "executorch"}})
+        deployment.wait_nodes(2)
+
+        # Execute: submitted as the compose runner service does
+        runner = subprocess.run(
+            [sys.executable, "-m", "fedcybgd.deploy.control", "--superlink",
+             deployment.address, "--flwr-home", str(tmp_path / "runner-home"), "--timeout",
+             "400", "run", "--app", str(PROJECT), "--nodes", "2",
+             "--defaults", f"output-dir='{out}' clients-per-round=2",
+             "--run-config", format_config(config)],
+            capture_output=True, text=True, timeout=500, env=deployment.env(tmp_path / "r"),
+            check=False)
+    finally:
+        deployment.stop()
+
+    # Assert: the run completed, both nodes trained every round, node 0 through its program
+    assert runner.returncode == 0, runner.stdout[-3000:] + runner.stderr[-3000:]
+    assert "status: finished:completed" in runner.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert all(len(r["clients"]) == 2 and r["train_loss"] is not None for r in rows[1:])
+    programs = sorted((tmp_path / "state").rglob("*.pte"))
+    assert programs and all("supernode-1" in str(p) for p in programs), programs
