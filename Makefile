@@ -40,12 +40,19 @@ EXECUTORCH := executorch==1.5.1 torchao==0.18.0 flatbuffers==25.12.19 ruamel.yam
 
 # A node that trains through ExecuTorch runs Flower's commands from this environment
 # (`.venv-executorch/bin/fedcybgd node` starts its flower-supernode, which starts the SuperExec,
-# which starts a ClientApp process per message, each found by name): their scripts, as in the
-# project's venv; the SuperLink's and the CLI's too, for a federation run from here.
-ET_FLOWER_COMMANDS := flower-supernode=flwr.supernode.cli:flower_supernode \
-  flower-superexec=flwr.supercore.cli:flower_superexec flwr-clientapp=flwr.supernode.cli:flwr_clientapp \
-  flower-superlink=flwr.superlink.cli:flower_superlink flwr-serverapp=flwr.superlink.cli:flwr_serverapp \
-  flwr-simulation=flwr.simulation.app:flwr_simulation flwr=flwr.cli.app:app
+# which starts a ClientApp process per message, each found by name): a script for each console
+# command flwr declares, with this environment's python, as pip writes them in the project's venv.
+define ET_FLOWER_SCRIPTS
+import sys, pathlib
+from importlib.metadata import distribution
+bin_dir = pathlib.Path(sys.executable).parent
+for entry in distribution("flwr").entry_points.select(group="console_scripts"):
+    script = bin_dir / entry.name
+    script.write_text(f"#!{sys.executable}\nimport sys\nfrom {entry.module} import {entry.attr}\n"
+                      f"sys.exit({entry.attr}())\n")
+    script.chmod(0o755)
+endef
+export ET_FLOWER_SCRIPTS
 executorch: $(ET_STAMP)
 
 $(ET_STAMP): $(STAMP)
@@ -56,10 +63,7 @@ $(ET_STAMP): $(STAMP)
 	$(ET_BIN)/pip install --quiet --no-deps $(EXECUTORCH)
 	printf '#!%s/python\nimport sys\nfrom fedcybgd.cli import main\nsys.exit(main())\n' \
 	  "$$(cd $(ET_BIN) && pwd)" > $(ET_BIN)/fedcybgd && chmod +x $(ET_BIN)/fedcybgd
-	for entry in $(ET_FLOWER_COMMANDS); do name=$${entry%%=*}; target=$${entry#*=}; \
-	  printf '#!%s/python\nimport sys\nfrom %s import %s\nsys.exit(%s())\n' "$$(cd $(ET_BIN) && pwd)" \
-	    "$${target%%:*}" "$${target#*:}" "$${target#*:}" > $(ET_BIN)/$$name && chmod +x $(ET_BIN)/$$name; \
-	done
+	$(ET_BIN)/python -c "$$ET_FLOWER_SCRIPTS"
 	$(ET_BIN)/python -c 'import torch, executorch.extension.training, fedcybgd'
 	touch $(ET_STAMP)
 
