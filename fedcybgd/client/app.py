@@ -43,8 +43,9 @@ def node_key(msg: Message, context: Context) -> Message:
     run = RunConfig.from_run_config(context.run_config)
     if run.class_prior.strip().lower() == "global":
         from fedcybgd.client.local_data import stated_class_counts  # the node's data
+        from fedcybgd.client.run_state import run_state
 
-        counts = stated_class_counts(run, node)
+        counts = stated_class_counts(run, node, run_state(context, run).task)
         if counts is not None:  # the server pools the nodes' shares
             identity[protocol.CLASS_COUNTS] = counts
     return Message(RecordDict({protocol.IDENTITY: identity}), reply_to=msg)

@@ -30,6 +30,7 @@ from fedcybgd.baselines import (  # build_full, build_lora: re-exported for earl
 from fedcybgd.client import limits
 from fedcybgd.client.instruction import read_lr
 from fedcybgd.client.local_data import training_batches
+from fedcybgd.client.run_state import RunState, run_state
 from fedcybgd.client.updates.fo import block_loss
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.core.measure import PeakMemory
@@ -37,16 +38,11 @@ from fedcybgd.protocol import class_prior
 
 __all__ = ["ARRAYS", "METRICS", "build_full", "build_lora", "is_fedavg_message", "train_fedavg"]
 
-_MODELS: dict[tuple[object, ...], BaselineModel] = {}
-
-
-def _client_model(run: RunConfig) -> BaselineModel:
-    # One model per client process, as for FedCyBGD; FedAvg overwrites it every round.
-    key = (run.model, run.baseline, run.seed)
-    if key not in _MODELS:
-        _MODELS.clear()
-        _MODELS[key] = build_baseline(run)
-    return _MODELS[key]
+def _client_model(state: RunState, run: RunConfig) -> BaselineModel:
+    # Built by the run's first FedAvg round in this process; FedAvg overwrites it every round.
+    if state.baseline is None:
+        state.baseline = build_baseline(run)
+    return state.baseline
 
 
 def train_fedavg(msg: Message, context: Context) -> Message:
@@ -65,12 +61,13 @@ def train_fedavg(msg: Message, context: Context) -> Message:
     limits.check_download_bytes({ARRAYS: msg.content.array_records.get(ARRAYS, ArrayRecord())},
                                 node)
     server_round = int(cfg.get("server-round", 0))  # type: ignore[arg-type]
-    bm = _client_model(run)
+    state = run_state(context, run)
+    bm = _client_model(state, run)
     # Pop the arrays so the message stops holding a second copy of the model once loaded.
     bm.set(from_record(msg.content.array_records.pop(ARRAYS)))
 
     seed = run.seed * 1_000_003 + server_round * 1009 + node.partition_id
-    batches = training_batches(run, node, seed, class_prior(cfg))
+    batches = training_batches(run, node, seed, class_prior(cfg), state.task)
     params = bm.trainable
     for p in params:
         p.requires_grad_(True)

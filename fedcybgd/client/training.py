@@ -42,6 +42,7 @@ from fedcybgd.client.limits import Refusal
 from fedcybgd.client.local_data import private_batches, training_batches
 from fedcybgd.client.paths import UnsafeName, block_name, node_dirs
 from fedcybgd.client.privacy import LedgerError, NodeLedger, round_entry
+from fedcybgd.client.run_state import run_state
 from fedcybgd.client.runtime import ClientModel, client_model
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_of
@@ -74,8 +75,7 @@ from fedcybgd.protocol import Holding, dp, seedlog, seedsync, selfsync, zeroth_o
 from fedcybgd.protocol.zeroth_order import SeedLog
 from fedcybgd.rules import ExampleDp, rule_spec
 from fedcybgd.rules.builtin import LEAN_OPTIONS, FoOptions
-from fedcybgd.tasks.base import warn_cut
-from fedcybgd.tasks.build import build_task
+from fedcybgd.tasks.base import Task
 from fedcybgd.tasks.shares import target_shares
 
 log = logging.getLogger(__name__)
@@ -265,6 +265,7 @@ class Round:
 
     msg: Message
     run: RunConfig
+    task: Task  # the run's (fedcybgd.client.run_state)
     node: NodeConfig
     ins: Instruction
     lr: float  # the round's rate, within the node's limit
@@ -362,7 +363,7 @@ def open_round(msg: Message, context: Context) -> Round:
     except UnsafeName as err:
         log.warning("round %s: refused an instruction (%s)", ins.server_round, err)
         raise Answered(_reply(msg, protocol.REFUSED, None, f"bad instruction: {err}")) from None
-    return Round(msg, run, node, ins, lr, rule_name,
+    return Round(msg, run, run_state(context, run).task, node, ins, lr, rule_name,
                  int(min(run.max_payload_mb, node.max_download_mb) * limits.MB), device,
                  precision, cm, BlockStore(dirs.store, cm.base_hash), dirs.rule_state,
                  cache_dir)
@@ -392,7 +393,7 @@ def prepare_batches(rnd: Round) -> None:
     target = rnd.ins.class_prior
     try:
         if target is not None:  # one share per class of the task
-            target_shares(target, build_task(rnd.run).num_classes())
+            target_shares(target, rnd.task.num_classes())
     except ValueError as err:
         log.warning("round %s: refused an instruction (%s)", rnd.ins.server_round, err)
         raise Answered(_reply(rnd.msg, protocol.REFUSED, None,
@@ -400,11 +401,11 @@ def prepare_batches(rnd: Round) -> None:
     if rnd.run.dp == "example":
         # the sample and the noise come from the node's own randomness: amplification by
         # sampling needs the sample hidden, and a known noise seed would let it be subtracted
-        rnd.batches = private_batches(rnd.run, rnd.node, secrets.randbits(63))
+        rnd.batches = private_batches(rnd.run, rnd.node, secrets.randbits(63), rnd.task)
         rnd.privacy = ExampleDp(rnd.run.dp_clip_norm, rnd.run.dp_noise_multiplier,
                                 float(rnd.run.batch_size), secrets.randbits(63))
         return
-    rnd.batches = training_batches(rnd.run, rnd.node, rnd.ins.seed, target)
+    rnd.batches = training_batches(rnd.run, rnd.node, rnd.ins.seed, target, rnd.task)
 
 
 def check_privacy_budget(rnd: Round) -> None:
@@ -443,7 +444,7 @@ def fit_memory_budget(rnd: Round) -> None:
         return
     block = rnd.ins.block
     # An sft batch scores every response token, not one per row (an upper bound here)
-    scored = build_task(run).max_scored_tokens(run.batch_size, run.max_seq_len)
+    scored = rnd.task.max_scored_tokens(run.batch_size, run.max_seq_len)
     runtime = measured_runtime_mb(cm.shape, cm.blocks, rnd.precision, rss_bytes() / 2**20)
     fit = fitting_rule_options(cm.shape, cm.blocks, block, node.memory_budget_mb,
                                run.batch_size, run.max_seq_len, rnd.rule_name, rnd.precision,
@@ -518,9 +519,9 @@ def train_block(rnd: Round) -> tuple[TrainOutcome, dict[str, torch.Tensor],
     if rnd.ledger is not None and rnd.dp_round is not None:  # before anything leaves the node
         rnd.ledger.record(ins.lineage, rnd.dp_round)
         outcome.metrics["dp_epsilon"] = rnd.ledger.spent(run.dp_delta, ins.lineage)
-    warn_cut(f"round {ins.server_round}, block {block}", batches.encoder.cut,
-             outcome.examples, run.max_seq_len, "see the task's truncation rule",
-             key=("training", rnd.msg.metadata.run_id))
+    rnd.task.warn_cut(f"round {ins.server_round}, block {block}", batches.encoder.cut,
+                      outcome.examples, run.max_seq_len, "see the task's truncation rule",
+                      key="training")
     return outcome, trained, start, start_holding, mem, train_s
 
 

@@ -54,7 +54,7 @@ from fedcybgd.server.outputs import (
     write_model_card,
 )
 from fedcybgd.server.pipeline.runner import run_pipeline_server
-from fedcybgd.server.preflight import check_data, check_model
+from fedcybgd.server.preflight import check_model, checked_task
 from fedcybgd.server.resume import Resumed, read_checkpoint
 from fedcybgd.server.round_end import RoundEnd, train
 from fedcybgd.server.session import RunSession
@@ -62,6 +62,7 @@ from fedcybgd.server.stops import STOPS, stop_handling, stop_reason
 from fedcybgd.server.verdict import ReplyWatch
 from fedcybgd.strategies.fedcybgd import FedCyBGD
 from fedcybgd.strategies.plugins import check_names
+from fedcybgd.tasks.base import Task
 from fedcybgd.tasks.build import build_task
 
 log = logging.getLogger(__name__)
@@ -80,11 +81,11 @@ def pretrained_reader(
 
 def build_strategy(run: RunConfig, blocks: BlockMap, weights: dict[str, Any],
                    lineage: str, base_hash: str, shape: ModelShape | None = None,
-                   device: str = "cpu") -> FedCyBGD:
+                   device: str = "cpu", task: Task | None = None) -> FedCyBGD:
     """The FedCyBGD strategy for ``run`` (``shape`` enables memory-aware assignment; step logs
-    are replayed on ``device``)."""
+    are replayed on ``device``; ``task``: the run's, default a new one)."""
 
-    task = build_task(run)
+    task = build_task(run) if task is None else task
     # the task's scored positions a batch: the LM head's rows (every sft response token)
     scored = task.max_scored_tokens(run.batch_size, run.max_seq_len)
     prior, classes = class_prior_of(run, task.num_classes())
@@ -125,7 +126,7 @@ def run_server(
     # Plug-in names are known once the run's plugin-modules are imported (RunConfig did).
     check_names(run.block_schedule, run.aggregate)
     # The data before anything else: a file no client could train on stops the run now.
-    check_data(run)
+    task = checked_task(run)
     device = resolve_device(run.device)  # before waiting for nodes: a bad device fails now
     session = RunSession(grid, run, run.clients_per_round, can_resume=True,
                          node_wait_s=node_wait_s)
@@ -154,7 +155,7 @@ def run_server(
                         resumed.round if resumed else None, since=started)
 
     strategy = build_strategy(run, blocks, weights, lineage, base_hash,
-                              ModelShape.of(model, blocks), device=str(device))
+                              ModelShape.of(model, blocks), device=str(device), task=task)
     if resumed is not None:
         resumed.install(strategy)  # the strategy sends nothing for the rounds it holds
     # Resuming: rows after the checkpoint belong to rounds about to be redone. Without a
@@ -168,7 +169,7 @@ def run_server(
         log.warning("metrics.jsonl lacks round %d; restoring its row from the checkpoint",
                     resumed.round)
         writer.write(dict(resumed.record))
-    evaluator = Evaluator(run, stack, blocks, device)
+    evaluator = Evaluator(run, stack, blocks, device, task)
     stop = StopRecord(run, out, writer, segments, checkpointer)
     round_end = RoundEnd(run, out, strategy, writer, evaluator, checkpointer, resumed,
                          (lineage, base_hash), segments, stop, ReplyWatch(grid))
@@ -340,10 +341,9 @@ RUNNERS: dict[str, Runner] = {"fedcybgd": run_server, "fedavg": run_fedavg,
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Flower entry point: validate the run config (update rules and their plug-in modules
-    included), the model and the data (:mod:`fedcybgd.server.preflight`) before anything else,
-    then run the ``strategy``'s runner."""
+    included) and the model (:mod:`fedcybgd.server.preflight`) before anything else, then run
+    the ``strategy``'s runner, which checks the data first (its run's task)."""
     configure_logging()
     run = RunConfig.from_run_config(context.run_config)
     check_model(run)
-    check_data(run)
     RUNNERS[run.strategy](grid, run)

@@ -56,6 +56,7 @@ from fedcybgd.server.outputs import (
     remove_final,
     write_model_card,
 )
+from fedcybgd.server.preflight import checked_task
 from fedcybgd.server.report import print_progress
 from fedcybgd.server.session import RunSession
 from fedcybgd.server.stops import STOPS, UncheckpointedStop, stop_handling, stop_reason
@@ -331,6 +332,7 @@ def save_final(server: BaselineModel, run: RunConfig, final: Path) -> None:
 
 def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     """Run a FedAvg baseline (``fedavg-params`` = full | lora); returns the summary it writes."""
+    task = checked_task(run)  # the data before anything else
     # FedAvg keeps no checkpoint: resume = true is refused over earlier outputs.
     session = RunSession(grid, run, run.clients_per_round, can_resume=False)
     out, started, population = session.out, session.started, session.population
@@ -338,7 +340,7 @@ def run_fedavg(grid: Grid, run: RunConfig) -> dict[str, Any]:
     for p in server.model.parameters():
         p.requires_grad_(False)
     initial = server.get()
-    evaluator = Evaluator(run, server.stack)
+    evaluator = Evaluator(run, server.stack, task=task)
     prior, classes = class_prior_of(run, evaluator.task.num_classes())
     writer = session.records()
     strategy = _fedavg(run, server, prior, classes)

@@ -27,6 +27,7 @@ from fedcybgd.model.precision import FrozenBlocks, Precision
 from fedcybgd.protocol.prior import ClassPriorSpec
 from fedcybgd.server.eval_cache import EvalCache, eval_cache_root, eval_key
 from fedcybgd.server.output_dir import resolve_output_dir as resolve_output_dir  # the runners'
+from fedcybgd.tasks.base import Task
 from fedcybgd.tasks.build import build_task
 from fedcybgd.tasks.objective import EvalResult
 
@@ -41,14 +42,15 @@ class Evaluator:
     on the CPU in fp32 it reads the global model itself; otherwise it runs on a copy of it on
     that device (``eval-precision = "frozen"``: every block held as the clients hold their
     frozen blocks, ``frozen-dtype``/``frozen-quant``), refreshed from the fp32 masters before
-    each evaluation. The masters themselves never change form.
+    each evaluation. The masters themselves never change form. ``task``: the run's (the one
+    its data was checked through; default: a new one).
     """
 
     def __init__(self, run: RunConfig, stack: LayerStack, blocks: BlockMap | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, task: Task | None = None) -> None:
         self.stack = stack
         self._master = stack.model
-        self.task = build_task(run)
+        self.task = build_task(run) if task is None else task
         self.frame = self.task.eval_frame(run.evaluation.split, run.evaluation.examples)
         self.tokenizer = load_tokenizer(run.model)
         self.run = run

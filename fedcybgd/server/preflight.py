@@ -21,14 +21,14 @@ What is checked (:func:`check_data`), with no model and no tokenizer:
   with the number every evaluation of the run will use.
 
 A node's own ``data-path`` (node config) is read only on that node and is not checked here.
-The checked splits are the task's cached ones, so the clients of a simulated run and the
-server's evaluator read them once; parsing costs well under a second per 100k rows.
+Each runner checks its run's task first (:func:`checked_task`) and evaluates through that same
+task, so the server reads and parses the splits once a run; parsing costs well under a second
+per 100k rows.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,14 +39,9 @@ from fedcybgd.model import loading
 from fedcybgd.tasks.base import Task
 from fedcybgd.tasks.build import build_task
 
-__all__ = ["DataCheck", "check_data", "check_model", "check_path"]
+__all__ = ["DataCheck", "check_data", "check_model", "check_path", "checked_task"]
 
 log = logging.getLogger(__name__)
-
-# One check per task object (build_task gives one per run config and process): a runner and
-# the ServerApp's entry point may both ask, and the eval-examples warning is logged once.
-_CHECKED: weakref.WeakKeyDictionary[Task, DataCheck] = weakref.WeakKeyDictionary()
-
 
 @dataclass(frozen=True)
 class DataCheck:
@@ -101,13 +96,15 @@ def check_path(key: str, spec: str) -> None:
         f"{key}='{here / path}'")
 
 
-def check_data(run: RunConfig) -> DataCheck:
+def check_data(run: RunConfig, task: Task | None = None) -> DataCheck:
     """Check the run's data as the clients and the server's evaluator will read it.
 
     Parameters
     ----------
     run : RunConfig
         The run config (its ``task``, ``dataset``, ``eval-dataset``, fields and labels).
+    task : Task, optional
+        The run's task, whose splits the check reads and keeps (default: a new one).
 
     Returns
     -------
@@ -124,10 +121,7 @@ def check_data(run: RunConfig) -> DataCheck:
     """
     check_path("dataset", run.dataset)
     check_path("eval-dataset", run.eval_dataset)
-    task = build_task(run)
-    done = _CHECKED.get(task)
-    if done is not None:
-        return done
+    task = build_task(run) if task is None else task
     rows = {split: len(task.split(split)) for split in SPLITS}
     held_out = task.eval_frame(run.evaluation.split, run.evaluation.examples)
     result = DataCheck(rows=rows, eval_rows=len(held_out), eval_asked=run.evaluation.examples)
@@ -139,8 +133,15 @@ def check_data(run: RunConfig) -> DataCheck:
                     result.eval_rows)
     log.info("data checked: %s rows (train / validation / test); the server evaluates on %d",
              " / ".join(f"{rows[s]:,}" for s in SPLITS), result.eval_rows)
-    _CHECKED[task] = result
     return result
+
+
+def checked_task(run: RunConfig) -> Task:
+    """The run's task with its data checked (:func:`check_data`): what a runner builds first
+    and evaluates through."""
+    task = build_task(run)
+    check_data(run, task)
+    return task
 
 
 def check_model(run: RunConfig) -> str:

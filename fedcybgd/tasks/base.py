@@ -17,9 +17,10 @@ What a task decides, and who asks:
 * **evaluation** (:meth:`Task.evaluate`): loss and the task's metric on held-out rows.
 
 A subclass registered with :func:`fedcybgd.tasks.register_task` in a plug-in module is selected
-with ``task = "<name>"``. One instance per process and run config
-(:func:`fedcybgd.tasks.build.build_task`): the splits are read and checked once, however many
-rounds a simulated client plays.
+with ``task = "<name>"``. A task is per-run state: a run builds one
+(:func:`fedcybgd.tasks.build.build_task`; the server's runner, a client process's
+:class:`~fedcybgd.client.run_state.RunState`) and hands it on, so its splits, the nodes' shares
+and its truncation counts are read, drawn and counted once a run, and go with it.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from fedcybgd.data.builtin import builtin_dataset, builtin_splits
+from fedcybgd.data.partition import partition_positions
 from fedcybgd.data.prompts import Batch, EncodedExamples
 from fedcybgd.data.sources import DataError, make_splits, read_source
 from fedcybgd.tasks.objective import EvalResult
@@ -78,6 +81,8 @@ class Task(ABC):
         self.run = run
         self._splits: dict[str, pd.DataFrame] | None = None
         self._checked: dict[str, pd.DataFrame] = {}
+        self._shares: dict[tuple[str, int, float, int], tuple[np.ndarray, ...]] = {}
+        self._cuts: dict[tuple[Hashable, int], CutCount] = {}
 
     # ---------------------------------------------------------------------------------- data
 
@@ -149,6 +154,17 @@ class Task(ABC):
         builtin = builtin_dataset(self.run.dataset)
         return builtin.partition_columns.get(method) if builtin is not None else None
 
+    def partition(self, partitioner: str, num_partitions: int, alpha: float,
+                  seed: int) -> tuple[np.ndarray, ...]:
+        """Each partition's row positions in the train split (drawn once a run: the clients
+        a process simulates share them; :func:`fedcybgd.data.partition.partition_positions`)."""
+        key = (partitioner, int(num_partitions), float(alpha), int(seed))
+        if key not in self._shares:
+            self._shares[key] = tuple(partition_positions(
+                self.split("train"), partitioner, key[1], key[2], key[3],
+                column=self.partition_column(partitioner)))
+        return self._shares[key]
+
     # ------------------------------------------------------------------------------ encoding
 
     @abstractmethod
@@ -201,63 +217,57 @@ class Task(ABC):
                  frame: pd.DataFrame, batch_size: int, max_seq_len: int) -> EvalResult:
         """Loss and the task's metric of the model behind ``stack`` on ``frame`` (no grad)."""
 
+    # ---------------------------------------------------------------------------- truncation
+
+    def warn_cut(self, what: str, cut: int, total: int, max_seq_len: int, how: str,
+                 key: Hashable = None) -> CutCount | None:
+        """Say once a run and ``key`` that examples were shortened to fit; count the rest.
+
+        The first call that cut anything logs a warning with its count; later calls for the
+        same ``key`` (every node and round of a simulation, every evaluation) only add to the
+        count, logged at DEBUG level with the running totals, so a log does not repeat the same
+        warning. The counts are the task's, so a new run (a new task) says its warnings again.
+
+        Parameters
+        ----------
+        what : str
+            Where the examples were cut, for the message (e.g. ``"round 3, block layer.4-7"``).
+        cut, total : int
+            Examples shortened, out of examples encoded.
+        max_seq_len : int
+            The run's ``max-seq-len``.
+        how : str
+            How they were shortened, for the message.
+        key : Hashable, optional
+            What makes a warning new (default: ``what``).
+
+        Returns
+        -------
+        CutCount or None
+            The running counts for ``key``; None when nothing was cut and nothing was before.
+        """
+        where = (what if key is None else key, max_seq_len)
+        if not cut:
+            return self._cuts.get(where)
+        counts = self._cuts.setdefault(where, CutCount())
+        counts.calls += 1
+        counts.cut += cut
+        counts.total += total
+        if counts.calls == 1:
+            log.warning("%s: %d of %d examples were longer than max-seq-len = %d: %s "
+                        "(raise max-seq-len to keep them whole; said once, later cuts are "
+                        "counted at DEBUG level)", what, cut, total, max_seq_len, how)
+        else:
+            log.debug("%s: %d of %d examples cut to max-seq-len = %d (so far: %d of %d, %d "
+                      "times)", what, cut, total, max_seq_len, counts.cut, counts.total,
+                      counts.calls)
+        return counts
+
 
 @dataclass
 class CutCount:
-    """What :func:`warn_cut` has counted for one key: calls, examples cut, examples seen."""
+    """What :meth:`Task.warn_cut` has counted for one key: calls, examples cut, examples seen."""
 
     calls: int = 0
     cut: int = 0
     total: int = 0
-
-
-# (key, max-seq-len) -> counts; cleared when a new run's task is built in this process.
-_CUTS: dict[tuple[Hashable, int], CutCount] = {}
-
-
-def reset_cut_counts() -> None:
-    """Forget what :func:`warn_cut` has counted (a new run says its warnings again)."""
-    _CUTS.clear()
-
-
-def warn_cut(what: str, cut: int, total: int, max_seq_len: int, how: str,
-             key: Hashable = None) -> CutCount | None:
-    """Say once per run and ``key`` that examples were shortened to fit; count the rest.
-
-    The first call that cut anything logs a warning with its count; later calls for the same
-    ``key`` (every node and round of a simulation, every evaluation) only add to the count,
-    logged at DEBUG level with the running totals, so a log does not repeat the same warning.
-
-    Parameters
-    ----------
-    what : str
-        Where the examples were cut, for the message (e.g. ``"round 3, block layer.4-7"``).
-    cut, total : int
-        Examples shortened, out of examples encoded.
-    max_seq_len : int
-        The run's ``max-seq-len``.
-    how : str
-        How they were shortened, for the message.
-    key : Hashable, optional
-        What makes a warning new (default: ``what``); the counts are per process and start
-        again with each new run (:func:`fedcybgd.tasks.build.build_task`).
-
-    Returns
-    -------
-    CutCount or None
-        The running counts for ``key``; None when nothing was cut and nothing was before.
-    """
-    if not cut:
-        return _CUTS.get((what if key is None else key, max_seq_len))
-    counts = _CUTS.setdefault((what if key is None else key, max_seq_len), CutCount())
-    counts.calls += 1
-    counts.cut += cut
-    counts.total += total
-    if counts.calls == 1:
-        log.warning("%s: %d of %d examples were longer than max-seq-len = %d: %s "
-                    "(raise max-seq-len to keep them whole; said once, later cuts are counted "
-                    "at DEBUG level)", what, cut, total, max_seq_len, how)
-    else:
-        log.debug("%s: %d of %d examples cut to max-seq-len = %d (so far: %d of %d, %d "
-                  "times)", what, cut, total, max_seq_len, counts.cut, counts.total, counts.calls)
-    return counts

@@ -7,12 +7,11 @@ loads ``plugin-modules``.
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from fedcybgd.data.kinds import TASKS, TaskFactory
 from fedcybgd.tasks import classification, lm, multiple_choice, sft  # noqa: F401 (registers)
-from fedcybgd.tasks.base import Task, reset_cut_counts
+from fedcybgd.tasks.base import Task
 
 if TYPE_CHECKING:
     from fedcybgd.config import RunConfig
@@ -34,16 +33,8 @@ def make_task(name: str, run: RunConfig) -> Task:
     return task
 
 
-_TASKS: dict[str, Task] = {}
-
-
 def build_task(run: RunConfig) -> Task:
-    """The task of ``run`` (``task``), one instance per process and run config."""
-    key = json.dumps(run.to_run_config(), sort_keys=True, default=str)
-    task = _TASKS.get(key)
-    if task is None:
-        task = make_task(run.task_kind, run)
-        _TASKS.clear()  # one run per process at a time; do not keep old splits alive
-        reset_cut_counts()  # a new run says its truncation warnings again
-        _TASKS[key] = task
-    return task
+    """A new task for ``run`` (``task``). A run builds it once and hands it on (the server's
+    runner, a client process's :class:`~fedcybgd.client.run_state.RunState`): it holds the
+    run's data as read and checked, the nodes' shares and the truncation counts."""
+    return make_task(run.task_kind, run)

@@ -23,7 +23,7 @@ import torch
 from fedcybgd.data.kinds import builtin_task
 from fedcybgd.data.prompts import Batch, EncodedExamples, PromptEncoder, collate
 from fedcybgd.data.sources import DataError, where
-from fedcybgd.tasks.base import Task, warn_cut
+from fedcybgd.tasks.base import Task
 from fedcybgd.tasks.objective import EvalResult, adjusted, evaluate, label_nll
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class ClassificationTask(Task):
         batches = (collate(encode(items[i:i + batch_size]))
                    for i in range(0, len(items), batch_size))
         result = evaluate(stack, batches)
-        warn_cut("evaluation", encode.cut, len(items), max_seq_len, "their texts were cut")
+        self.warn_cut("evaluation", encode.cut, len(items), max_seq_len, "their texts were cut")
         return result
 
 

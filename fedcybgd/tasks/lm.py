@@ -39,7 +39,7 @@ from fedcybgd.data.kinds import builtin_task
 from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids, pad_token_id
 from fedcybgd.data.sources import FILE_COLUMN, SPLIT_SEED, DataError
 from fedcybgd.data.text_files import read_texts, split_texts
-from fedcybgd.tasks.base import Task, warn_cut
+from fedcybgd.tasks.base import Task
 from fedcybgd.tasks.classification import check_text
 from fedcybgd.tasks.objective import EvalResult, on_model_device, scored_states
 
@@ -268,7 +268,7 @@ class LMTask(Task):
                 nll += float(F.cross_entropy(logits, targets, reduction="sum"))
                 hits += float((logits.argmax(-1) == targets).sum())
             tokens += batch.num_scored
-        warn_cut("evaluation", encode.cut, len(items), max_seq_len, "windows cut at the end")
+        self.warn_cut("evaluation", encode.cut, len(items), max_seq_len, "windows cut at the end")
         return nll, hits, tokens
 
     def evaluate(self, stack: LayerStack, tokenizer: PreTrainedTokenizerBase,

@@ -24,7 +24,7 @@ import torch
 from fedcybgd.data.kinds import builtin_task
 from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids, pad_token_id
 from fedcybgd.data.sources import DataError, where
-from fedcybgd.tasks.base import Task, warn_cut
+from fedcybgd.tasks.base import Task
 from fedcybgd.tasks.classification import check_text
 from fedcybgd.tasks.objective import EvalResult
 from fedcybgd.tasks.sequences import Joiner, sequence_nll
@@ -172,7 +172,7 @@ class MultipleChoiceTask(Task):
                 if k == items[i][2]:
                     right_nll += nll
                     right_tokens += tokens
-        warn_cut("evaluation", encode.cut, len(pairs), max_seq_len,
+        self.warn_cut("evaluation", encode.cut, len(pairs), max_seq_len,
                  "questions cut from the left (options cut only when too long themselves)")
         hits = sum(int(np.argmax(s)) == answer for s, (_, _, answer) in zip(scores, items,
                                                                              strict=True))

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from fedcybgd.data.kinds import builtin_task
 from fedcybgd.data.prompts import EncodedExamples, collate, leading_special_ids, pad_token_id
 from fedcybgd.data.sources import DataError, where
-from fedcybgd.tasks.base import Task, warn_cut
+from fedcybgd.tasks.base import Task
 from fedcybgd.tasks.classification import check_text
 from fedcybgd.tasks.objective import EvalResult
 from fedcybgd.tasks.sequences import Joined, Joiner, sequence_nll
@@ -218,7 +218,7 @@ class SFTTask(Task):
             if len(samples) < SAMPLES:
                 samples.append({"prompt": str(messages[-2]["content"]) if len(messages) > 1
                                 else "", "reference": str(reference), "answer": text})
-        warn_cut("evaluation", encode.cut, len(items), max_seq_len,
+        self.warn_cut("evaluation", encode.cut, len(items), max_seq_len,
                  f"{encode.join.prompts_cut} prompts cut from the left, "
                  f"{encode.join.continuations_cut} responses cut at the end")
         loss = nll / max(tokens, 1.0)

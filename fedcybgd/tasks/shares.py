@@ -10,7 +10,6 @@ at a time: a client takes a few batches per round, and tokenizing 8 rows costs ~
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,7 +18,7 @@ import torch
 
 from fedcybgd.data import rotten_tomatoes
 from fedcybgd.data.builtin import BUILTIN_DATASETS, builtin_splits
-from fedcybgd.data.partition import PARTITIONERS, check_partition_args, partition_positions
+from fedcybgd.data.partition import PARTITIONERS, check_partition_args
 from fedcybgd.data.prompts import (
     TEMPLATE,
     VERBALIZER,
@@ -100,15 +99,6 @@ def _task_of(task: Task | str | None) -> Task:
     return task
 
 
-@lru_cache(maxsize=32)
-def _shares(
-    task: Task, partitioner: str, num_partitions: int, alpha: float, seed: int
-) -> tuple[np.ndarray, ...]:
-    # Computed once per process for all clients: simulated clients share a process.
-    return tuple(partition_positions(task.split("train"), partitioner, num_partitions, alpha,
-                                     seed, column=task.partition_column(partitioner)))
-
-
 def client_examples(
     dataset: Task | str | None,
     partitioner: str,
@@ -133,7 +123,7 @@ def client_examples(
     """
     resolved = _task_of(dataset)
     check_partition_args(partitioner, partition_id, num_partitions, alpha)
-    positions = _shares(resolved, partitioner, int(num_partitions), float(alpha), int(seed))
+    positions = resolved.partition(partitioner, num_partitions, alpha, seed)
     train = resolved.split("train")
     return train.iloc[positions[partition_id]].reset_index(drop=True)
 

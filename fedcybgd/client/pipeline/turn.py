@@ -42,13 +42,13 @@ from safetensors.torch import load_file, save_file
 from fedcybgd.client import limits
 from fedcybgd.client.limits import Refusal
 from fedcybgd.client.pipeline.stage import BACKPROP, Stage, StageConfig
+from fedcybgd.client.run_state import run_state
 from fedcybgd.config import NodeConfig, RunConfig
 from fedcybgd.core.atomic import make_dirs
 from fedcybgd.core.measure import PeakMemory
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.loading import cache_root, load_model
 from fedcybgd.protocol import activations as act
-from fedcybgd.tasks.build import build_task
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def check_limits(msg: Message, run: RunConfig, node: NodeConfig) -> None:
 def _work(msg: Message, context: Context, run: RunConfig, node: NodeConfig,
           ins: StageInstruction, mem: PeakMemory) -> Message:
     started = time.perf_counter()
-    task = build_task(run)
+    task = run_state(context, run).task
     model = load_model(run.model)
     hidden, vocab = int(model.config.hidden_size), int(model.config.vocab_size)
     stage = Stage(model, StageConfig(ins.stage, run.pipeline.stages, run.pipeline.schedule,

@@ -76,6 +76,7 @@ from fedcybgd.server.outputs import (
 from fedcybgd.server.pipeline.replay import ReplayLog
 from fedcybgd.server.pipeline.replies import Asked, ReplyReader, StageFailed
 from fedcybgd.server.pipeline.schedules import Op, plan
+from fedcybgd.server.preflight import checked_task
 from fedcybgd.server.report import print_progress
 from fedcybgd.server.session import RunSession
 from fedcybgd.server.stops import STOPS, UncheckpointedStop, stop_handling, stop_reason
@@ -92,6 +93,7 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
     (no spare left for a failed stage) writes its summary, then raises :class:`RunFailed`."""
     if run.resume:
         raise ConfigError("strategy = \"pipeline\" keeps no checkpoint to resume from")
+    task = checked_task(run)  # the data before anything else
     count = run.pipeline.stages
     session = RunSession(grid, run, count, can_resume=False, nodes_key="pipeline-stages")
     out, started = session.out, session.started
@@ -100,7 +102,7 @@ def run_pipeline_server(grid: Grid, run: RunConfig) -> dict[str, Any]:
     if count > stack.num_layers:
         raise ConfigError(f"pipeline-stages = {count}: the model has {stack.num_layers} "
                           "decoder layers")
-    evaluator = Evaluator(run, stack)
+    evaluator = Evaluator(run, stack, task=task)
     writer = session.records()
     head = {"model": run.model, "strategy": "pipeline",
             "update_rule": f"pipeline-{run.pipeline.schedule}",
