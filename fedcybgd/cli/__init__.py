@@ -4,6 +4,7 @@
     fedcybgd node --superlink HOST:PORT --root-certificates CA --auth-key KEY [...]
     fedcybgd export DIR --gguf OUT.gguf [--type f16]
     fedcybgd export MODEL --executorch OUT_DIR [--layers-per-block 1] [--block NAME]
+                    [--program fo|forward]
     fedcybgd report OUTPUT_DIR [OUTPUT_DIR ...]
     fedcybgd plots OUTPUT_DIR
     fedcybgd demo | certs | deploy-local | gateway [their own flags; --help]
@@ -127,8 +128,10 @@ def _add_export(commands: Any) -> None:
         "Write each block's training step as an ExecuTorch program instead: OUT_DIR/<block>.pte "
         "(the model with the language-modelling loss and the block's backward, every weight "
         "outside it), <block>.ptd (its weights) and manifest.json (model, block, shapes, the "
-        "program's checksum, the weights' base hash). DIR may also be a built-in model name "
-        "(e.g. smollm2-135m). Needs ExecuTorch (`make executorch`)."))
+        "program's checksum, the weights' base hash); with --program forward, "
+        "<block>.forward.pte (the loss with the block's tensors as inputs, for lezo and mezo). "
+        "DIR may also be a built-in model name (e.g. smollm2-135m). Needs ExecuTorch "
+        "(`make executorch`)."))
     export.add_argument("--type", default="f16", choices=("f32", "f16", "q8_0", "q4_1"),
                         help="GGUF weight type: f32, f16 (default), q8_0 or q4_1 (1-D tensors "
                              "stay f32).")
@@ -141,6 +144,10 @@ def _add_export(commands: Any) -> None:
                         help="ExecuTorch: the run's max-seq-len (the program's window).")
     export.add_argument("--block", action="append", metavar="NAME",
                         help="ExecuTorch: export only this block (repeatable; default: all).")
+    export.add_argument("--program", action="append", metavar="KIND",
+                        help="ExecuTorch: fo (the block's training step, for update-rule fo) "
+                             "or forward (its loss with the block's tensors as inputs, for "
+                             "lezo and mezo); repeatable; default: fo.")
 
 
 # Commands that are their own module's command line: name -> (module, what it does)
@@ -230,14 +237,16 @@ def _export_executorch(args: Any) -> int:
         source = str(Path(source) / "final")
     try:
         written = export_programs(source, Path(args.executorch), args.layers_per_block,
-                                  args.batch_size, args.max_seq_len, args.block)
+                                  args.batch_size, args.max_seq_len, args.block,
+                                  tuple(args.program or ("fo",)))
     except (ExecuTorchError, OSError, ValueError) as err:
         print(f"fedcybgd export: {err}", file=sys.stderr)
         return 2
     for entry in written:
         size = (Path(args.executorch) / entry.program).stat().st_size
+        what = "trainable" if entry.kind == "fo" else "input"
         print(f"{Path(args.executorch) / entry.program}: {size / 1024:.0f} KiB, block "
-              f"{entry.block}, {len(entry.trainable)} trainable tensors, batch "
+              f"{entry.block}, {len(entry.trainable)} {what} tensors, batch "
               f"{entry.batch} x {entry.seq}")
     return 0
 

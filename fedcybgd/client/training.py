@@ -46,7 +46,7 @@ from fedcybgd.client.run_state import run_state
 from fedcybgd.client.runtime import ClientModel, client_model
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_of
-from fedcybgd.client.updates.fo_program import ProgramFirstOrder, unsupported
+from fedcybgd.client.updates.fo_program import PROGRAM_RULES, NodePrograms, unsupported
 from fedcybgd.compression import (
     CodecError,
     decode,
@@ -557,7 +557,7 @@ def check_trainer(rnd: Round) -> None:
         raise rnd.answer(protocol.REFUSED, f"trainer = 'executorch' (node config): {err}",
                          store=False) from None
     held = weights_mb(cm.shape, cm.blocks, block, rnd.precision)
-    need = ProgramFirstOrder.peak_mb(entry, held, runtime)
+    need = program_rule(rnd).need_mb(entry, held, runtime, rnd.options)
     if need > rnd.node.memory_budget_mb:
         raise rnd.answer(
             protocol.REJECTED,
@@ -567,12 +567,14 @@ def check_trainer(rnd: Round) -> None:
             "for a step)", store=False)
 
 
-def program_rule(rnd: Round) -> ProgramFirstOrder:
-    """``fo`` through the block's ExecuTorch program (node config ``trainer = "executorch"``;
-    :func:`check_trainer` has passed), its programs in the node's rule-state folder."""
+def program_rule(rnd: Round) -> NodePrograms:
+    """The round's rule through the block's ExecuTorch program (node config
+    ``trainer = "executorch"``; :func:`check_trainer` has passed): ``fo`` through its training
+    step, ``lezo``/``mezo`` through its forward program; the programs in the node's rule-state
+    folder."""
     run = rnd.run
-    return ProgramFirstOrder(rnd.rule_state / "executorch", run.model, rnd.cm.base_hash,
-                             run.batch_size, run.max_seq_len)
+    return PROGRAM_RULES.get(rnd.rule_name)(rnd.rule_state / "executorch", run.model,
+                                            rnd.cm.base_hash, run.batch_size, run.max_seq_len)
 
 
 def upload_reply(rnd: Round, outcome: TrainOutcome, trained: dict[str, torch.Tensor],

@@ -17,6 +17,11 @@ frozen; that step exports as one program per block:
    parameter tensors without copying them, so ``torch.optim.AdamW`` steps them in place
    (the same optimizer, the same arithmetic as the eager node's).
 
+A zeroth-order rule needs the loss alone, at weights it perturbs itself: the block's
+*forward* program (``kind = "forward"``, ``<block>.forward.pte``) is the model's loss with the
+block's tensors as inputs after the batch (:class:`WithBlockInputs`; no gradient, no backward
+plan), every other weight in its ``.ptd``; :class:`ProgramLoss` runs it.
+
 The program's inputs have the shapes it was exported with (``batch`` x ``seq``): a node exports
 for its run's ``batch-size`` and ``max-seq-len`` and pads a short batch's windows.
 
@@ -45,14 +50,17 @@ from transformers import PreTrainedModel
 
 from fedcybgd.model.blocks import BlockMap
 
-__all__ = ["BlockProgram", "ExecuTorchError", "ProgramTrainer", "WithLMLoss", "export_block",
-           "export_programs", "lm_inputs", "named_tensors", "program_intact", "read_manifest",
-           "require_executorch", "rewrite_empty_permuted", "runtime_key", "tied_weights",
-           "write_weights"]
+__all__ = ["KINDS", "BlockProgram", "ExecuTorchError", "ProgramLoss", "ProgramTrainer",
+           "WithBlockInputs", "WithLMLoss", "export_block", "export_programs", "lm_inputs",
+           "named_tensors", "program_intact", "read_manifest", "require_executorch",
+           "rewrite_empty_permuted", "runtime_key", "tied_weights", "write_weights"]
 
 PREFIX = "model."  # the wrapper's attribute: program names are "model." + the model's own
 IGNORE = -100  # a target the loss skips (a padded position)
 MANIFEST = "manifest.json"
+# A block's programs: "fo" its training step (loss, gradients), "forward" its loss with the
+# block's tensors as inputs (the zeroth-order rules'); the file of each, by block name.
+KINDS: dict[str, str] = {"fo": "{block}.pte", "forward": "{block}.forward.pte"}
 
 
 class ExecuTorchError(RuntimeError):
@@ -87,6 +95,28 @@ class WithLMLoss(nn.Module):
                                targets.reshape(-1), ignore_index=IGNORE)
 
 
+class WithBlockInputs(nn.Module):
+    """The model's language-modelling loss with the block's tensors given as inputs: what a
+    block's forward program computes. ``forward(ids, mask, targets, *block)`` reads the
+    tensors named ``names`` (the model's own names, in this order) from ``block`` instead of
+    the model."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.names = list(names)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor,
+                *block: torch.Tensor) -> torch.Tensor:
+        from torch.func import functional_call
+
+        out = functional_call(self.model, dict(zip(self.names, block, strict=True)), (),
+                              {"input_ids": ids, "attention_mask": mask, "use_cache": False})
+        logits = out.logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                               targets.reshape(-1), ignore_index=IGNORE)
+
+
 def lm_inputs(windows: list[list[int]], seq: int, pad: int) -> tuple[torch.Tensor, ...]:
     """``(ids, mask, targets)`` of ``windows`` padded to ``seq`` tokens (a window longer than
     ``seq`` is an error: the program's shape is fixed)."""
@@ -117,8 +147,11 @@ class BlockProgram:
     program_sha256: str
     base_hash: str
     planned_bytes: int  # the memory the runtime plans for one step (activations, gradients)
-    trainable: dict[str, list[int]] = field(default_factory=dict)  # name -> shape
+    # the block's tensors, name -> shape: trained ("fo"), or inputs after the batch in this
+    # order ("forward")
+    trainable: dict[str, list[int]] = field(default_factory=dict)
     constants: dict[str, list[int]] = field(default_factory=dict)  # every weight the .ptd holds
+    kind: str = "fo"  # one of KINDS
 
 
 def rewrite_empty_permuted(graph_module: torch.fx.GraphModule) -> None:
@@ -158,41 +191,24 @@ def tied_weights(model: nn.Module, names: set[str] | frozenset[str]) -> list[tup
 
 
 def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path, *, name: str,
-                 base_hash: str, batch: int, seq: int, with_weights: bool = True
-                 ) -> BlockProgram:
-    """Export ``block``'s training step of ``model`` to ``out/<block>.pte`` (and, with
-    ``with_weights``, the model's weights to ``out/<block>.ptd``; a node writes its own each
-    round) for batches of ``batch`` x ``seq`` tokens; the model's ``requires_grad`` flags are
-    restored afterwards."""
+                 base_hash: str, batch: int, seq: int, with_weights: bool = True,
+                 kind: str = "fo") -> BlockProgram:
+    """Export ``block``'s program of ``kind`` (:data:`KINDS`: its training step, or its loss
+    with the block's tensors as inputs) of ``model`` to ``out`` (and, with ``with_weights``, the
+    model's weights beside it; a node writes its own each round) for batches of ``batch`` x
+    ``seq`` tokens; the model's ``requires_grad`` flags are restored afterwards."""
     require_executorch()
-    from executorch.exir import ExecutorchBackendConfig, to_edge
-    from torch.export import export
-    from torch.export.experimental import _export_forward_backward
-
-    own = set(blocks.info(block).param_names)
-    tied = tied_weights(model, own)
+    if kind not in KINDS:
+        raise ExecuTorchError(f"no block program of kind {kind!r}; kinds: {', '.join(KINDS)}")
+    own = sorted(blocks.info(block).param_names)
+    tied = tied_weights(model, set(own))
     if tied:
         raise ExecuTorchError(
             f"block {block} holds {tied[0][0]}, which the model ties to {tied[0][1]}: a block "
             "program trains no tied weight yet (the export gives each name its own gradient)")
-    flags = {n: p.requires_grad for n, p in model.named_parameters()}
-    attention = model.config._attn_implementation
-    model.config._attn_implementation = "eager"  # SDPA's CPU backward is outside core ATen
-    try:
-        for n, p in model.named_parameters():
-            p.requires_grad_(n in own)
-        wrapped = WithLMLoss(model)
-        example = lm_inputs([[1] * seq] * batch, seq, 0)
-        joint = _export_forward_backward(export(wrapped, example, strict=False))
-        rewrite_empty_permuted(joint.graph_module)
-        config = ExecutorchBackendConfig(external_constants=True, external_mutable_weights=True)
-        lowered = to_edge(joint).to_executorch(config)
-    finally:
-        model.config._attn_implementation = attention
-        for n, p in model.named_parameters():
-            p.requires_grad_(flags[n])
+    lowered = _lower(model, own, batch, seq, kind)
     out.mkdir(parents=True, exist_ok=True)
-    program = out / f"{block}.pte"
+    program = out / KINDS[kind].format(block=block)
     _replace(program, lowered.buffer)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         lowered.write_tensor_data_to_file(tmp)
@@ -203,14 +219,47 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
                   for plan in lowered.executorch_program.execution_plan)
     entry = BlockProgram(
         model=name, block=block, task="lm", batch=batch, seq=seq, program=program.name,
-        weights=f"{block}.ptd", program_sha256=hashlib.sha256(lowered.buffer).hexdigest(),
+        weights=program.with_suffix(".ptd").name,
+        program_sha256=hashlib.sha256(lowered.buffer).hexdigest(),
         base_hash=base_hash, planned_bytes=int(planned),
-        trainable={PREFIX + n: list(tensors[PREFIX + n].shape) for n in sorted(own)},
-        constants=constants)
+        trainable={PREFIX + n: list(tensors[PREFIX + n].shape) for n in own},
+        constants=constants, kind=kind)
     if with_weights:
         write_weights(out / entry.weights, entry, tensors)
     _add_to_manifest(out, entry)
     return entry
+
+
+def _lower(model: PreTrainedModel, own: list[str], batch: int, seq: int, kind: str) -> Any:
+    """The ExecuTorch program of ``kind`` for the block of parameters ``own``, every weight
+    outside it (``external_constants``)."""
+    from executorch.exir import ExecutorchBackendConfig, to_edge
+    from torch.export import export
+    from torch.export.experimental import _export_forward_backward
+
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    attention = model.config._attn_implementation
+    model.config._attn_implementation = "eager"  # SDPA's CPU backward is outside core ATen
+    example = lm_inputs([[1] * seq] * batch, seq, 0)
+    try:
+        if kind == "fo":
+            for n, p in model.named_parameters():
+                p.requires_grad_(n in own)
+            joint = _export_forward_backward(export(WithLMLoss(model), example, strict=False))
+            rewrite_empty_permuted(joint.graph_module)
+            config = ExecutorchBackendConfig(external_constants=True,
+                                             external_mutable_weights=True)
+            return to_edge(joint).to_executorch(config)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        params = dict(model.named_parameters())
+        block = tuple(params[n].detach().clone() for n in own)
+        forward = export(WithBlockInputs(model, own), (*example, *block), strict=False)
+        return to_edge(forward).to_executorch(ExecutorchBackendConfig(external_constants=True))
+    finally:
+        model.config._attn_implementation = attention
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
 
 
 def _read_layouts(path: Path) -> dict[str, Any]:
@@ -300,7 +349,9 @@ def _add_to_manifest(out: Path, entry: BlockProgram) -> None:
         programs = json.loads(path.read_text())["programs"]
     except (OSError, ValueError, KeyError):  # none yet, or torn: this entry starts it again
         programs = []
-    programs = [p for p in programs if p.get("block") != entry.block] + [asdict(entry)]
+    programs = [p for p in programs
+                if (p.get("block"), p.get("kind", "fo")) != (entry.block, entry.kind)]
+    programs.append(asdict(entry))
     _replace(path, (json.dumps({"programs": programs}, indent=1) + "\n").encode())
 
 
@@ -326,10 +377,10 @@ def program_intact(folder: Path, entry: BlockProgram) -> bool:
         entry.program_sha256
 
 
-def read_manifest(out: Path) -> dict[str, BlockProgram]:
-    """The programs of an export folder by block."""
+def read_manifest(out: Path, kind: str = "fo") -> dict[str, BlockProgram]:
+    """The programs of ``kind`` (:data:`KINDS`) of an export folder by block."""
     programs = json.loads((out / MANIFEST).read_text())["programs"]
-    return {p["block"]: BlockProgram(**p) for p in programs}
+    return {p["block"]: BlockProgram(**p) for p in programs if p.get("kind", "fo") == kind}
 
 
 class ProgramTrainer:
@@ -396,11 +447,59 @@ class ProgramTrainer:
         self._dir.cleanup()
 
 
+class ProgramLoss:
+    """The loss of a batch at given block tensors, through the block's forward program.
+
+    Parameters
+    ----------
+    folder, entry
+        The export folder and the forward program's manifest entry (``kind = "forward"``; its
+        ``.pte`` is checked against ``program_sha256``).
+    tensors
+        The round's weights by program name (every weight but the block's, which each call
+        passes).
+    """
+
+    def __init__(self, folder: Path, entry: BlockProgram,
+                 tensors: Mapping[str, torch.Tensor]) -> None:
+        require_executorch()
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch
+
+        if entry.kind != "forward":
+            raise ExecuTorchError(f"{entry.program} is a {entry.kind!r} program, not a forward "
+                                  "one")
+        program = folder / entry.program
+        if not program_intact(folder, entry):
+            raise ExecuTorchError(f"{program} is missing or does not match its manifest's "
+                                  "checksum")
+        self.entry = entry
+        self.names = list(entry.trainable)
+        self._dir = tempfile.TemporaryDirectory(prefix=".round-", dir=folder)
+        try:
+            weights = Path(self._dir.name) / "weights.ptd"
+            write_weights(weights, entry, tensors)
+            self.module = _load_for_executorch(str(program), data_path=str(weights))
+        except BaseException:
+            self._dir.cleanup()
+            raise
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor,
+                 block: Mapping[str, torch.Tensor]) -> float:
+        """The mean loss of the batch with the block's tensors ``block`` (program names)."""
+        (loss,) = self.module.forward((ids, mask, targets, *(block[n] for n in self.names)))
+        return float(loss)
+
+    def close(self) -> None:
+        """Remove the round's weights file."""
+        self._dir.cleanup()
+
+
 def export_programs(name: str, out: Path, layers_per_block: int, batch: int, seq: int,
-                    only: list[str] | None = None) -> list[BlockProgram]:
-    """Export the block programs of the model ``name`` (a built-in name or a model folder) cut
-    into blocks of ``layers_per_block`` layers: every block, or those ``only`` names (an
-    unknown name is an error naming the blocks there are)."""
+                    only: list[str] | None = None,
+                    kinds: tuple[str, ...] = ("fo",)) -> list[BlockProgram]:
+    """Export the block programs of ``kinds`` (:data:`KINDS`) of the model ``name`` (a built-in
+    name or a model folder) cut into blocks of ``layers_per_block`` layers: every block, or
+    those ``only`` names (an unknown name or kind is an error naming those there are)."""
     from fedcybgd.core.checksum import content_checksum
     from fedcybgd.model.loading import load_model
 
@@ -412,6 +511,10 @@ def export_programs(name: str, out: Path, layers_per_block: int, batch: int, seq
     if unknown:
         raise ExecuTorchError(f"no block {unknown[0]!r} in {name} at {layers_per_block} "
                               f"layer(s) a block; its blocks: {', '.join(blocks.names)}")
+    wrong = [k for k in kinds if k not in KINDS]
+    if wrong:
+        raise ExecuTorchError(f"no block program of kind {wrong[0]!r}; kinds: "
+                              f"{', '.join(KINDS)}")
     base_hash = content_checksum(dict(model.named_parameters()))
     return [export_block(model, blocks, block, out, name=name, base_hash=base_hash,
-                         batch=batch, seq=seq) for block in chosen]
+                         batch=batch, seq=seq, kind=kind) for block in chosen for kind in kinds]

@@ -19,6 +19,7 @@ import torch
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.block_programs import (
     ExecuTorchError,
+    ProgramLoss,
     ProgramTrainer,
     WithLMLoss,
     export_block,
@@ -113,6 +114,45 @@ def assert_steps_equal_eager(model, blocks, block, out, entry) -> None:
     diff = sum(float(((trained[n] - ref[n])).norm() ** 2) for n in ref) ** 0.5
     size = sum(float((ref[n] - start[n]).norm() ** 2) for n in ref) ** 0.5
     assert size > 0 and diff <= 1e-3 * size, (diff, size)
+
+
+@pytest.mark.executorch
+def test_the_forward_program_scores_the_block_tensors_it_is_given_as_eager_pytorch(exported,
+                                                                                    tmp_path):
+    # Prepare: the block's forward program beside the training step's, in the same folder
+    model, blocks, block, out, _ = exported
+    entry = export_block(model, blocks, block, out, name="m", base_hash="h", batch=BATCH,
+                         seq=SEQ, kind="forward")
+    own = sorted(blocks.info(block).param_names)
+    params = dict(model.named_parameters())
+    g = torch.Generator().manual_seed(3)
+    perturbed = {n: params[n].detach() + 1e-3 * torch.randn(params[n].shape, generator=g)
+                 for n in own}
+
+    # Execute: the loss at the model's own block and at a perturbed one
+    scorer = ProgramLoss(out, entry, named_tensors(model))
+    found = []
+    for ids, mask, targets in batches(int(model.config.vocab_size)):
+        for block_tensors in ({n: params[n].detach() for n in own}, perturbed):
+            ours = scorer(ids, mask, targets, {f"model.{n}": t for n, t in block_tensors.items()})
+            twin = copy.deepcopy(model)
+            with torch.no_grad():
+                for n, t in block_tensors.items():
+                    dict(twin.named_parameters())[n].copy_(t)
+                found.append((ours, float(WithLMLoss(twin)(ids, mask, targets))))
+    scorer.close()
+
+    # Assert: eager's loss each time; the block's tensors are not in the weights file; both
+    # programs listed under their kinds
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in found), found
+    assert found[0][0] != found[1][0]
+    assert list(entry.trainable) == [f"model.{n}" for n in own]
+    assert not set(entry.trainable) & set(entry.constants)
+    assert (out / f"{block}.forward.pte").is_file() and entry.kind == "forward"
+    assert block in read_manifest(out) and read_manifest(out, "forward")[block] == entry
+    assert read_manifest(out)[block].kind == "fo"
+    with pytest.raises(ExecuTorchError, match="not a forward"):
+        ProgramLoss(out, read_manifest(out)[block], named_tensors(model))
 
 
 @pytest.mark.executorch

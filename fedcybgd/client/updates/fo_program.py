@@ -9,18 +9,22 @@ every round writes the round's weights (the model as the node holds it: its cach
 the block's start) beside it and trains. The protocol does not change: the trained block goes
 back into the model and is uploaded as the eager node's would be.
 
-What the program does not cover is refused before the round trains, by name
-(:func:`unsupported`): another rule, a task other than ``lm``, example-level DP, frozen blocks
-held in another precision, a device other than the CPU, ``fo-recompute``.
+What the programs do not cover is refused before the round trains, by name
+(:func:`unsupported`): a rule other than ``fo`` (this module) and ``lezo``/``mezo``
+(:mod:`fedcybgd.client.updates.zo_program`), a task other than ``lm``, example-level DP, frozen
+blocks held in another precision, a device other than the CPU, ``fo-recompute``.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from fedcybgd.core.registry import Registry
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.block_programs import (
     IGNORE,
@@ -38,14 +42,15 @@ from fedcybgd.rules.builtin import FoOptions
 
 MB = 2**20
 
-__all__ = ["ProgramFirstOrder", "program_inputs", "unsupported"]
-
+__all__ = ["PROGRAM_RULES", "NodePrograms", "ProgramFirstOrder", "program_inputs",
+           "unsupported"]
 
 def unsupported(rule: str, task_kind: str, example_dp: bool, frozen: str, device: str,
                 recompute: bool) -> str | None:
     """Why a round cannot train through the ExecuTorch program, or ``None`` when it can."""
-    if rule != "fo":
-        return f"update rule {rule!r} (the ExecuTorch trainer runs `fo`)"
+    if rule not in PROGRAM_RULES.names():
+        return (f"update rule {rule!r} (the ExecuTorch trainer runs "
+                f"{', '.join(map(repr, PROGRAM_RULES.names()))})")
     if task_kind != "lm":
         return f"task {task_kind!r} (the block programs carry the `lm` task's loss)"
     if example_dp:
@@ -79,8 +84,9 @@ def program_inputs(batch: Batch, rows: int, seq: int) -> tuple[torch.Tensor, ...
     return ids, mask, targets
 
 
-class ProgramFirstOrder:
-    """``fo`` through the block's ExecuTorch program; see the module docstring.
+class NodePrograms(ABC):
+    """A node's block programs of one kind (:data:`~fedcybgd.model.block_programs.KINDS`),
+    exported the first time a block needs one.
 
     Parameters
     ----------
@@ -92,7 +98,7 @@ class ProgramFirstOrder:
         The run's ``batch-size`` and ``max-seq-len``.
     """
 
-    name = "fo"
+    kind = "fo"
 
     def __init__(self, folder: Path, model_name: str, base_hash: str, rows: int,
                  seq: int) -> None:
@@ -109,14 +115,34 @@ class ProgramFirstOrder:
         checksum (a manifest of another release of this module, or torn, exports again)."""
         folder = self.programs()
         try:
-            entry = read_manifest(folder).get(block)
+            entry = read_manifest(folder, self.kind).get(block)
         except (OSError, ValueError, TypeError, KeyError):  # none yet, or a torn one
             entry = None
         if entry is not None and program_intact(folder, entry):
             return entry
         return export_block(model, blocks, block, folder,  # type: ignore[arg-type]
                             name=self.model_name, base_hash=self.base_hash, batch=self.rows,
-                            seq=self.seq, with_weights=False)
+                            seq=self.seq, with_weights=False, kind=self.kind)
+
+    @abstractmethod
+    def train(self, task: TrainTask) -> TrainOutcome:
+        """Train ``task.block`` through its program; the trained block is written back into
+        ``task.model``."""
+
+    @abstractmethod
+    def need_mb(self, entry: BlockProgram, held_mb: float, runtime_mb: float,
+                options: dict[str, Any]) -> float:
+        """Estimated peak resident memory (MiB) of a round through ``entry`` by a process
+        whose runtime holds ``runtime_mb`` besides the node's model (``held_mb``); ``options``:
+        the rule's, as the round runs them."""
+
+
+class ProgramFirstOrder(NodePrograms):
+    """``fo`` through the block's ExecuTorch program; see the module docstring and
+    :class:`NodePrograms` for the parameters."""
+
+    name = "fo"
+    kind = "fo"
 
     @staticmethod
     def peak_mb(entry: BlockProgram, held_mb: float, runtime_mb: float) -> float:
@@ -132,6 +158,10 @@ class ProgramFirstOrder:
         weights = sum(math.prod(shape) for shape in entry.constants.values()) * 4 / MB
         block = sum(math.prod(shape) for shape in entry.trainable.values()) * 4 / MB
         return runtime_mb + held_mb + weights + entry.planned_bytes / MB + 3 * block
+
+    def need_mb(self, entry: BlockProgram, held_mb: float, runtime_mb: float,
+                options: dict[str, Any]) -> float:
+        return self.peak_mb(entry, held_mb, runtime_mb)
 
     def train(self, task: TrainTask) -> TrainOutcome:
         """Run ``task.steps`` AdamW steps on ``task.block`` through its program; the trained
@@ -161,3 +191,11 @@ class ProgramFirstOrder:
                 own[name].copy_(tensor)
         mean = sum(losses) / len(losses) if losses else float("nan")
         return TrainOutcome(mean, len(losses), examples, skipped)
+
+
+# The update rules a node trains through a block program (node config trainer = "executorch").
+PROGRAM_RULES: Registry[type[NodePrograms]] = Registry("update rule through a block program",
+                                                       "update-rule")
+PROGRAM_RULES.add("fo", ProgramFirstOrder)
+PROGRAM_RULES.add_lazy("lezo", "fedcybgd.client.updates.zo_program:ProgramLeZO")
+PROGRAM_RULES.add_lazy("mezo", "fedcybgd.client.updates.zo_program:ProgramMeZO")

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -520,25 +520,12 @@ class ZerothOrder:
         times: dict[str, float],
     ) -> tuple[zeroth_order.SeedStep, float] | None:
         """One step; ``None`` when skipped. The weights are restored whatever happens."""
-        stack = task.stack
         private = task.privacy
-        clock = time.perf_counter()
-        # Everything below the lowest perturbed layer is the same in both forwards. Under
-        # example-level DP each row is scored alone (its own prefix), so each row's
-        # projected gradient can be clipped.
+        # Under example-level DP each row is scored alone, so each row's projected gradient
+        # can be clipped.
         start = max(lowest, 0) if block.unit_layers is None else block.unit_layers[chosen[0]]
         parts = [batch] if private is None else [batch.row(i) for i in range(len(batch))]
-        prefixes = [stack.run(stack.embed(b.input_ids, b.attention_mask), 0, start)
-                    if lowest >= 0 else None for b in parts]
-        times["prefix_s"] += time.perf_counter() - clock
-
-        def measure() -> list[float]:
-            clock = time.perf_counter()
-            out = [perturbed_loss(stack, b, p, start) for b, p in zip(parts, prefixes,
-                                                                      strict=True)]
-            times["zo_forward_s"] += time.perf_counter() - clock
-            return out
-
+        measure = self._scorer(task, parts, start if lowest >= 0 else None, times)
         clock = time.perf_counter()
         block.begin(seed, chosen, opts.cache_bytes)
         times["z_s"] += time.perf_counter() - clock
@@ -571,6 +558,28 @@ class ZerothOrder:
         if update is None:
             return None
         return zeroth_order.SeedStep(seed, chosen, update[0], opts.lr), loss
+
+    def _scorer(self, task: TrainTask, parts: list[Batch], start: int | None,
+                times: dict[str, float]) -> Callable[[], list[float]]:
+        """The step's loss of each of ``parts`` at the block's weights as they are when called
+        (perturbed in place). Everything below layer ``start`` (``None``: the embedding too)
+        is the same in both forwards: run once here, reused by both."""
+        stack = task.stack
+        clock = time.perf_counter()
+        prefixes = [None if start is None else
+                    stack.run(stack.embed(b.input_ids, b.attention_mask), 0, start)
+                    for b in parts]
+        times["prefix_s"] += time.perf_counter() - clock
+        first = 0 if start is None else start
+
+        def measure() -> list[float]:
+            clock = time.perf_counter()
+            out = [perturbed_loss(stack, b, p, first) for b, p in zip(parts, prefixes,
+                                                                      strict=True)]
+            times["zo_forward_s"] += time.perf_counter() - clock
+            return out
+
+        return measure
 
     def _noise(self, privacy: ExampleDp) -> torch.Generator:
         """The node's own generator of the steps' noise (seeded once per round)."""

@@ -22,7 +22,9 @@ from tests.tasks.test_task_lm import write_books
 
 def test_what_the_program_does_not_cover_is_named():
     assert unsupported("fo", "lm", False, "float32", "cpu", False) is None
-    assert "lezo" in unsupported("lezo", "lm", False, "float32", "cpu", False)
+    assert unsupported("lezo", "lm", False, "float32", "cpu", False) is None
+    assert unsupported("mezo", "lm", False, "float32", "cpu", False) is None
+    assert "zerolock" in unsupported("zerolock", "lm", False, "float32", "cpu", False)
     assert "classification" in unsupported("fo", "classification", False, "float32", "cpu",
                                            False)
     assert "example" in unsupported("fo", "lm", True, "float32", "cpu", False)
