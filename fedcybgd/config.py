@@ -842,8 +842,9 @@ class NodeConfig:
         "empty: the run's `device`; else this node's own (`cpu`, `cuda:1`, `mps`, ...)"))
     trainer: str = setting("eager", choices=TRAINERS, doc=(
         "how the node trains its block: `eager` (PyTorch) or `executorch` (the block's "
-        "ExecuTorch program, exported on the node at first use into the cache folder; `fo` on "
-        "the `lm` task; needs `make executorch`). See [docs/deploy.md](deploy.md)"))
+        "ExecuTorch programs, exported on the node at first use into the cache folder: `fo` "
+        "through the training step, `lezo`/`mezo` through the forward program; the `lm` task; "
+        "needs `make executorch`). See [docs/deploy.md](deploy.md)"))
     data_path: str = setting("", doc=(
         "this node's own training data (a file or folder on the node, read there and never sent); "
         "replaces its partition of `dataset`. See [docs/deploy.md](deploy.md)"))

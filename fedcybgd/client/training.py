@@ -46,7 +46,8 @@ from fedcybgd.client.run_state import run_state
 from fedcybgd.client.runtime import ClientModel, client_model
 from fedcybgd.client.store import BlockStore
 from fedcybgd.client.updates import TrainOutcome, TrainTask, get_rule, step_log_of
-from fedcybgd.client.updates.fo_program import PROGRAM_RULES, NodePrograms, unsupported
+from fedcybgd.client.updates.fo_program import NodePrograms
+from fedcybgd.client.updates.programs import PROGRAM_RULES, unsupported
 from fedcybgd.compression import (
     CodecError,
     decode,

@@ -10,9 +10,7 @@ the block's start) beside it and trains. The protocol does not change: the train
 back into the model and is uploaded as the eager node's would be.
 
 What the programs do not cover is refused before the round trains, by name
-(:func:`unsupported`): a rule other than ``fo`` (this module) and ``lezo``/``mezo``
-(:mod:`fedcybgd.client.updates.zo_program`), a task other than ``lm``, example-level DP, frozen
-blocks held in another precision, a device other than the CPU, ``fo-recompute``.
+(:func:`fedcybgd.client.updates.programs.unsupported`).
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from typing import Any
 
 import torch
 
-from fedcybgd.core.registry import Registry
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.block_programs import (
     IGNORE,
@@ -42,27 +39,7 @@ from fedcybgd.rules.builtin import FoOptions
 
 MB = 2**20
 
-__all__ = ["PROGRAM_RULES", "NodePrograms", "ProgramFirstOrder", "program_inputs",
-           "unsupported"]
-
-def unsupported(rule: str, task_kind: str, example_dp: bool, frozen: str, device: str,
-                recompute: bool) -> str | None:
-    """Why a round cannot train through the ExecuTorch program, or ``None`` when it can."""
-    if rule not in PROGRAM_RULES.names():
-        return (f"update rule {rule!r} (the ExecuTorch trainer runs "
-                f"{', '.join(map(repr, PROGRAM_RULES.names()))})")
-    if task_kind != "lm":
-        return f"task {task_kind!r} (the block programs carry the `lm` task's loss)"
-    if example_dp:
-        return "dp = 'example' (per-example clipping is not in the program)"
-    if frozen != "float32":
-        return f"frozen blocks held as {frozen} (the program reads fp32 weights)"
-    if device != "cpu":
-        return f"device {device!r} (the ExecuTorch trainer runs on the CPU)"
-    if recompute:
-        return "fo-recompute (the program keeps its own activations)"
-    return None
-
+__all__ = ["NodePrograms", "ProgramFirstOrder", "program_inputs"]
 
 def program_inputs(batch: Batch, rows: int, seq: int) -> tuple[torch.Tensor, ...]:
     """``(ids, mask, targets)`` of ``batch`` at the program's fixed ``rows`` x ``seq``: the
@@ -167,7 +144,7 @@ class ProgramFirstOrder(NodePrograms):
         """Run ``task.steps`` AdamW steps on ``task.block`` through its program; the trained
         block is written back into ``task.model``."""
         if FoOptions.from_options(task.options).recompute:
-            raise ValueError(unsupported("fo", "lm", False, "float32", "cpu", True))
+            raise ValueError("fo-recompute (the program keeps its own activations)")
         entry = self.program(task.model, task.blocks, task.block)
         trainer = ProgramTrainer(self.programs(), entry, named_tensors(task.model), task.lr,
                                  task.weight_decay)
@@ -191,11 +168,3 @@ class ProgramFirstOrder(NodePrograms):
                 own[name].copy_(tensor)
         mean = sum(losses) / len(losses) if losses else float("nan")
         return TrainOutcome(mean, len(losses), examples, skipped)
-
-
-# The update rules a node trains through a block program (node config trainer = "executorch").
-PROGRAM_RULES: Registry[type[NodePrograms]] = Registry("update rule through a block program",
-                                                       "update-rule")
-PROGRAM_RULES.add("fo", ProgramFirstOrder)
-PROGRAM_RULES.add_lazy("lezo", "fedcybgd.client.updates.zo_program:ProgramLeZO")
-PROGRAM_RULES.add_lazy("mezo", "fedcybgd.client.updates.zo_program:ProgramMeZO")

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedcybgd.client.updates.fo_program import program_inputs, unsupported
+from fedcybgd.client.updates.fo_program import program_inputs
+from fedcybgd.client.updates.programs import unsupported
 from fedcybgd.config import ConfigError, NodeConfig
 from fedcybgd.data.prompts import collate
 from fedcybgd.model.block_programs import IGNORE
