@@ -1,7 +1,9 @@
-"""A block's fo steps through ExecuTorch against eager PyTorch on SmolLM2, side by side.
+"""A block's fo (or lezo) steps through ExecuTorch against eager PyTorch on SmolLM2, side by
+side.
 
     .venv-executorch/bin/python experiments/executorch_node.py              # layer.3, 8 x 128
     .venv-executorch/bin/python experiments/executorch_node.py --block layer.20 --steps 5
+    .venv-executorch/bin/python experiments/executorch_node.py --rule lezo --steps 8
 
 One block of SmolLM2-135M (one layer a block) trains ``--steps`` AdamW steps on the same
 random-token batches two ways, each in a process of its own so its peak RSS is its own, the two
@@ -15,6 +17,11 @@ changes), and for the program the peak a node's memory budget is held against
 (:meth:`fedcybgd.client.updates.fo_program.ProgramFirstOrder.peak_mb`, on the process's own
 memory before the model was loaded). Writes ``experiments/results/executorch/node.json`` and
 prints it.
+
+``--rule lezo``: the ``lezo`` rule itself both ways on the same lm batches and seed: eager
+(:class:`fedcybgd.client.updates.lezo.LeZO`, its losses from the frozen prefix) and through the
+block's forward program (:class:`fedcybgd.client.updates.zo_program.ProgramLeZO`); seconds a
+step are the round's over its steps (a step is two forwards); writes ``node-lezo.json``.
 """
 
 from __future__ import annotations
@@ -43,8 +50,71 @@ def batches(vocab: int, rows: int, seq: int, steps: int) -> list[tuple[torch.Ten
                        for _ in range(rows)], seq, 0) for _ in range(steps)]
 
 
+def lm_batches(vocab: int, rows: int, seq: int, steps: int) -> list[Any]:
+    """The same random windows as :func:`batches`, as the ``lm`` task's batches."""
+    from fedcybgd.data.prompts import EncodedExamples, collate
+
+    out = []
+    for ids, _mask, _targets in batches(vocab, rows, seq, steps):
+        windows = ids.tolist()
+        out.append(collate(EncodedExamples(
+            input_ids=windows, labels=[-1] * rows, class_token_ids=(), pad_token_id=0,
+            score_positions=[list(range(seq - 1))] * rows, targets=[w[1:] for w in windows])))
+    return out
+
+
+def zo_rule(mode: str, args: argparse.Namespace, base_hash: str) -> Any:
+    from fedcybgd.client.updates.base import get_rule
+    from fedcybgd.client.updates.zo_program import ProgramLeZO
+
+    if mode == "eager":
+        return get_rule("lezo")
+    return ProgramLeZO(args.programs, args.model, base_hash, args.batch, args.seq)
+
+
+def train_zo(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``lezo`` in this process, eagerly or through the block's forward program."""
+    from safetensors.torch import save_file
+
+    from fedcybgd.core.checksum import content_checksum
+    from fedcybgd.core.measure import rss_bytes
+    from fedcybgd.model.blocks import BlockMap
+    from fedcybgd.model.layerwise import LayerStack
+    from fedcybgd.model.loading import load_model
+    from fedcybgd.rules import TrainTask
+
+    torch.set_num_threads(args.threads)
+    if mode == "executorch":
+        from executorch.extension.pybindings import portable_lib  # noqa: F401
+    runtime = rss_bytes() / 2**20
+    model = load_model(args.model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    blocks = BlockMap(model, 1)
+    rule = zo_rule(mode, args, content_checksum(dict(model.named_parameters())))
+    task = TrainTask(model=model, stack=LayerStack(model), blocks=blocks, block=args.block,
+                     batches=iter(lm_batches(int(model.config.vocab_size), args.batch,
+                                             args.seq, args.steps)),
+                     steps=args.steps, lr=args.lr, weight_decay=0.0, seed=0, options={})
+    row: dict[str, Any] = {"mode": mode}
+    if mode == "executorch":
+        entry = rule.program(model, blocks, args.block)
+        held = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        row["estimate_mb"] = rule.need_mb(entry, held, runtime, {})
+    began = time.perf_counter()
+    outcome = rule.train(task)
+    took = time.perf_counter() - began
+    trained = {k: v.contiguous() for k, v in blocks.get(model, args.block).items()}
+    save_file(trained, str(args.programs / f"trained-{mode}.safetensors"))
+    row.update(step_s=[took / args.steps] * args.steps, loss=outcome.loss,
+               peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return row
+
+
 def train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One mode's steps in this process; saves the trained block beside the programs."""
+    if args.rule == "lezo":
+        return train_zo(mode, args)
     from safetensors.torch import save_file
 
     from fedcybgd.core.measure import rss_bytes
@@ -108,6 +178,18 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     """Export the block's program in this process (its time and peak RSS)."""
     from fedcybgd.model.block_programs import export_programs, read_manifest
 
+    if args.rule == "lezo":  # the node's own folder layout: the rule exports it
+        from fedcybgd.core.checksum import content_checksum
+        from fedcybgd.model.blocks import BlockMap
+        from fedcybgd.model.loading import load_model
+
+        model = load_model(args.model)
+        rule = zo_rule("executorch", args, content_checksum(dict(model.named_parameters())))
+        began = time.perf_counter()
+        rule.program(model, BlockMap(model, 1), args.block)
+        return {"export_s": time.perf_counter() - began, "note": "exported unless present",
+                "export_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
     try:
         entry = read_manifest(args.programs).get(args.block)
     except (OSError, ValueError, TypeError, KeyError):  # none, or another release's manifest
@@ -124,7 +206,7 @@ def child(what: str, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", what, "--model", args.model, "--block",
                args.block, "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
                str(args.steps), "--lr", str(args.lr), "--threads", str(args.threads),
-               "--programs", str(args.programs)]
+               "--programs", str(args.programs), "--rule", args.rule]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
@@ -161,6 +243,7 @@ def main() -> None:
     parser.add_argument("--programs", type=Path, default=Path("outputs/executorch-programs"))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "executorch")
     parser.add_argument("--child", choices=("export", "eager", "executorch"))
+    parser.add_argument("--rule", choices=("fo", "lezo"), default="fo")
     args = parser.parse_args()
     if args.child == "export":
         print(json.dumps(export(args)))
@@ -189,7 +272,8 @@ def main() -> None:
               "args": {k: str(v) for k, v in vars(args).items()}, "export": exported,
               "side_by_side": summary, "trained_block": compare(args), "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "node.json").write_text(json.dumps(result, indent=1))
+    name = "node.json" if args.rule == "fo" else f"node-{args.rule}.json"
+    (args.out / name).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
 
 
