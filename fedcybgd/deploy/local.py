@@ -242,9 +242,11 @@ class LocalDeployment:
         return ServerTls(str(self.cert_files.ca_cert), str(self.cert_files.server_cert),
                          str(self.cert_files.server_key))
 
-    def env(self, flwr_home: Path) -> dict[str, str]:
+    def env(self, flwr_home: Path, bin_dir: Path = BIN_DIR) -> dict[str, str]:
         """Environment of every process: offline hub, no runtime dependency installation, no
-        progress bars or colours in the log files."""
+        progress bars or colours in the log files; ``bin_dir`` (the Python environment whose
+        Flower commands the process runs) first on ``PATH``, so what it starts is that
+        environment's too."""
         env = dict(os.environ)
         env.update(
             FLWR_HOME=str(flwr_home),
@@ -256,7 +258,7 @@ class LocalDeployment:
             TQDM_DISABLE="1",
             HF_HUB_DISABLE_PROGRESS_BARS="1",
             NO_COLOR="1",
-            PATH=f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
+            PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
         )
         env.setdefault("FEDCYBGD_OUTPUT_ROOT", str(PROJECT))  # relative output-dir
         if self.threads_per_process:
@@ -265,13 +267,14 @@ class LocalDeployment:
         env.update(self.extra_env)
         return env
 
-    def _spawn(self, name: str, cmd: list[str], container: NodeContainer | None = None) -> Proc:
+    def _spawn(self, name: str, cmd: list[str], container: NodeContainer | None = None,
+               bin_dir: Path = BIN_DIR) -> Proc:
         if name in self.procs and self.procs[name].exit_code() is None:
             raise DeployError(f"{name} is already running")
         home = self.state / name
         home.mkdir(parents=True, exist_ok=True)
-        env = self.env(home)
-        argv = ([str(BIN_DIR / cmd[0]), *cmd[1:]] if container is None
+        env = self.env(home, bin_dir)
+        argv = ([str(bin_dir / cmd[0]), *cmd[1:]] if container is None
                 else container.command(self.state, name, cmd, env))
         log = self.logs / f"{name}.log"
         handle = log.open("a")
@@ -344,16 +347,19 @@ class LocalDeployment:
 
     def start_supernode(self, name: str, partition_id: int, num_partitions: int,
                         key: certs.NodeKey | None = None,
-                        extra: Mapping[str, object] | None = None) -> Proc:
+                        extra: Mapping[str, object] | None = None,
+                        bin_dir: Path = BIN_DIR) -> Proc:
         """Start one SuperNode. Under TLS it authenticates with ``key`` (default: a fresh key
         named after the node, registered first). ``extra``: more node-config, e.g.
-        ``{"update_rule": "lezo", "memory_budget_mb": 1024.0}``."""
+        ``{"update_rule": "lezo", "memory_budget_mb": 1024.0}``. ``bin_dir``: the Python
+        environment the node runs from (default: this one), e.g. ``.venv-executorch/bin`` for a
+        node beside others of the project's venv."""
         if self.tls and key is None:
             key = self.node_key(name)
         cache = self.state / name / "cache"
         config = node_config(partition_id, num_partitions, str(cache), **(extra or {}))
         return self._spawn(name, self.supernode_args(name, config, free_port(), key),
-                           self.node_container)
+                           self.node_container, bin_dir)
 
     def start_supernodes(self, count: int,
                          per_node: Mapping[int, Mapping[str, object]] | None = None

@@ -248,9 +248,10 @@ def test_a_smollm2_round_through_the_program_fits_its_estimate_and_equals_the_ea
 @pytest.mark.executorch
 @pytest.mark.slow
 def test_real_supernodes_one_training_through_executorch_complete_a_run(tmp_path):
-    # Prepare: a SuperLink and two SuperNodes on 127.0.0.1, run from this environment
-    # (.venv-executorch, whose commands make executorch writes), node 0 with trainer =
-    # "executorch"; an lm run on a text folder
+    # Prepare: a SuperLink and two SuperNodes on 127.0.0.1: node 0 from this environment
+    # (.venv-executorch, whose commands make executorch writes) with trainer = "executorch",
+    # node 1 from the project's venv, as a federation of nodes set up apart; an lm run on a
+    # text folder
     import json
     import subprocess
     import sys
@@ -268,7 +269,8 @@ def test_real_supernodes_one_training_through_executorch_complete_a_run(tmp_path
                                  threads_per_process=1)
     try:
         deployment.start_superlink()
-        deployment.start_supernodes(2, per_node={0: {"trainer": "executorch"}})
+        deployment.start_supernode("supernode-1", 0, 2, extra={"trainer": "executorch"})
+        deployment.start_supernode("supernode-2", 1, 2, bin_dir=PROJECT / ".venv" / "bin")
         deployment.wait_nodes(2)
 
         # Execute: submitted as the compose runner service does
@@ -292,3 +294,5 @@ def test_real_supernodes_one_training_through_executorch_complete_a_run(tmp_path
     assert all(len(r["clients"]) == 2 and r["train_loss"] is not None for r in rows[1:])
     programs = sorted((tmp_path / "state").rglob("*.pte"))
     assert programs and all("supernode-1" in str(p) for p in programs), programs
+    started = (out / "logs" / "supernode-2.log").read_text().splitlines()[0]
+    assert started.startswith(f"$ {PROJECT / '.venv' / 'bin' / 'flower-supernode'} "), started
