@@ -366,7 +366,7 @@ def test_a_huge_hostile_reason_is_read_short():
 
 # ---- the command a user types ----------------------------------------------------------------
 
-TINY = ("model='tiny-llama' partitioner='iid' num-server-rounds=3 clients-per-round=2 "
+TINY = ("model='tiny-llama' partitioner='iid' num-server-rounds=1 clients-per-round=2 "
         "clients-per-block=1 layers-per-block=1 local-steps=2 batch-size=4 max-seq-len=48 "
         "eval-examples=16")
 
