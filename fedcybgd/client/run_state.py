@@ -1,8 +1,8 @@
 """What a client process keeps for the run it serves, between that run's messages.
 
 Flower may hand one process many messages of a run: a simulation runs every node's messages in
-a few processes, round after round (the loopback harness in threads); a real SuperNode starts a
-process a message. What a message needs and costs seconds to make is built by the first
+a few processes, round after round (the loopback harness in the test's own); a real SuperNode
+starts a process a message. What a message needs and costs seconds to make is built by the first
 message of a run and handed to every later one:
 
 * the run's task (:func:`fedcybgd.tasks.build.build_task`): its data read and checked, the

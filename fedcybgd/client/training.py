@@ -533,8 +533,9 @@ def check_trainer(rnd: Round) -> None:
         return
     run = rnd.run
     frozen = run.frozen_quant if run.frozen_quant != "none" else run.frozen_dtype
+    recompute = rnd.rule_name == "fo" and FoOptions.from_options(rnd.options).recompute
     reason = unsupported(rnd.rule_name, run.task_kind, rnd.privacy is not None, frozen,
-                         rnd.device.type, FoOptions.from_options(rnd.options).recompute)
+                         rnd.device.type, recompute)
     tied = tied_weights(rnd.cm.model, set(rnd.cm.blocks.info(rnd.ins.block).param_names))
     if reason is None and tied:
         reason = (f"block {rnd.ins.block} holds {tied[0][0]}, tied to {tied[0][1]} (a block "
@@ -565,7 +566,7 @@ def check_trainer(rnd: Round) -> None:
             f"memory-budget-mb = {rnd.node.memory_budget_mb:.0f} is below what block {block}'s "
             f"ExecuTorch program needs, about {need:.0f} MB ({runtime:.0f} MB of it this "
             f"process's runtime, {entry.planned_bytes / 2**20:.0f} MB planned by the program "
-            "for a step)", store=False)
+            f"for a {'step' if entry.kind == 'fo' else 'forward'})", store=False)
 
 
 def program_rule(rnd: Round) -> NodePrograms:

@@ -43,6 +43,7 @@ __all__ = ["DataCheck", "check_data", "check_model", "check_path", "checked_task
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class DataCheck:
     """What the start-up check found.

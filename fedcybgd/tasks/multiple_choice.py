@@ -173,7 +173,7 @@ class MultipleChoiceTask(Task):
                     right_nll += nll
                     right_tokens += tokens
         self.warn_cut("evaluation", encode.cut, len(pairs), max_seq_len,
-                 "questions cut from the left (options cut only when too long themselves)")
+                      "questions cut from the left (options cut only when too long themselves)")
         hits = sum(int(np.argmax(s)) == answer for s, (_, _, answer) in zip(scores, items,
                                                                              strict=True))
         n = len(items)

@@ -219,8 +219,8 @@ class SFTTask(Task):
                 samples.append({"prompt": str(messages[-2]["content"]) if len(messages) > 1
                                 else "", "reference": str(reference), "answer": text})
         self.warn_cut("evaluation", encode.cut, len(items), max_seq_len,
-                 f"{encode.join.prompts_cut} prompts cut from the left, "
-                 f"{encode.join.continuations_cut} responses cut at the end")
+                      f"{encode.join.prompts_cut} prompts cut from the left, "
+                      f"{encode.join.continuations_cut} responses cut at the end")
         loss = nll / max(tokens, 1.0)
         n = len(items)
         return EvalResult(loss, exact / n, n, {"exact_match": exact / n, "token_f1": f1 / n,

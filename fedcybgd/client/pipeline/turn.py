@@ -49,6 +49,7 @@ from fedcybgd.core.measure import PeakMemory
 from fedcybgd.data.prompts import Batch
 from fedcybgd.model.loading import cache_root, load_model
 from fedcybgd.protocol import activations as act
+from fedcybgd.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def _restore(msg: Message, stage: Stage, folder: Path, state_file: Path) -> Mess
     return _reply(msg, STATUS_OK, "", {}, {"loss": math.nan})
 
 
-def _decoded(msg: Message, kind: str, mbs: list[int], hidden: int, vocab: int, task: object,
+def _decoded(msg: Message, kind: str, mbs: list[int], hidden: int, vocab: int, task: Task,
              run: RunConfig) -> dict[int, tuple[torch.Tensor, Batch | None]]:
     """The message's ``kind`` entries for ``mbs``, decoded and checked: at most ``batch-size``
     rows of ``max-seq-len`` tokens each (:func:`check_limits` has held both to the node's own
@@ -272,13 +273,13 @@ def act_limit(run: RunConfig, hidden: int) -> int:
 
 def _inputs(msg: Message, run: RunConfig, node: NodeConfig, stage: Stage,
             ins: StageInstruction, mbs: list[int], folder: Path, hidden: int, vocab: int,
-            task: object) -> dict[int, tuple[Batch, torch.Tensor | None]]:
+            task: Task) -> dict[int, tuple[Batch, torch.Tensor | None]]:
     """Each micro-batch's ``(batch, states)``: stage 0 from its own data (the same batches for
     a step's ``F`` and ``B``), the others from the ``F`` message, kept on disk for ``B``."""
     if stage.first:
         from fedcybgd.client.local_data import training_batches
 
-        batches = training_batches(run, node, run.seed)
+        batches = training_batches(run, node, run.seed, task=task)
         batches.step = mbs[0]  # the n-th batch without drawing the n before it
         return {mb: (next(batches), None) for mb in mbs}
     if ins.kind == "F":

@@ -28,6 +28,7 @@ from fedcybgd.model.block_programs import (
     BlockProgram,
     ProgramTrainer,
     export_block,
+    logits_mb,
     named_tensors,
     program_intact,
     read_manifest,
@@ -40,6 +41,7 @@ from fedcybgd.rules.builtin import FoOptions
 MB = 2**20
 
 __all__ = ["NodePrograms", "ProgramFirstOrder", "program_inputs"]
+
 
 def program_inputs(batch: Batch, rows: int, seq: int) -> tuple[torch.Tensor, ...]:
     """``(ids, mask, targets)`` of ``batch`` at the program's fixed ``rows`` x ``seq``: the
@@ -130,11 +132,13 @@ class ProgramFirstOrder(NodePrograms):
         (:func:`~fedcybgd.model.block_programs.write_weights` streams it from the model's
         tensors; the runtime reads it whole, the block's weights copied into its plan), the
         memory the program plans for a step (activations, gradients: fixed at export, the
-        manifest's ``planned_bytes``), AdamW's two moments of the block and the trained block's
-        copy handed back."""
+        manifest's ``planned_bytes``), the loss's scratch beside the plan (:func:`~fedcybgd.
+        model.block_programs.logits_mb`), AdamW's two moments of the block and the trained
+        block's copy handed back."""
         weights = sum(math.prod(shape) for shape in entry.constants.values()) * 4 / MB
         block = sum(math.prod(shape) for shape in entry.trainable.values()) * 4 / MB
-        return runtime_mb + held_mb + weights + entry.planned_bytes / MB + 3 * block
+        return (runtime_mb + held_mb + weights + entry.planned_bytes / MB + logits_mb(entry)
+                + 3 * block)
 
     def need_mb(self, entry: BlockProgram, held_mb: float, runtime_mb: float,
                 options: dict[str, Any]) -> float:

@@ -29,7 +29,7 @@ import torch
 from fedcybgd.client.updates.fo_program import MB, NodePrograms, program_inputs
 from fedcybgd.client.updates.lezo import ZerothOrder
 from fedcybgd.data.prompts import Batch
-from fedcybgd.model.block_programs import BlockProgram, ProgramLoss, named_tensors
+from fedcybgd.model.block_programs import BlockProgram, ProgramLoss, logits_mb, named_tensors
 from fedcybgd.protocol import zeroth_order
 from fedcybgd.rules import TrainOutcome, TrainTask
 from fedcybgd.rules.builtin import LezoOptions, MezoOptions
@@ -57,13 +57,14 @@ class ProgramZerothOrder(NodePrograms, ZerothOrder):
         """Estimated peak resident memory (MiB) of a round through ``entry``'s forward program:
         besides the runtime and the node's model (``held_mb``), the round's weights file as the
         runtime reads it (every weight but the block's), the memory the program plans for a
-        forward, the step cache (``zo-step-cache-mb``, at most the block's z and start) and the
-        rule's chunk workspace (five buffers of a z chunk)."""
+        forward, the loss's scratch beside the plan (:func:`~fedcybgd.model.block_programs.
+        logits_mb`), the step cache (``zo-step-cache-mb``, at most the block's z and start) and
+        the rule's chunk workspace (five buffers of a z chunk)."""
         weights = sum(math.prod(shape) for shape in entry.constants.values()) * 4 / MB
         block = sum(math.prod(shape) for shape in entry.trainable.values()) * 4 / MB
         largest = max(math.prod(shape) for shape in entry.trainable.values())
         workspace = 5 * min(zeroth_order.Z_CHUNK, largest) * 4 / MB
-        return (runtime_mb + held_mb + weights + entry.planned_bytes / MB
+        return (runtime_mb + held_mb + weights + entry.planned_bytes / MB + logits_mb(entry)
                 + min(step_cache_mb, 2 * block) + workspace)
 
     def need_mb(self, entry: BlockProgram, held_mb: float, runtime_mb: float,

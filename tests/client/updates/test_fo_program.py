@@ -235,14 +235,15 @@ def test_a_smollm2_round_through_the_program_fits_its_estimate_and_equals_the_ea
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    # Assert: the budget's estimate within 10% of the round's peak; the same mean loss as the
+    # Assert: the budget's estimate within 5% of the round's peak; the same mean loss as the
     # eager node's fo rule, and its trained block within 5e-3 of the change (measured 1.8e-3:
     # the eager rule runs the layers piecewise, the program the whole model, and AdamW turns a
     # near-zero gradient's last-bit difference into up to one lr step on that element)
-    assert abs(row["estimate_mb"] / row["peak_mb"] - 1) <= 0.10, row
+    assert abs(row["estimate_mb"] / row["peak_mb"] - 1) <= 0.05, row
     ours, theirs = row["losses"]
     assert abs(ours - theirs) <= 1e-4 * abs(theirs), row
     assert row["change"] > 0 and row["relative_difference"] <= 5e-3, row
+    print(json.dumps(row))  # the figures, for the record (pytest -s)
 
 
 @pytest.mark.executorch

@@ -94,12 +94,13 @@ def test_zeroth_order_steps_through_the_forward_program_follow_the_eager_rule(
 @pytest.mark.executorch
 def test_a_lezo_federation_with_an_executorch_node_ends_where_the_all_eager_one_does(
         tiny_run_config, tmp_path):
-    # Prepare: an lm run of two nodes training lezo, step logs up (the server replays them)
+    # Prepare: an lm run of two nodes training lezo, step logs up (the server replays them);
+    # fo-recompute set, an option of another rule that the forward program does not mind
     folder = write_books(tmp_path / "books", books=8, lines=12)
     config = {**tiny_run_config, "task": "lm", "dataset": str(folder), "max-seq-len": 32,
               "eval-examples": 6, "num-server-rounds": 2, "update-rule": "lezo",
               "local-steps": 4, "lr": 1e-2, "upload-codec": "seedlog",
-              "download-codec": "fp32"}
+              "download-codec": "fp32", "fo-recompute": True}
 
     # Execute
     eager, eager_rows = _final(copy.deepcopy(config), tmp_path / "eager", ["eager", "eager"])
@@ -192,12 +193,13 @@ def test_a_smollm2_lezo_round_through_the_forward_program_fits_its_estimate_and_
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    # Assert: the estimate a memory budget is held to within 10% of the round's peak; the same
+    # Assert: the estimate a memory budget is held to within 5% of the round's peak; the same
     # units each step, the same mean loss within 1e-5; each g within 1e-2 of eager's (a loss
     # difference over 2 eps); the trained blocks within 1e-2 of the change
-    assert abs(row["estimate_mb"] / row["peak_mb"] - 1) <= 0.10, row
+    assert abs(row["estimate_mb"] / row["peak_mb"] - 1) <= 0.05, row
     assert row["units"][0] == row["units"][1], row
     ours, theirs = row["losses"]
     assert abs(ours - theirs) <= 1e-5 * abs(theirs), row
     assert all(abs(a - b) <= 1e-2 * max(1.0, abs(b)) for a, b in zip(*row["g"], strict=True))
     assert row["change"] > 0 and row["relative_difference"] <= 1e-2, row
+    print(json.dumps(row))  # the figures, for the record (pytest -s)
