@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import resource
 import statistics
@@ -101,13 +102,15 @@ def train_zo(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         entry = rule.program(model, blocks, args.block)
         held = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         row["estimate_mb"] = rule.need_mb(entry, held, runtime, {})
+        row["planned_mb"] = entry.planned_bytes / 2**20
     began = time.perf_counter()
     outcome = rule.train(task)
     took = time.perf_counter() - began
     trained = {k: v.contiguous() for k, v in blocks.get(model, args.block).items()}
     save_file(trained, str(args.programs / f"trained-{mode}.safetensors"))
     row.update(step_s=[took / args.steps] * args.steps, loss=outcome.loss,
-               peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+               peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               native_libraries_mb=native_libraries_mb())
     return row
 
 
@@ -168,10 +171,27 @@ def train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     save_file({k: v.contiguous() for k, v in trained.items()},
               str(args.programs / f"trained-{mode}.safetensors"))
     row = {"mode": mode, "step_s": times,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "native_libraries_mb": native_libraries_mb()}
     if mode == "executorch":  # what a node's memory budget is held against
         row["estimate_mb"] = estimate
+        row["planned_mb"] = entry.planned_bytes / 2**20
     return row
+
+
+def native_libraries_mb() -> dict[str, float]:
+    """The size on disk of the native libraries this process has mapped, by package: what a
+    node's training step loads of torch and of ExecuTorch's runtime (``/proc/self/maps``)."""
+    import os
+
+    seen: dict[str, set[str]] = {"torch": set(), "executorch": set()}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        for package in seen:
+            if f"/site-packages/{package}/" in path and ".so" in path:
+                seen[package].add(path)
+    return {package: sum(os.path.getsize(p) for p in paths) / 2**20
+            for package, paths in seen.items()}
 
 
 def export(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,9 +280,11 @@ def main() -> None:
         summary[mode] = {"median_step_s": statistics.median(steps),
                          "min_step_s": min(steps), "max_step_s": max(steps),
                          "first_step_s": [r["step_s"][0] for r in mine],
-                         "peak_rss_mb": max(r["peak_rss_mb"] for r in mine)}
+                         "peak_rss_mb": max(r["peak_rss_mb"] for r in mine),
+                         "native_libraries_mb": mine[0]["native_libraries_mb"]}
         if mode == "executorch":
             summary[mode]["estimate_mb"] = max(r["estimate_mb"] for r in mine)
+            summary[mode]["planned_mb"] = mine[0]["planned_mb"]
     from importlib.metadata import version
 
     result = {"machine": f"{platform.machine()}, {platform.python_version()}, torch "
@@ -275,6 +297,40 @@ def main() -> None:
     name = "node.json" if args.rule == "fo" else f"node-{args.rule}.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    write_table(args.out)
+
+
+def write_table(out: Path) -> None:
+    """``table.md``: the side-by-side runs of every rule measured (``node*.json``)."""
+    lines = ["# A SmolLM2 block through ExecuTorch against eager PyTorch, side by side", "",
+             "Command: `.venv-executorch/bin/python experiments/executorch_node.py [--rule "
+             "lezo]` (each rule's JSON beside this file). Seconds a step: `fo` the median after "
+             "the first, `lezo` the median over runs of a round's seconds over its steps (a step "
+             "is two forwards); peak RSS: the process's; estimate: what a node's memory budget "
+             "is held to; planned: the program's memory plan; libraries: the size on disk of the "
+             "torch and ExecuTorch native libraries the process mapped.", "",
+             "| rule | block, tokens | machine | trainer | s a step | peak RSS MB | estimate MB "
+             "| planned MB | torch libs MB | ExecuTorch libs MB | trained block vs eager |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted(out.glob("node*.json")):
+        result = json.loads(path.read_text())
+        a = result["args"]
+        rule = a.get("rule", "fo")
+        for mode, row in result["side_by_side"].items():
+            libs = row.get("native_libraries_mb", {})
+
+            def mb(value: float | None) -> str:
+                return "-" if value is None or math.isnan(value) else f"{value:,.0f}"
+
+            lines.append(
+                f"| {rule} | {a['block']}, {a['batch']} x {a['seq']} | "
+                f"{result['machine'].split(',')[0]} | {mode} | {row['median_step_s']:.1f} | "
+                f"{row['peak_rss_mb']:,.0f} | {mb(row.get('estimate_mb'))} | "
+                f"{mb(row.get('planned_mb'))} | "
+                f"{libs.get('torch', math.nan):.0f} | {libs.get('executorch', math.nan):.0f} | "
+                f"{result['trained_block']['relative_l2_of_change_difference']:.1e} of its "
+                "change |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
