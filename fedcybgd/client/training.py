@@ -553,13 +553,14 @@ def check_trainer(rnd: Round) -> None:
     # the node has none yet: its export, once a block, is not held to the budget).
     cm, block = rnd.cm, rnd.ins.block
     runtime = measured_runtime_mb(cm.shape, cm.blocks, rnd.precision, rss_bytes() / 2**20)
+    rule = program_rule(rnd)
     try:
-        entry = program_rule(rnd).program(cm.model, cm.blocks, block)
+        entry = rule.program(cm.model, cm.blocks, block)
     except ExecuTorchError as err:
         raise rnd.answer(protocol.REFUSED, f"trainer = 'executorch' (node config): {err}",
                          store=False) from None
     held = weights_mb(cm.shape, cm.blocks, block, rnd.precision)
-    need = program_rule(rnd).need_mb(entry, held, runtime, rnd.options)
+    need = rule.need_mb(entry, held, runtime, rnd.options)
     if need > rnd.node.memory_budget_mb:
         raise rnd.answer(
             protocol.REJECTED,
