@@ -380,9 +380,17 @@ def program_intact(folder: Path, entry: BlockProgram) -> bool:
 
 
 def read_manifest(out: Path, kind: str = "fo") -> dict[str, BlockProgram]:
-    """The programs of ``kind`` (:data:`KINDS`) of an export folder by block."""
-    programs = json.loads((out / MANIFEST).read_text())["programs"]
-    return {p["block"]: BlockProgram(**p) for p in programs if p.get("kind", "fo") == kind}
+    """The programs of ``kind`` (:data:`KINDS`) of an export folder by block. An entry written
+    by another release of this module (other fields) is left out: its block exports again."""
+    found = {}
+    for p in json.loads((out / MANIFEST).read_text())["programs"]:
+        if p.get("kind", "fo") != kind:
+            continue
+        try:
+            found[p["block"]] = BlockProgram(**p)
+        except TypeError:  # another release's fields
+            continue
+    return found
 
 
 def logits_mb(entry: BlockProgram) -> float:

@@ -252,3 +252,21 @@ def test_export_without_executorch_names_the_install_step(tmp_path):
     assert done.returncode == 2
     assert "make executorch" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "p").exists()
+
+
+def test_a_manifest_entry_of_another_release_is_left_out_and_the_rest_read(tmp_path):
+    # Prepare: one current entry, one written before the manifest had its later fields (no
+    # kind, no vocab), one forward program
+    current = {"model": "m", "block": "layer.0", "task": "lm", "batch": 2, "seq": 16,
+               "program": "layer.0.pte", "weights": "layer.0.ptd", "program_sha256": "0" * 64,
+               "base_hash": "h", "planned_bytes": 1, "vocab": 32, "trainable": {},
+               "constants": {}, "kind": "fo"}
+    older = {k: v for k, v in current.items() if k not in ("vocab", "kind")} | {
+        "block": "layer.1", "program": "layer.1.pte"}
+    forward = current | {"kind": "forward", "program": "layer.0.forward.pte"}
+    (tmp_path / "manifest.json").write_text(json.dumps({"programs": [current, older, forward]}))
+    # Execute
+    fo, fwd = read_manifest(tmp_path), read_manifest(tmp_path, "forward")
+    # Assert: the older entry's block is not there (a node exports it again)
+    assert list(fo) == ["layer.0"] and fo["layer.0"].kind == "fo"
+    assert list(fwd) == ["layer.0"] and fwd["layer.0"].program == "layer.0.forward.pte"
