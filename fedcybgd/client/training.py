@@ -447,9 +447,11 @@ def fit_memory_budget(rnd: Round) -> None:
     # An sft batch scores every response token, not one per row (an upper bound here)
     scored = rnd.task.max_scored_tokens(run.batch_size, run.max_seq_len)
     runtime = measured_runtime_mb(cm.shape, cm.blocks, rnd.precision, rss_bytes() / 2**20)
+    # a node training through ExecuTorch falls back only to rules its programs run
+    allowed = None if node.trainer == "eager" else PROGRAM_RULES.names()
     fit = fitting_rule_options(cm.shape, cm.blocks, block, node.memory_budget_mb,
                                run.batch_size, run.max_seq_len, rnd.rule_name, rnd.precision,
-                               run.options, scored, runtime)
+                               run.options, scored, runtime, allowed)
     if fit is None:
         need = estimate_peak_mb(cm.shape, cm.blocks, "lezo", block, run.batch_size,
                                 run.max_seq_len, rnd.precision,

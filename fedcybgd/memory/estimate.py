@@ -18,7 +18,7 @@ Used by the client (budget check) and the server (memory-aware assignment): no c
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -230,19 +230,23 @@ def fitting_rule_options(
     options: Mapping[str, Any] | None = None,
     scored_tokens: int | None = None,
     runtime_mb: float = RUNTIME_MB,
+    allowed: Sequence[str] | None = None,
 ) -> tuple[str, dict[str, Any]] | None:
     """The rule that fits ``budget_mb`` and the options it fits at: ``preferred`` if it fits,
     else the first rule in :data:`RULE_ORDER` after it (after ``preferred`` not in that order,
     such as a plug-in rule: all of it) that fits; ``None`` when nothing fits. A budget of 0
     means "no budget declared". Each rule is tried at the run's options, then with
     :data:`LEAN_OPTIONS` over them (a rule that trades speed for memory, e.g. the zeroth-order
-    step cache, is tried without it before the next, smaller rule)."""
+    step cache, is tried without it before the next, smaller rule). ``allowed``: the rules the
+    node can train with (e.g. those with a block program); the others are passed over."""
     run_options = dict(options or {})
     if budget_mb <= 0:
         return preferred, run_options
     order = [preferred] + [r for r in RULE_ORDER if r != preferred]
     if preferred in RULE_ORDER:
         order = list(RULE_ORDER[RULE_ORDER.index(preferred):])
+    if allowed is not None:
+        order = [r for r in order if r in allowed]
     for rule in order:
         for tried in (run_options, {**run_options, **LEAN_OPTIONS}):
             if estimate_peak_mb(shape, blocks, rule, block, batch_size, seq_len, precision,

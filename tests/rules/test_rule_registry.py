@@ -433,3 +433,28 @@ def test_a_node_budget_moves_a_plugin_rule_to_one_that_fits(greedy, tiny_run_con
     records = [r for r in _records(config) if r["round"] > 0]
     assert [r["update_rule"] for r in records] == [["fo"], ["fo"]]
     assert all(len(r["blocks"]) == 2 and not r["failed_blocks"] for r in records)
+
+
+def test_a_budget_falls_back_only_to_the_rules_a_node_can_run():
+    # Prepare: a budget below fo's estimate that zerolock's and lezo's fit (tiny Llama, one
+    # block of two layers, batches of 32 x 512 tokens), and a node that runs fo, lezo and mezo
+    # only (an ExecuTorch node)
+    from fedcybgd.memory.estimate import fitting_rule_options
+
+    model = load_model("tiny-llama")
+    blocks = BlockMap(model, layers_per_block=2)
+    shape = ModelShape.of(model, blocks)
+    block = blocks.names[1]
+    fo, zerolock = (estimate_peak_mb(shape, blocks, rule, block, 32, 512)
+                    for rule in ("fo", "zerolock"))
+    lezo = estimate_peak_mb(shape, blocks, "lezo", block, 32, 512,
+                            options={"zo-step-cache-mb": 0.0})  # its leanest
+    assert max(zerolock, lezo) < fo
+    budget = (max(zerolock, lezo) + fo) / 2
+    # Execute
+    any_rule = fitting_rule_options(shape, blocks, block, budget, 32, 512, "fo")
+    programs = fitting_rule_options(shape, blocks, block, budget, 32, 512, "fo",
+                                    allowed=("fo", "lezo", "mezo"))
+    # Assert: zerolock for a node that runs every rule; lezo for the other
+    assert any_rule is not None and any_rule[0] == "zerolock"
+    assert programs is not None and programs[0] == "lezo"
