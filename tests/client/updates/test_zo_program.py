@@ -20,7 +20,7 @@ from fedcybgd.model.blocks import BlockMap
 from fedcybgd.model.loading import load_model
 from fedcybgd.protocol import zeroth_order
 from fedcybgd.rules import TrainTask
-from tests.client.updates.test_fo_program import _final
+from tests.client.updates.test_fo_program import _final, program_round
 from tests.tasks.test_task_lm import write_books
 
 ROWS, SEQ, STEPS = 2, 16, 4
@@ -123,76 +123,10 @@ def test_a_lezo_federation_with_an_executorch_node_ends_where_the_all_eager_one_
     assert any((tmp_path / "mixed" / "cache-0").rglob("*.forward.pte"))
 
 
-# One lezo round through the forward program in a fresh process, as a node's round after its
-# first (the program exported by an earlier process), then the eager rule from the same start on
-# the same batches, the two trained blocks and step logs compared.
-ZO_ROUND = """
-import json, sys
-from pathlib import Path
-from fedcybgd.client.local_data import training_batches
-from fedcybgd.client.runtime import client_model
-from fedcybgd.client.updates.base import get_rule
-from fedcybgd.client.updates.zo_program import ProgramLeZO
-from fedcybgd.config import NodeConfig, RunConfig
-from fedcybgd.core.measure import PeakMemory, rss_bytes
-from fedcybgd.memory.estimate import measured_runtime_mb, weights_mb
-from fedcybgd.model.precision import Precision
-from fedcybgd.rules import TrainTask
-run = RunConfig.from_run_config({"model": "smollm2-135m", "task": "lm", "batch-size": %d,
-                                 "max-seq-len": %d, "local-steps": 4, "update-rule": "lezo",
-                                 "lr": 1e-5})
-node = NodeConfig.from_node_config({"partition-id": 0, "num-partitions": 4})
-precision = Precision(run.frozen_dtype, run.frozen_quant)
-cm = client_model(run.model, run.layers_per_block, "cpu", precision)
-block = [b for b in cm.blocks.names if b.startswith("layer.")][-1]
-rule = ProgramLeZO(Path(sys.argv[1]), run.model, cm.base_hash, run.batch_size, run.max_seq_len)
-if sys.argv[2] == "export":
-    rule.program(cm.model, cm.blocks, block)
-    raise SystemExit(0)
-batches = training_batches(run, node, seed=0)
-runtime = measured_runtime_mb(cm.shape, cm.blocks, precision, rss_bytes() / 2**20)
-entry = rule.program(cm.model, cm.blocks, block)
-options = dict(run.options)
-estimate = rule.need_mb(entry, weights_mb(cm.shape, cm.blocks, block, precision), runtime,
-                        options)
-cm.train_block(block, None)
-start = {n: t.detach().clone() for n, t in cm.blocks.get(cm.model, block).items()}
-
-def task(batches):
-    return TrainTask(model=cm.model, stack=cm.stack, blocks=cm.blocks, block=block,
-                     batches=iter(batches), steps=run.local_steps, lr=run.lr,
-                     weight_decay=run.weight_decay, seed=5, options=options)
-
-with PeakMemory() as mem:
-    ours = rule.train(task(batches))
-program = {n: t.detach().clone() for n, t in cm.blocks.get(cm.model, block).items()}
-cm.blocks.set(cm.model, block, start)
-theirs = get_rule("lezo").train(task(training_batches(run, node, seed=0)))
-eager = cm.blocks.get(cm.model, block)
-diff = sum(float((program[n] - eager[n]).norm() ** 2) for n in eager) ** 0.5
-size = sum(float((eager[n] - start[n]).norm() ** 2) for n in eager) ** 0.5
-print(json.dumps({"runtime_mb": runtime, "estimate_mb": estimate, "peak_mb": mem.peak_mb,
-                  "planned_mb": entry.planned_bytes / 2**20, "change": size,
-                  "relative_difference": diff / size, "losses": [ours.loss, theirs.loss],
-                  "g": [[s.g for s in ours.step_log.steps], [s.g for s in theirs.step_log.steps]],
-                  "units": [[list(s.units) for s in ours.step_log.steps],
-                            [list(s.units) for s in theirs.step_log.steps]]}))
-"""
-
-
 @pytest.mark.executorch
 def test_a_smollm2_lezo_round_through_the_forward_program_fits_its_estimate_and_follows_eager(
         tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    script = ZO_ROUND % (4, 64)
-    for step in ("export", "train"):
-        done = subprocess.run([sys.executable, "-c", script, str(tmp_path), step],
-                              capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row = program_round(tmp_path, "lezo", 1e-5, 4)
     # Assert: the estimate a memory budget is held to within 5% of the round's peak; the same
     # units each step, the same mean loss within 1e-5; each g within 1e-2 of eager's (a loss
     # difference over 2 eps); the trained blocks within 1e-2 of the change
@@ -202,4 +136,3 @@ def test_a_smollm2_lezo_round_through_the_forward_program_fits_its_estimate_and_
     assert abs(ours - theirs) <= 1e-5 * abs(theirs), row
     assert all(abs(a - b) <= 1e-2 * max(1.0, abs(b)) for a, b in zip(*row["g"], strict=True))
     assert row["change"] > 0 and row["relative_difference"] <= 1e-2, row
-    print(json.dumps(row))  # the figures, for the record (pytest -s)
