@@ -342,12 +342,14 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--results", default=str(HERE / "results"))
     parser.add_argument("--work", default=str(ROOT / "outputs" / "sweep"))
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: the sweep file's [sweep] threads, or 2)")
     args = parser.parse_args()
 
     import torch
 
     sweep = load_sweep(args.sweep)
-    torch.set_num_threads(int(sweep["sweep"].get("threads", 2)))
+    torch.set_num_threads(args.threads or int(sweep["sweep"].get("threads", 2)))
     out = Path(args.results) / sweep["name"]
     out.mkdir(parents=True, exist_ok=True)
     saved_path = out / "results.json"
