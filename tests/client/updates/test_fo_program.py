@@ -1,7 +1,8 @@
 """A node that trains through ExecuTorch (node config ``trainer = "executorch"``): the same
 protocol, the same result as an eager node, and a clear refusal for what the program lacks.
 
-The test marked ``executorch`` runs in ``.venv-executorch`` (``make test`` runs it there).
+The tests marked ``executorch`` run in ``.venv-executorch`` (``make test`` runs them there, and
+``make test-slow`` those also marked ``slow``: SmolLM2, real SuperNodes).
 """
 
 from __future__ import annotations
@@ -253,6 +254,7 @@ def program_round(tmp_path: Path, rule: str, lr: float, steps: int) -> dict:
 
 
 @pytest.mark.executorch
+@pytest.mark.slow
 def test_a_smollm2_round_through_the_program_fits_its_estimate_and_equals_the_eager_rule(
         tmp_path):
     row = program_round(tmp_path, "fo", 1e-4, 2)

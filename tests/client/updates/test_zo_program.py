@@ -2,7 +2,8 @@
 eager rule (units, z, seed log), each loss from the runtime; a federation with such a node ends
 where the all-eager one does.
 
-The tests run in ``.venv-executorch`` (``make test`` runs them there).
+The tests run in ``.venv-executorch`` (``make test`` runs them there; the SmolLM2 one, marked
+``slow``, ``make test-slow``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def test_a_lezo_federation_with_an_executorch_node_ends_where_the_all_eager_one_
 
 
 @pytest.mark.executorch
+@pytest.mark.slow
 def test_a_smollm2_lezo_round_through_the_forward_program_fits_its_estimate_and_follows_eager(
         tmp_path):
     row = program_round(tmp_path, "lezo", 1e-5, 4)
