@@ -61,7 +61,7 @@ def test_adamw_steps_through_the_program_equal_eager_pytorchs(exported):
 
 
 @pytest.mark.executorch
-def test_around_a_tied_embedding_the_head_trains_as_eager_and_the_embedding_is_refused(
+def test_around_a_tied_embedding_the_head_trains_and_the_embedding_only_through_its_forward(
         tmp_path):
     # Prepare: tiny-llama's output projection is its input embedding (one tensor, two names)
     model = load_model("tiny-llama")
@@ -78,6 +78,14 @@ def test_around_a_tied_embedding_the_head_trains_as_eager_and_the_embedding_is_r
         export_block(model, blocks, "embed", tmp_path, name="tiny-llama", base_hash="h",
                      batch=BATCH, seq=SEQ)
     assert not (tmp_path / "embed.pte").exists()
+    # its forward program takes the embedding as an input that the head reads too: eager
+    # PyTorch's loss at a perturbed embedding (the tied head perturbed with it), and no second
+    # copy of the embedding among the program's weights
+    entry = export_block(model, blocks, "embed", tmp_path, name="tiny-llama", base_hash="h",
+                         batch=BATCH, seq=SEQ, kind="forward")
+    assert list(entry.trainable) == ["model.model.embed_tokens.weight"]
+    assert not [n for n in entry.constants if "embed_tokens" in n or "lm_head" in n]
+    assert_forward_scores_as_eager(model, blocks, "embed", tmp_path, entry)
 
 
 def assert_steps_equal_eager(model, blocks, block, out, entry) -> None:
@@ -123,6 +131,22 @@ def test_the_forward_program_scores_the_block_tensors_it_is_given_as_eager_pytor
     model, blocks, block, out, _ = exported
     entry = export_block(model, blocks, block, out, name="m", base_hash="h", batch=BATCH,
                          seq=SEQ, kind="forward")
+    assert_forward_scores_as_eager(model, blocks, block, out, entry)
+    # Assert: the block's tensors are not in the weights file; both programs listed under their
+    # kinds
+    own = sorted(blocks.info(block).param_names)
+    assert list(entry.trainable) == [f"model.{n}" for n in own]
+    assert not set(entry.trainable) & set(entry.constants)
+    assert (out / f"{block}.forward.pte").is_file() and entry.kind == "forward"
+    assert block in read_manifest(out) and read_manifest(out, "forward")[block] == entry
+    assert read_manifest(out)[block].kind == "fo"
+    with pytest.raises(ExecuTorchError, match="not a forward"):
+        ProgramLoss(out, read_manifest(out)[block], named_tensors(model))
+
+
+def assert_forward_scores_as_eager(model, blocks, block, out, entry) -> None:
+    """The forward program's loss equals eager PyTorch's at the model's own block tensors and at
+    perturbed ones (set into a twin of the model), and differs between the two."""
     own = sorted(blocks.info(block).param_names)
     params = dict(model.named_parameters())
     g = torch.Generator().manual_seed(3)
@@ -142,17 +166,9 @@ def test_the_forward_program_scores_the_block_tensors_it_is_given_as_eager_pytor
                 found.append((ours, float(WithLMLoss(twin)(ids, mask, targets))))
     scorer.close()
 
-    # Assert: eager's loss each time; the block's tensors are not in the weights file; both
-    # programs listed under their kinds
+    # Assert: eager's loss each time, and the perturbation seen
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in found), found
     assert found[0][0] != found[1][0]
-    assert list(entry.trainable) == [f"model.{n}" for n in own]
-    assert not set(entry.trainable) & set(entry.constants)
-    assert (out / f"{block}.forward.pte").is_file() and entry.kind == "forward"
-    assert block in read_manifest(out) and read_manifest(out, "forward")[block] == entry
-    assert read_manifest(out)[block].kind == "fo"
-    with pytest.raises(ExecuTorchError, match="not a forward"):
-        ProgramLoss(out, read_manifest(out)[block], named_tensors(model))
 
 
 @pytest.mark.executorch

@@ -51,6 +51,21 @@ def lm_batches(vocab: int, seed: int = 0) -> list:
 ])
 def test_zeroth_order_steps_through_the_forward_program_follow_the_eager_rule(
         family, program, eager_name, options, tmp_path):
+    assert_program_follows_eager(family, 1, program, eager_name, options, tmp_path)
+
+
+@pytest.mark.executorch
+def test_lezo_on_a_tied_embedding_through_the_forward_program_follows_the_eager_rule(tmp_path):
+    # tiny-llama's output projection is its input embedding: the perturbed embedding reaches
+    # the head inside the program as in the model
+    assert load_model("tiny-llama").config.tie_word_embeddings
+    assert_program_follows_eager("tiny-llama", 0, ProgramLeZO, "lezo", {"lezo-density": 0.5},
+                                 tmp_path)
+
+
+def assert_program_follows_eager(family, index, program, eager_name, options, tmp_path) -> None:
+    """``STEPS`` steps of ``program`` on block ``index`` (of two layers a block) follow the
+    eager rule ``eager_name``'s."""
     from fedcybgd.model.layerwise import LayerStack
 
     # Prepare: the same model, block, batches and seed both ways
@@ -58,7 +73,7 @@ def test_zeroth_order_steps_through_the_forward_program_follow_the_eager_rule(
     for p in model.parameters():
         p.requires_grad_(False)
     blocks = BlockMap(model, 2)
-    block = blocks.names[1]
+    block = blocks.names[index]
     twin = copy.deepcopy(model)
     start = {n: t.clone() for n, t in blocks.get(model, block).items()}
     batches = lm_batches(int(model.config.vocab_size))
