@@ -198,16 +198,33 @@ def train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 def native_libraries_mb() -> dict[str, float]:
     """The size on disk of the native libraries this process has mapped, by package: what a
     node's training step loads of torch and of ExecuTorch's runtime (``/proc/self/maps``)."""
+    import importlib.util
     import os
 
-    seen: dict[str, set[str]] = {"torch": set(), "executorch": set()}
+    roots = {}
+    for package in ("torch", "executorch"):
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            roots[package] = str(Path(next(iter(spec.submodule_search_locations))).resolve())
+    seen: dict[str, set[str]] = {package: set() for package in ("torch", "executorch")}
     for line in Path("/proc/self/maps").read_text().splitlines():
         path = line.split()[-1] if len(line.split()) >= 6 else ""
-        for package in seen:
-            if f"/site-packages/{package}/" in path and ".so" in path:
+        for package, root in roots.items():
+            if path.startswith(root + "/") and ".so" in path:
                 seen[package].add(path)
     return {package: sum(os.path.getsize(p) for p in paths) / 2**20
             for package, paths in seen.items()}
+
+
+def installed_mb() -> dict[str, float]:
+    """The size on disk of the torch and ExecuTorch packages as installed here: what a node that
+    trains through the runtime installs of each."""
+    import executorch
+
+    folders = {"torch": Path(torch.__file__).parent,
+               "executorch": Path(next(iter(executorch.__path__)))}
+    return {name: sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
+            for name, folder in folders.items()}
 
 
 def bindings_need_torch() -> dict[str, list[str]]:
@@ -387,7 +404,7 @@ def main() -> None:
               "time": time.strftime("%Y-%m-%d %H:%M"),
               "command": "python experiments/executorch_node.py " + " ".join(sys.argv[1:]),
               "args": {k: str(v) for k, v in vars(args).items()}, "export": exported,
-              "bindings_need_torch": bindings_need_torch(),
+              "bindings_need_torch": bindings_need_torch(), "installed_mb": installed_mb(),
               "side_by_side": summary, "trained_block": compare(args), "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
     name = "node" + ("" if args.rule == "fo" else f"-{args.rule}") + \
@@ -432,6 +449,16 @@ def write_table(out: Path) -> None:
         result = json.loads(path.read_text())
         for binding, libraries in result.get("bindings_need_torch", {}).items():
             needs[(result["machine"].split(",")[0], binding)] = libraries
+    installs = {}
+    for path in sorted(out.glob("node*.json")):
+        result = json.loads(path.read_text())
+        if "installed_mb" in result:
+            installs[result["machine"].split(",")[0]] = result["installed_mb"]
+    if installs:
+        lines += ["", "Installed size of the packages a node training through ExecuTorch needs: " +
+                  "; ".join(f"{machine}: torch {mb['torch']:,.0f} MB, ExecuTorch "
+                            f"{mb['executorch']:,.0f} MB" for machine, mb in sorted(
+                                installs.items())) + "."]
     if needs:
         lines += ["", "Torch libraries the runtime's Python bindings load (`ldd`), so a node "
                   "training through them needs torch installed: " + "; ".join(
