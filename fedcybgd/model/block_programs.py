@@ -32,16 +32,17 @@ missing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -204,14 +205,12 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
         raise ExecuTorchError(f"no block program of kind {kind!r}; kinds: {', '.join(KINDS)}")
     own = sorted(blocks.info(block).param_names)
     # A forward program takes the block's tensors as inputs and hands them to every name that
-    # shares them (functional_call ties them), so a tied embedding perturbs as in the model; the
-    # training step's export would give each name its own gradient.
-    tied = tied_weights(model, set(own)) if kind == "fo" else []
-    if tied:
-        raise ExecuTorchError(
-            f"block {block} holds {tied[0][0]}, which the model ties to {tied[0][1]}: the "
-            "training-step program trains no tied weight (the export gives each name its own "
-            "gradient); its forward program does (lezo, mezo)")
+    # shares them (functional_call ties them). The training step's export would lift each name
+    # as a parameter of its own, so for a tied head it runs with the head reading the embedding
+    # (one parameter, its gradient the sum of both uses, as in the model).
+    if kind == "fo" and tied_weights(model, set(own)):
+        _check_tied_head(model, block)
+
     lowered = _lower(model, own, batch, seq, kind)
     out.mkdir(parents=True, exist_ok=True)
     program = out / KINDS[kind].format(block=block)
@@ -237,6 +236,48 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
     return entry
 
 
+class TiedHead(nn.Module):
+    """The output projection of a model whose head is its input embedding, as a module with no
+    parameter of its own: it reads the embedding's weight, so an export lifts that tensor once."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        # read at each call (an export swaps the embedding's parameter for its own), held
+        # outside the module's registry so the weight has no second name
+        self._read: Callable[[], torch.Tensor] = lambda: cast(torch.Tensor, embedding.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self._read())
+
+
+def _check_tied_head(model: PreTrainedModel, block: str) -> None:
+    """Refuse a tied head the training-step program cannot carry as :class:`TiedHead`: one that
+    is not a plain bias-free ``nn.Linear`` reading the input embedding's weight."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if not (type(head) is nn.Linear and head.bias is None
+            and head.weight is getattr(embedding, "weight", None)):
+        raise ExecuTorchError(
+            f"block {block} holds a weight tied between {type(embedding).__name__} and "
+            f"{type(head).__name__}: the training-step program carries a tied head only as a "
+            "bias-free nn.Linear on the embedding's weight; its forward program trains it "
+            "(lezo, mezo)")
+
+
+@contextlib.contextmanager
+def _head_reading_embedding(model: PreTrainedModel) -> Iterator[None]:
+    """While exporting: a tied head replaced by :class:`TiedHead` (untied models unchanged)."""
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    if head is None or head.weight is not getattr(embedding, "weight", None):
+        yield
+        return
+    model.set_output_embeddings(TiedHead(embedding))
+    try:
+        yield
+    finally:
+        model.set_output_embeddings(head)
+
+
 def _lower(model: PreTrainedModel, own: list[str], batch: int, seq: int, kind: str) -> Any:
     """The ExecuTorch program of ``kind`` for the block of parameters ``own``, every weight
     outside it (``external_constants``)."""
@@ -252,7 +293,9 @@ def _lower(model: PreTrainedModel, own: list[str], batch: int, seq: int, kind: s
         if kind == "fo":
             for n, p in model.named_parameters():
                 p.requires_grad_(n in own)
-            joint = _export_forward_backward(export(WithLMLoss(model), example, strict=False))
+            with _head_reading_embedding(model):
+                exported = export(WithLMLoss(model), example, strict=False)
+            joint = _export_forward_backward(exported)
             rewrite_empty_permuted(joint.graph_module)
             config = ExecutorchBackendConfig(external_constants=True,
                                              external_mutable_weights=True)

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 from fedcybgd.core.checksum import content_checksum
 from fedcybgd.model.block_programs import (
@@ -61,32 +62,47 @@ def test_adamw_steps_through_the_program_equal_eager_pytorchs(exported):
 
 
 @pytest.mark.executorch
-def test_around_a_tied_embedding_the_head_trains_and_the_embedding_only_through_its_forward(
-        tmp_path):
+def test_a_tied_embedding_trains_through_both_programs_as_eager(tmp_path):
     # Prepare: tiny-llama's output projection is its input embedding (one tensor, two names)
     model = load_model("tiny-llama")
     assert model.config.tie_word_embeddings
     blocks = BlockMap(model, 1)
-    # Execute / Assert: the head block (the final norm) exports and trains as eager PyTorch
+    assert tied_weights(model, {"model.embed_tokens.weight"}) == [
+        ("model.embed_tokens.weight", "lm_head.weight")]
+    # Execute / Assert: the head block (the final norm) trains as eager PyTorch
     entry = export_block(model, blocks, "head", tmp_path, name="tiny-llama", base_hash="h",
                          batch=BATCH, seq=SEQ)
     assert_steps_equal_eager(model, blocks, "head", tmp_path, entry)
-    # the embedding block is refused by name: the export would train its two names apart
-    assert tied_weights(model, {"model.embed_tokens.weight"}) == [
-        ("model.embed_tokens.weight", "lm_head.weight")]
-    with pytest.raises(ExecuTorchError, match=r"embed_tokens\.weight.*ties to lm_head"):
-        export_block(model, blocks, "embed", tmp_path, name="tiny-llama", base_hash="h",
-                     batch=BATCH, seq=SEQ)
-    assert not (tmp_path / "embed.pte").exists()
+    # the embedding's training step: one parameter, its gradient the sum of its two uses (the
+    # lookup and the head) as in the model; no second copy of it under the head's name among
+    # the program's weights, and the model's head tied again after the export
+    entry = export_block(model, blocks, "embed", tmp_path, name="tiny-llama", base_hash="h",
+                         batch=BATCH, seq=SEQ)
+    assert list(entry.trainable) == ["model.model.embed_tokens.weight"]
+    assert not [n for n in entry.constants if "lm_head" in n]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert_steps_equal_eager(model, blocks, "embed", tmp_path, entry)
     # its forward program takes the embedding as an input that the head reads too: eager
-    # PyTorch's loss at a perturbed embedding (the tied head perturbed with it), and no second
-    # copy of the embedding among the program's weights
+    # PyTorch's loss at a perturbed embedding (the tied head perturbed with it)
     entry = export_block(model, blocks, "embed", tmp_path, name="tiny-llama", base_hash="h",
                          batch=BATCH, seq=SEQ, kind="forward")
     assert list(entry.trainable) == ["model.model.embed_tokens.weight"]
     assert not [n for n in entry.constants if "embed_tokens" in n or "lm_head" in n]
     assert_forward_scores_as_eager(model, blocks, "embed", tmp_path, entry)
 
+
+@pytest.mark.executorch
+def test_a_tied_head_the_training_step_cannot_carry_is_refused_by_name(tmp_path):
+    # Prepare: a tied head with a bias of its own (not a plain projection on the embedding)
+    model = load_model("tiny-llama")
+    head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    head.weight = model.model.embed_tokens.weight
+    model.lm_head = head
+    # Execute / Assert: refused before anything is exported, naming what it can carry
+    with pytest.raises(ExecuTorchError, match=r"bias-free nn\.Linear.*forward program"):
+        export_block(model, BlockMap(model, 1), "embed", tmp_path, name="tiny-llama",
+                     base_hash="h", batch=BATCH, seq=SEQ)
+    assert not list(tmp_path.iterdir())
 
 def assert_steps_equal_eager(model, blocks, block, out, entry) -> None:
     """``STEPS`` AdamW steps on ``block`` through its program and in eager PyTorch: the same
