@@ -373,7 +373,12 @@ def main() -> None:
     parser.add_argument("--platform", default="", help="the image's platform, e.g. linux/arm64")
     parser.add_argument("--site", type=Path, default=None,
                         help="ExecuTorch's wheels unpacked for the image's platform")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite table.md from the JSONs in --out")
     args = parser.parse_args()
+    if args.report_only:
+        write_table(args.out)
+        return
     if args.in_image:
         in_image(args)
         return
@@ -418,7 +423,9 @@ def write_table(out: Path) -> None:
     """``table.md``: the side-by-side runs of every rule measured (``node*.json``)."""
     lines = ["# A SmolLM2 block through ExecuTorch against eager PyTorch, side by side", "",
              "Command: `.venv-executorch/bin/python experiments/executorch_node.py [--rule "
-             "lezo]` (each rule's JSON beside this file). Seconds a step: `fo` the median after "
+             "lezo] [--batch B --seq S] [--in-image IMAGE --platform linux/arm64 ...]` (each "
+             "row's command in its JSON beside this file; aarch64 rows ran under qemu, their "
+             "seconds are emulation's). Seconds a step: `fo` the median after "
              "the first, `lezo` the median over runs of a round's seconds over its steps (a step "
              "is two forwards); peak RSS: the process's; estimate: what a node's memory budget "
              "is held to; planned: the program's memory plan; libraries: the size on disk of the "
