@@ -208,8 +208,11 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
     # shares them (functional_call ties them). The training step's export would lift each name
     # as a parameter of its own, so for a tied head it runs with the head reading the embedding
     # (one parameter, its gradient the sum of both uses, as in the model).
-    if kind == "fo" and tied_weights(model, set(own)):
-        _check_tied_head(model, block)
+    if kind == "fo" and tied_weights(model, set(own)) and not _plain_tied_head(model):
+        raise ExecuTorchError(
+            f"block {block} holds a weight the model ties to another name: the training-step "
+            "program carries a tie only between the input embedding and a bias-free nn.Linear "
+            "head; its forward program trains it (lezo, mezo)")
 
     lowered = _lower(model, own, batch, seq, kind)
     out.mkdir(parents=True, exist_ok=True)
@@ -250,28 +253,23 @@ class TiedHead(nn.Module):
         return F.linear(hidden, self._read())
 
 
-def _check_tied_head(model: PreTrainedModel, block: str) -> None:
-    """Refuse a tied head the training-step program cannot carry as :class:`TiedHead`: one that
-    is not a plain bias-free ``nn.Linear`` reading the input embedding's weight."""
+def _plain_tied_head(model: PreTrainedModel) -> bool:
+    """Whether the model's head is a bias-free ``nn.Linear`` on its input embedding's weight
+    (what :class:`TiedHead` computes)."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if not (type(head) is nn.Linear and head.bias is None
-            and head.weight is getattr(embedding, "weight", None)):
-        raise ExecuTorchError(
-            f"block {block} holds a weight tied between {type(embedding).__name__} and "
-            f"{type(head).__name__}: the training-step program carries a tied head only as a "
-            "bias-free nn.Linear on the embedding's weight; its forward program trains it "
-            "(lezo, mezo)")
+    return (type(head) is nn.Linear and head.bias is None
+            and head.weight is getattr(embedding, "weight", None))
 
 
 @contextlib.contextmanager
 def _head_reading_embedding(model: PreTrainedModel) -> Iterator[None]:
-    """While exporting: a tied head replaced by :class:`TiedHead` (untied models unchanged)."""
-    head = model.get_output_embeddings()
-    embedding = model.get_input_embeddings()
-    if head is None or head.weight is not getattr(embedding, "weight", None):
+    """While exporting: a plainly tied head replaced by :class:`TiedHead` (any other model
+    unchanged)."""
+    if not _plain_tied_head(model):
         yield
         return
-    model.set_output_embeddings(TiedHead(embedding))
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(TiedHead(model.get_input_embeddings()))
     try:
         yield
     finally:
