@@ -68,7 +68,7 @@ from fedcybgd.memory.estimate import (
     measured_runtime_mb,
     weights_mb,
 )
-from fedcybgd.model.block_programs import ExecuTorchError, require_executorch, tied_weights
+from fedcybgd.model.block_programs import ExecuTorchError, require_executorch, tie_refusal
 from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
@@ -538,10 +538,11 @@ def check_trainer(rnd: Round) -> None:
     recompute = rnd.rule_name == "fo" and FoOptions.from_options(rnd.options).recompute
     reason = unsupported(rnd.rule_name, run.task_kind, rnd.privacy is not None, frozen,
                          rnd.device.type, recompute)
-    tied = tied_weights(rnd.cm.model, set(rnd.cm.blocks.info(rnd.ins.block).param_names))
-    if reason is None and tied:
-        reason = (f"block {rnd.ins.block} holds {tied[0][0]}, tied to {tied[0][1]} (a block "
-                  "program trains no tied weight yet)")
+    if reason is None:  # a weight the block shares with another name (a tied embedding)
+        tie = tie_refusal(rnd.cm.model, rnd.cm.blocks.info(rnd.ins.block).param_names,
+                          PROGRAM_RULES.get(rnd.rule_name).kind)
+        if tie is not None:
+            reason = f"block {rnd.ins.block} {tie}"
     try:
         require_executorch()
     except ExecuTorchError as err:

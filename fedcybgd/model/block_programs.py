@@ -39,7 +39,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -54,7 +54,7 @@ from fedcybgd.model.blocks import BlockMap
 __all__ = ["KINDS", "BlockProgram", "ExecuTorchError", "ProgramLoss", "ProgramTrainer",
            "WithBlockInputs", "WithLMLoss", "export_block", "export_programs", "lm_inputs",
            "logits_mb", "named_tensors", "program_intact", "read_manifest", "require_executorch",
-           "rewrite_empty_permuted", "runtime_key", "tied_weights", "write_weights"]
+           "rewrite_empty_permuted", "runtime_key", "tie_refusal", "tied_weights", "write_weights"]
 
 PREFIX = "model."  # the wrapper's attribute: program names are "model." + the model's own
 IGNORE = -100  # a target the loss skips (a padded position)
@@ -208,11 +208,9 @@ def export_block(model: PreTrainedModel, blocks: BlockMap, block: str, out: Path
     # shares them (functional_call ties them). The training step's export would lift each name
     # as a parameter of its own, so for a tied head it runs with the head reading the embedding
     # (one parameter, its gradient the sum of both uses, as in the model).
-    if kind == "fo" and tied_weights(model, set(own)) and not _plain_tied_head(model):
-        raise ExecuTorchError(
-            f"block {block} holds a weight the model ties to another name: the training-step "
-            "program carries a tie only between the input embedding and a bias-free nn.Linear "
-            "head; its forward program trains it (lezo, mezo)")
+    refused = tie_refusal(model, own, kind)
+    if refused:
+        raise ExecuTorchError(f"block {block} {refused}")
 
     lowered = _lower(model, own, batch, seq, kind)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,6 +249,20 @@ class TiedHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self._read())
+
+
+def tie_refusal(model: PreTrainedModel, names: Iterable[str], kind: str) -> str | None:
+    """Why a block of the parameters ``names`` cannot have a program of ``kind`` for a weight
+    it shares with another name, or ``None``. A forward program takes the block's tensors as
+    inputs and hands them to every name that shares them (:class:`WithBlockInputs`); a training
+    step carries a tie only between the input embedding and a bias-free ``nn.Linear`` head
+    (exported as :class:`TiedHead`: one parameter, its gradient summing both uses)."""
+    tied = tied_weights(model, set(names))
+    if kind != "fo" or not tied or _plain_tied_head(model):
+        return None
+    return (f"holds {tied[0][0]}, which the model ties to {tied[0][1]}: the training-step "
+            "program carries a tie only between the input embedding and a bias-free nn.Linear "
+            "head; its forward program trains it (lezo, mezo)")
 
 
 def _plain_tied_head(model: PreTrainedModel) -> bool:

@@ -67,16 +67,16 @@ def _final(config: dict, tmp_path: Path, trainers: list[str]) -> tuple[dict, lis
     return load_file(final), rows
 
 
-def assert_a_mixed_federation_ends_where_the_eager_one_does(config: dict, tmp_path: Path,
-                                                            tolerance: float) -> None:
-    """Run ``config`` with two eager nodes, then with node 0 on ExecuTorch: both trained every
-    round with the same losses (1e-4), the same tensors changed, and the final models within
-    ``tolerance`` of what training changed."""
+def assert_a_mixed_federation_ends_where_the_eager_one_does(
+        config: dict, tmp_path: Path, tolerance: float,
+        trainers: tuple[str, str] = ("executorch", "eager")) -> set[str]:
+    """Run ``config`` with two eager nodes, then with ``trainers`` (node 0 on ExecuTorch): both
+    trained every round with the same losses (1e-4), the same tensors changed, and the final
+    models within ``tolerance`` of what training changed. Returns the changed tensors' names."""
     from fedcybgd.model.loading import load_model
 
     eager, eager_rows = _final(copy.deepcopy(config), tmp_path / "eager", ["eager", "eager"])
-    mixed, mixed_rows = _final(copy.deepcopy(config), tmp_path / "mixed",
-                               ["executorch", "eager"])
+    mixed, mixed_rows = _final(copy.deepcopy(config), tmp_path / "mixed", list(trainers))
     base = dict(load_model("tiny-llama").named_parameters())
     assert [r["round"] for r in mixed_rows] == [0, 1, 2]
     assert all(r["train_loss"] is not None for r in mixed_rows[1:])
@@ -88,6 +88,7 @@ def assert_a_mixed_federation_ends_where_the_eager_one_does(config: dict, tmp_pa
     diff = sum(float((mixed[n] - eager[n]).norm() ** 2) for n in changed) ** 0.5
     size = sum(float((eager[n] - base[n]).norm() ** 2) for n in changed) ** 0.5
     assert diff <= tolerance * size, (diff, size)
+    return changed
 
 
 @pytest.mark.executorch
@@ -104,6 +105,24 @@ def test_a_federation_with_an_executorch_node_ends_where_the_all_eager_one_does(
     assert any((tmp_path / "mixed" / "cache-0").rglob("*.pte"))
     assert not any((tmp_path / "mixed" / "cache-1").rglob("*.pte"))
 
+
+@pytest.mark.executorch
+@pytest.mark.parametrize("rule", ["fo", "lezo"])
+def test_a_tied_embedding_trains_on_executorch_nodes_as_on_eager_ones(rule, tiny_run_config,
+                                                                      tmp_path):
+    # Prepare: tiny Llama's head is its input embedding; the embedding is trained (round 1
+    # assigns the embed block and layer.0 to the two nodes, both on ExecuTorch)
+    folder = write_books(tmp_path / "books", books=8, lines=12)
+    config = {**tiny_run_config, "task": "lm", "dataset": str(folder), "max-seq-len": 32,
+              "eval-examples": 6, "train-embeddings": True, "update-rule": rule,
+              "upload-codec": "fp32", "download-codec": "fp32"}
+    # Execute / Assert: the embed block's program exported and trained (fo: its training step,
+    # lezo: its forward program), the run ends where the all-eager one does
+    changed = assert_a_mixed_federation_ends_where_the_eager_one_does(
+        config, tmp_path, 1e-3 if rule == "fo" else 1e-2, ("executorch", "executorch"))
+    assert "model.embed_tokens.weight" in changed
+    program = "embed.pte" if rule == "fo" else "embed.forward.pte"
+    assert any((tmp_path / "mixed").rglob(program))
 
 @pytest.mark.executorch
 def test_a_memory_budget_below_what_the_program_needs_is_refused_by_name(tiny_run_config,
