@@ -99,9 +99,9 @@ demo: install
 
 # Two tiers. `make test` is what every change is checked against: unit tests and in-process
 # federations of tiny random models (the ServerApp and the ClientApp over the loopback Grid),
-# under 15 minutes on 2 cores. `make test-slow` holds the tests marked `slow`: whole Flower
+# about 6 minutes on 2 cores. `make test-slow` holds the tests marked `slow`: whole Flower
 # runtimes in their own processes (flwr run, real SuperLink and SuperNodes, the launcher, the
-# process grid) and the real SmolLM2 model, where memory or quality is the point: about 25
+# process grid) and the real SmolLM2 model, where memory or quality is the point: about 23
 # minutes on 2 cores. CI runs both (.ci/run); `make test-all` runs both here.
 # Three workers (pytest-xdist) on a 2-core machine, each test file on one of them (its module
 # fixtures built once): many tests wait with a core idle (Flower's 60 s heartbeat expiry after
