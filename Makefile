@@ -160,7 +160,7 @@ test-flower-next:
 	FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 $(NEXT_VENV)/bin/python -m pytest -q $(FLOWER_NEXT_TESTS)
 
 lint: install
-	$(BIN)/ruff check fedcybgd tests experiments
+	$(BIN)/ruff check fedcybgd tests experiments scripts
 	$(BIN)/mypy fedcybgd
 	$(BIN)/fedcybgd config-docs --check
 
