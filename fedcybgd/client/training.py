@@ -63,12 +63,18 @@ from fedcybgd.core.checksum import content_checksum
 from fedcybgd.core.measure import PeakMemory, cgroup_memory, rss_bytes
 from fedcybgd.data.prompts import Batch
 from fedcybgd.memory.estimate import (
+    RULE_ORDER,
     estimate_peak_mb,
     fitting_rule_options,
     measured_runtime_mb,
     weights_mb,
 )
-from fedcybgd.model.block_programs import ExecuTorchError, require_executorch, tie_refusal
+from fedcybgd.model.block_programs import (
+    BlockProgram,
+    ExecuTorchError,
+    require_executorch,
+    tie_refusal,
+)
 from fedcybgd.model.devices import node_device, to_cpu
 from fedcybgd.model.loading import cache_root
 from fedcybgd.model.precision import Precision
@@ -550,37 +556,56 @@ def check_trainer(rnd: Round) -> None:
     if reason is not None:
         raise rnd.answer(protocol.REFUSED, f"trainer = 'executorch' (node config) cannot "
                                            f"train this round: {reason}")
-    if not rnd.node.memory_budget_mb:
-        return
-    # With a budget, the program's own figures decide (the block's program is exported now if
-    # the node has none yet: its export, once a block, is not held to the budget).
-    cm, block = rnd.cm, rnd.ins.block
+    if rnd.node.memory_budget_mb:
+        fit_program_budget(rnd)
+
+
+def fit_program_budget(rnd: Round) -> None:
+    """With a budget, the programs' own figures decide: the round's rule if its program fits,
+    else the next smaller rule the programs run (``fo`` -> ``lezo``, each at the round's options
+    and then lean ones), as :func:`fit_memory_budget` falls back on the eager estimates. A
+    block's program is exported when the node has none yet (its export, once a block, is not
+    held to the budget). Nothing fits: rejected, naming what the asked rule's program needs."""
+    cm, block, budget = rnd.cm, rnd.ins.block, rnd.node.memory_budget_mb
     runtime = measured_runtime_mb(cm.shape, cm.blocks, rnd.precision, rss_bytes() / 2**20)
-    rule = program_rule(rnd)
-    try:
-        entry = rule.program(cm.model, cm.blocks, block)
-    except ExecuTorchError as err:
-        raise rnd.answer(protocol.REFUSED, f"trainer = 'executorch' (node config): {err}",
-                         store=False) from None
     held = weights_mb(cm.shape, cm.blocks, block, rnd.precision)
-    need = rule.need_mb(entry, held, runtime, rnd.options)
-    if need > rnd.node.memory_budget_mb:
-        raise rnd.answer(
-            protocol.REJECTED,
-            f"memory-budget-mb = {rnd.node.memory_budget_mb:.0f} is below what block {block}'s "
-            f"ExecuTorch program needs, about {need:.0f} MB ({runtime:.0f} MB of it this "
-            f"process's runtime, {entry.planned_bytes / 2**20:.0f} MB planned by the program "
-            f"for a {'step' if entry.kind == 'fo' else 'forward'})", store=False)
+    order = [rnd.rule_name]
+    if rnd.rule_name in RULE_ORDER:  # the smaller rules a program runs, as the eager fallback
+        order += [r for r in RULE_ORDER[RULE_ORDER.index(rnd.rule_name) + 1:]
+                  if r in PROGRAM_RULES.names()]
+    needs: list[tuple[float, BlockProgram]] = []  # what each program tried needs
+    for name in order:
+        rule = program_rule(rnd, name)
+        try:
+            entry = rule.program(cm.model, cm.blocks, block)
+        except ExecuTorchError as err:
+            raise rnd.answer(protocol.REFUSED, f"trainer = 'executorch' (node config): {err}",
+                             store=False) from None
+        for options in (rnd.options, {**rnd.options, **LEAN_OPTIONS}):
+            need = rule.need_mb(entry, held, runtime, options)
+            if need <= budget:
+                rnd.rule_name, rnd.options = name, dict(options)
+                return
+            needs.append((need, entry))
+    need, entry = needs[0]  # the asked rule's, at the round's options
+    raise rnd.answer(
+        protocol.REJECTED,
+        f"memory-budget-mb = {budget:.0f} is below what block {block}'s ExecuTorch program "
+        f"needs, about {need:.0f} MB ({runtime:.0f} MB of it this process's runtime, "
+        f"{entry.planned_bytes / 2**20:.0f} MB planned by the program for a "
+        f"{'step' if entry.kind == 'fo' else 'forward'}), and no smaller rule's program fits",
+        store=False)
 
 
-def program_rule(rnd: Round) -> NodePrograms:
-    """The round's rule through the block's ExecuTorch program (node config
+def program_rule(rnd: Round, name: str | None = None) -> NodePrograms:
+    """The round's rule (or ``name``) through the block's ExecuTorch program (node config
     ``trainer = "executorch"``; :func:`check_trainer` has passed): ``fo`` through its training
     step, ``lezo``/``mezo`` through its forward program; the programs in the node's rule-state
     folder."""
     run = rnd.run
-    return PROGRAM_RULES.get(rnd.rule_name)(rnd.rule_state / "executorch", run.model,
-                                            rnd.cm.base_hash, run.batch_size, run.max_seq_len)
+    return PROGRAM_RULES.get(name or rnd.rule_name)(
+        rnd.rule_state / "executorch", run.model, rnd.cm.base_hash, run.batch_size,
+        run.max_seq_len)
 
 
 def upload_reply(rnd: Round, outcome: TrainOutcome, trained: dict[str, torch.Tensor],

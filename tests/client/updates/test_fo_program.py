@@ -125,13 +125,15 @@ def test_a_tied_embedding_trains_on_executorch_nodes_as_on_eager_ones(rule, tiny
     assert any((tmp_path / "mixed").rglob(program))
 
 @pytest.mark.executorch
-def test_a_memory_budget_below_what_the_program_needs_is_refused_by_name(tiny_run_config,
-                                                                          tmp_path):
+def test_a_memory_budget_moves_the_node_to_the_forward_program_or_refuses_by_name(
+        tiny_run_config, tmp_path):
     # Prepare: an lm run; a first round with no budget lets node 0 export its programs and
     # both nodes load what they hold between rounds (this process is both nodes)
     from fedcybgd.client.app import app as client_app
     from fedcybgd.client.updates.fo_program import ProgramFirstOrder
+    from fedcybgd.client.updates.zo_program import ProgramLeZO
     from fedcybgd.config import RunConfig
+    from fedcybgd.core.checksum import content_checksum
     from fedcybgd.core.measure import rss_bytes
     from fedcybgd.harness.loopback import LoopbackGrid
     from fedcybgd.memory.estimate import (
@@ -143,6 +145,7 @@ def test_a_memory_budget_below_what_the_program_needs_is_refused_by_name(tiny_ru
     from fedcybgd.model.block_programs import read_manifest
     from fedcybgd.model.blocks import BlockMap
     from fedcybgd.model.loading import load_model
+    from fedcybgd.rules.builtin import LEAN_OPTIONS
     from fedcybgd.tasks.build import build_task
     from tests.harness.test_loopback_run import make_strategy, play_round
 
@@ -162,10 +165,10 @@ def test_a_memory_budget_below_what_the_program_needs_is_refused_by_name(tiny_ru
     assert not strategy.excluded
     manifest = next((tmp_path / "cache-0").rglob("executorch/*/manifest.json"))
     entry = next(iter(read_manifest(manifest.parent).values()))
-    # a budget halfway between what eager fo needs and what the program needs (the program
-    # holds a second copy of the weights and plans its whole step), both on this process's
-    # runtime figure, taken as the node takes its own: everything loaded, the next round's
-    # strategy and grid made
+    # The budgets, on this process's runtime figure taken as the node takes its own (everything
+    # loaded, the next round's strategy and grid made): what eager fo needs, what the training
+    # step's program needs (a second copy of the weights, its whole step planned), and what the
+    # forward program needs for lezo at lean options (exported here into node 0's folder)
     _, strategy, _ = make_strategy(run)
     budgeted = grid(0.0)
     model = load_model("tiny-llama")
@@ -176,21 +179,35 @@ def test_a_memory_budget_below_what_the_program_needs_is_refused_by_name(tiny_ru
     runtime = measured_runtime_mb(shape, blocks, None, rss_bytes() / 2**20)
     eager = estimate_peak_mb(shape, blocks, "fo", entry.block, run.batch_size, run.max_seq_len,
                              None, run.options, scored, runtime)
-    program = ProgramFirstOrder.peak_mb(entry, held, runtime)
-    assert program - eager > 20, (program, eager)
-    budget = (program + eager) / 2
-    for context in budgeted.contexts.values():
-        if context.node_config["trainer"] == "executorch":
-            context.node_config["memory-budget-mb"] = budget
+    step = ProgramFirstOrder.peak_mb(entry, held, runtime)
+    lezo = ProgramLeZO(manifest.parent.parent, run.model,
+                       content_checksum(dict(model.named_parameters())), run.batch_size,
+                       run.max_seq_len)
+    forward = lezo.program(model, blocks, entry.block)
+    lean = lezo.need_mb(forward, held, runtime, {**run.options, **LEAN_OPTIONS})
+    assert step - max(eager, lean) > 20, (step, eager, lean)
 
-    # Execute: rounds with node 0 held to that budget
-    for server_round in (1, 2):
-        play_round(strategy, budgeted, server_round)
+    def hold_node_0_to(budget: float) -> None:
+        for context in budgeted.contexts.values():
+            if context.node_config["trainer"] == "executorch":
+                context.node_config["memory-budget-mb"] = budget
 
-    # Assert: node 0 was told why, by name, and left out; node 1 trained
+    # Execute: a round with node 0 held below the training step's program and above eager fo's
+    # estimate and the forward program's need
+    hold_node_0_to((step + max(eager, lean)) / 2)
+    play_round(strategy, budgeted, 2)
+
+    # Assert: node 0 trained, through the forward program (lezo), beside node 1's fo
+    assert not strategy.excluded, strategy.excluded
+    assert sorted(strategy.history[-1].update_rules) == ["fo", "lezo"]
+
+    # Execute / Assert: below the forward program's need too, node 0 is told why, by name, and
+    # left out; node 1 trains
+    hold_node_0_to(lean - 20)
+    play_round(strategy, budgeted, 3)
     assert "ExecuTorch program needs" in strategy.excluded[1001], strategy.excluded
     assert 1002 not in strategy.excluded
-    assert any(1002 in h.clients and not h.failed_blocks for h in strategy.history)
+    assert strategy.history[-1].update_rules == ["fo"]
 
 
 # One round of a rule through its block program in a fresh process, as a node's round after its
