@@ -588,13 +588,13 @@ def fit_program_budget(rnd: Round) -> None:
                 return
             needs.append((need, entry))
     need, entry = needs[0]  # the asked rule's, at the round's options
+    smaller = f", nor does {', '.join(order[1:])}'s" if len(order) > 1 else ""
     raise rnd.answer(
         protocol.REJECTED,
         f"memory-budget-mb = {budget:.0f} is below what block {block}'s ExecuTorch program "
         f"needs, about {need:.0f} MB ({runtime:.0f} MB of it this process's runtime, "
         f"{entry.planned_bytes / 2**20:.0f} MB planned by the program for a "
-        f"{'step' if entry.kind == 'fo' else 'forward'}), and no smaller rule's program fits",
-        store=False)
+        f"{'step' if entry.kind == 'fo' else 'forward'}){smaller}", store=False)
 
 
 def program_rule(rnd: Round, name: str | None = None) -> NodePrograms:
