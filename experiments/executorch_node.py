@@ -195,17 +195,26 @@ def train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def package_folders() -> dict[str, Path]:
+    """Where torch and ExecuTorch are installed in this environment (ExecuTorch is a namespace
+    package: its first search location)."""
+    import importlib.util
+
+    folders = {}
+    for package in ("torch", "executorch"):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(f"{package} is not installed in {sys.executable}'s environment")
+        folders[package] = Path(next(iter(spec.submodule_search_locations))).resolve()
+    return folders
+
+
 def native_libraries_mb() -> dict[str, float]:
     """The size on disk of the native libraries this process has mapped, by package: what a
     node's training step loads of torch and of ExecuTorch's runtime (``/proc/self/maps``)."""
-    import importlib.util
     import os
 
-    roots = {}
-    for package in ("torch", "executorch"):
-        spec = importlib.util.find_spec(package)
-        if spec is not None and spec.submodule_search_locations:
-            roots[package] = str(Path(next(iter(spec.submodule_search_locations))).resolve())
+    roots = {package: str(folder) for package, folder in package_folders().items()}
     seen: dict[str, set[str]] = {package: set() for package in ("torch", "executorch")}
     for line in Path("/proc/self/maps").read_text().splitlines():
         path = line.split()[-1] if len(line.split()) >= 6 else ""
@@ -219,21 +228,15 @@ def native_libraries_mb() -> dict[str, float]:
 def installed_mb() -> dict[str, float]:
     """The size on disk of the torch and ExecuTorch packages as installed here: what a node that
     trains through the runtime installs of each."""
-    import executorch
-
-    folders = {"torch": Path(torch.__file__).parent,
-               "executorch": Path(next(iter(executorch.__path__)))}
     return {name: sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
-            for name, folder in folders.items()}
+            for name, folder in package_folders().items()}
 
 
 def bindings_need_torch() -> dict[str, list[str]]:
     """The torch libraries each ExecuTorch Python binding loads (``ldd``, transitively):
     whether a node could train through the runtime without torch installed. Empty lists: it
     could."""
-    import executorch
-
-    root = Path(next(iter(executorch.__path__))) / "extension"
+    root = package_folders()["executorch"] / "extension"
     found: dict[str, list[str]] = {}
     for library in sorted([*root.glob("pybindings/_C*.so"),
                            *root.glob("training/pybindings/_training_lib*.so")]):

@@ -63,8 +63,8 @@ from fedcybgd.core.checksum import content_checksum
 from fedcybgd.core.measure import PeakMemory, cgroup_memory, rss_bytes
 from fedcybgd.data.prompts import Batch
 from fedcybgd.memory.estimate import (
-    RULE_ORDER,
     estimate_peak_mb,
+    fallback_order,
     fitting_rule_options,
     measured_runtime_mb,
     weights_mb,
@@ -569,10 +569,7 @@ def fit_program_budget(rnd: Round) -> None:
     cm, block, budget = rnd.cm, rnd.ins.block, rnd.node.memory_budget_mb
     runtime = measured_runtime_mb(cm.shape, cm.blocks, rnd.precision, rss_bytes() / 2**20)
     held = weights_mb(cm.shape, cm.blocks, block, rnd.precision)
-    order = [rnd.rule_name]
-    if rnd.rule_name in RULE_ORDER:  # the smaller rules a program runs, as the eager fallback
-        order += [r for r in RULE_ORDER[RULE_ORDER.index(rnd.rule_name) + 1:]
-                  if r in PROGRAM_RULES.names()]
+    order = fallback_order(rnd.rule_name, PROGRAM_RULES.names())  # as the eager fallback
     needs: list[tuple[float, BlockProgram]] = []  # what each program tried needs
     for name in order:
         rule = program_rule(rnd, name)

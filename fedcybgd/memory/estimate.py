@@ -218,6 +218,16 @@ def fitting_rule(*args: Any, **kwargs: Any) -> str | None:
     return None if fit is None else fit[0]
 
 
+def fallback_order(preferred: str, allowed: Sequence[str] | None = None) -> list[str]:
+    """The rules a memory budget tries, in order: ``preferred``, then those after it in
+    :data:`RULE_ORDER` (after a rule not in that order, such as a plug-in rule: all of it),
+    less those not in ``allowed`` (when given)."""
+    order = [preferred] + [r for r in RULE_ORDER if r != preferred]
+    if preferred in RULE_ORDER:
+        order = list(RULE_ORDER[RULE_ORDER.index(preferred):])
+    return order if allowed is None else [r for r in order if r in allowed]
+
+
 def fitting_rule_options(
     shape: ModelShape,
     blocks: BlockMap,
@@ -242,12 +252,7 @@ def fitting_rule_options(
     run_options = dict(options or {})
     if budget_mb <= 0:
         return preferred, run_options
-    order = [preferred] + [r for r in RULE_ORDER if r != preferred]
-    if preferred in RULE_ORDER:
-        order = list(RULE_ORDER[RULE_ORDER.index(preferred):])
-    if allowed is not None:
-        order = [r for r in order if r in allowed]
-    for rule in order:
+    for rule in fallback_order(preferred, allowed):
         for tried in (run_options, {**run_options, **LEAN_OPTIONS}):
             if estimate_peak_mb(shape, blocks, rule, block, batch_size, seq_len, precision,
                                 tried, scored_tokens, runtime_mb) <= budget_mb:
