@@ -94,7 +94,8 @@ def settings(method: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def planned_runs(sweep: dict[str, Any], only: set[str] | None) -> list[dict[str, Any]]:
-    """Every run of the sweep: id, method, setting, partition, seed and full run config."""
+    """Every run of the sweep in the file's order: id, method, setting, partition, seed and
+    full run config."""
     runs = []
     for method, spec in sweep["methods"].items():
         if only and method not in only:
@@ -107,6 +108,30 @@ def planned_runs(sweep: dict[str, Any], only: set[str] | None) -> list[dict[str,
                                  "method": method, "setting": setting, "partition": partition,
                                  "seed": seed, "config": config})
     return runs
+
+
+def middle_first(grid: dict[str, list[Any]]) -> list[int]:
+    """Positions in :func:`settings`' order, the grid's middle first and its corners last (by
+    the summed distance of each axis's value from that axis's middle)."""
+    positions = list(itertools.product(*(range(len(values)) for values in grid.values())))
+    centre = [(len(values) - 1) / 2 for values in grid.values()]
+    return sorted(range(len(positions)),
+                  key=lambda i: sum(abs(p - c) for p, c in zip(positions[i], centre,
+                                                               strict=True)))
+
+
+def run_order(sweep: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The order to run ``runs`` in: the methods take turns, each over its settings middle
+    first (:func:`middle_first`), so a sweep cut into pieces learns the most from its earliest
+    runs, every method's grid fills evenly, and a best at an edge shows once the edges are in."""
+    queues: dict[str, list[dict[str, Any]]] = {}
+    for method, spec in sweep["methods"].items():
+        names = [name for name, _ in settings(spec)]
+        rank = {names[p]: i for i, p in enumerate(middle_first(spec.get("grid", {})))}
+        mine = [run for run in runs if run["method"] == method]
+        queues[method] = sorted(mine, key=lambda run: rank[run["setting"]])  # stable: seeds
+    return [run for turn in itertools.zip_longest(*queues.values()) for run in turn
+            if run is not None]
 
 
 def run_one(plan: dict[str, Any], work: Path, nodes: int) -> dict[str, Any]:
@@ -364,7 +389,7 @@ def main() -> None:
                    f"{platform.python_version()}, torch {torch.__version__}",
         "time": ""}
     began = time.perf_counter()
-    for item in [] if args.report_only else planned_runs(sweep, only):
+    for item in [] if args.report_only else run_order(sweep, planned_runs(sweep, only)):
         done = results.get(item["id"])
         if args.resume and done and done["config"] == item["config"]:
             print(f"--- {item['id']}: done before, kept", flush=True)

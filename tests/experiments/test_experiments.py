@@ -569,6 +569,32 @@ def test_sweep_report_marks_each_methods_best_rate_at_every_evaluation(monkeypat
     assert table[1].endswith("| 0.200 / 0.800 **best** | 0.300 / 0.700 |")
 
 
+def test_a_sweep_runs_each_grid_middle_first_with_the_methods_taking_turns(monkeypatch):
+    # Prepare: one method over three rates, one over a 3 x 2 grid of bundles, one without a
+    # grid, two seeds each; the file's order is the report's
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import sweep
+
+    spec = {"sweep": {"partitions": ["iid"], "seeds": [0, 1]}, "base": {},
+            "methods": {"fo": {"grid": {"lr": [1e-4, 3e-4, 1e-3]}},
+                        "lora": {"grid": {"lr": [1e-3, 3e-3, 1e-2], "lora-rank": [8, 64]}},
+                        "full": {"lr": 1e-4}}}
+    runs = sweep.planned_runs(spec, None)
+    # Execute
+    order = [(r["method"], r["setting"], r["seed"]) for r in sweep.run_order(spec, runs)]
+    # Assert: every run once; each method's middle first, its corners last, seeds together
+    assert sorted(order) == sorted((r["method"], r["setting"], r["seed"]) for r in runs)
+    assert order[:3] == [("fo", "lr=0.0003", 0), ("lora", "lr=0.003 lora-rank=8", 0),
+                         ("full", "default", 0)]
+    fo = [setting for method, setting, _ in order if method == "fo"]
+    assert fo == ["lr=0.0003"] * 2 + ["lr=0.0001"] * 2 + ["lr=0.001"] * 2
+    lora = [setting for method, setting, seed in order if method == "lora" and seed == 0]
+    assert lora[:2] == ["lr=0.003 lora-rank=8", "lr=0.003 lora-rank=64"]
+    assert set(lora[2:]) == {f"lr={lr} lora-rank={rank}" for lr in ("0.001", "0.01")
+                             for rank in (8, 64)}
+    assert [(r["method"], r["seed"]) for r in runs][:6] == [("fo", 0), ("fo", 1)] * 3
+
+
 def test_a_results_files_commands_accumulate_once_each_in_the_order_first_run():
     # Prepare: a results file written before the list (one command), then two more invocations
     sys.path.insert(0, str(ROOT / "experiments"))
