@@ -526,7 +526,10 @@ def plot(results: dict[str, dict[str, Any]], out: Path,
     MB, vs client peak MB, vs cumulative client compute seconds and (where the runs saved their
     config) vs training examples seen;
     a curve per method (mean over seeds, the band their range), bounds as dashed lines (or,
-    against examples, their own curves)."""
+    against examples, their own curves). Where every run measured the reference text (an lm
+    task), one more panel sets each method's final held-out loss against its final reference
+    loss, the forgetting (mean over seeds, bars their range; the untrained model's reference
+    loss a dotted line)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -543,8 +546,10 @@ def plot(results: dict[str, dict[str, Any]], out: Path,
         metric = next(r.metric for runs in methods.values() for r in runs)
         by_examples = all(p.examples is not None for table in (methods, bounds)
                           for runs in table.values() for r in runs for p in r.points)
-        fig, axes = plt.subplots(1, 4 if by_examples else 3,
-                                 figsize=(22 if by_examples else 17, 5))
+        everyone = [r for table in (methods, bounds) for runs in table.values() for r in runs]
+        by_reference = all(p.reference is not None for r in everyone for p in r.points)
+        panels = 3 + by_examples + by_reference
+        fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 5))
         curves: list[tuple[Any, Callable[[Point], float]]] = [
             (axes[0], lambda p: p.mb), (axes[2], lambda p: p.client_s)]
         if by_examples:
@@ -574,9 +579,12 @@ def plot(results: dict[str, dict[str, Any]], out: Path,
                              "s--", color=colour[m], label=f"bound: {m}")
         xlabels = ["cumulative MB on the wire (payloads, down + up)", "client peak RSS (MB)",
                    "cumulative client compute (s, slowest client a round"
-                   + (", measured side by side)" if compute else ")"),
-                   "training examples seen (all nodes)"]
-        for ax, xlabel in zip(axes, xlabels, strict=False):
+                   + (", measured side by side)" if compute else ")")]
+        xlabels += ["training examples seen (all nodes)"] if by_examples else []
+        if by_reference:
+            forgetting_panel(axes[-1], {**methods, **bounds}, colour, metric)
+            xlabels.append("reference text's loss after training (the forgetting; nats/token)")
+        for ax, xlabel in zip(axes, xlabels, strict=True):
             ax.set_xlabel(xlabel)
             ax.set_ylabel(f"eval {metric.name}")
             ax.grid(alpha=0.3)
@@ -590,6 +598,21 @@ def plot(results: dict[str, dict[str, Any]], out: Path,
         plt.close(fig)
         saved.append(path)
     return saved
+
+
+def forgetting_panel(ax: Any, methods: dict[str, list[Run]], colour: dict[str, str],
+                     metric: Metric) -> None:
+    """Each method's final held-out quality against its final reference loss: mean over seeds,
+    bars the range both ways; the untrained model's reference loss a dotted line."""
+    for m, runs in methods.items():
+        ys = [metric.shown(r.final) for r in runs]
+        xs = [float(r.final.reference or 0.0) for r in runs]
+        ax.errorbar([mean(xs)], [mean(ys)], fmt="o", color=colour[m], capsize=4, label=m,
+                    xerr=[[mean(xs) - min(xs)], [max(xs) - mean(xs)]],
+                    yerr=[[mean(ys) - min(ys)], [max(ys) - mean(ys)]])
+    start = [float(r.points[0].reference or 0.0) for runs in methods.values() for r in runs]
+    ax.axvline(mean(start), color="grey", linestyle=":", label="untrained")
+    ax.legend(fontsize=7)
 
 
 def main() -> None:

@@ -274,6 +274,28 @@ def test_payoff_of_language_modelling_ranks_by_held_out_loss_clear_by_005_nats()
         table)
 
 
+def test_payoff_plot_of_language_modelling_sets_the_loss_beside_the_forgetting(tmp_path):
+    # Prepare: two methods, two seeds, each evaluated on the held-out and the reference text
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import payoff
+    from PIL import Image
+
+    runs = {}
+    for seed in (0, 1):
+        for r in (lm_run("full", seed, [4.8, 3.3], [0, 10], [4.3, 4.5]),
+                  lm_run("lora", seed, [4.8, 3.4], [0, 10], [4.3, 4.35], lora=True)):
+            runs[r["id"]] = r
+    # Execute
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    (with_reference,) = payoff.plot(runs, tmp_path / "a")
+    del next(iter(runs.values()))["records"][-1]["eval_reference_loss"]
+    (without,) = payoff.plot(runs, tmp_path / "b")
+    # Assert: one panel more (5.5 in. at 110 dpi) where every run measured the reference text
+    wide, narrow = Image.open(with_reference).size[0], Image.open(without).size[0]
+    assert (wide, narrow) == (4 * 605, 3 * 605)
+
+
 def test_payoff_learning_curve_names_the_leader_and_the_crossing_point(tmp_path):
     # Prepare: evaluations every 6 rounds of 2 nodes x 5 steps x batch 8 (80 examples a round,
     # 40 a client-round); LoRA leads at 12 and 24 client-rounds, full-parameter from 36 on,
