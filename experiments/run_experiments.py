@@ -8,7 +8,13 @@ Flower's FedAvg (full model, LoRA) and whole-stack MeZO with seed-log uploads.
     python experiments/run_experiments.py --profile payoff    # 3 seeds, bounds: payoff.md
 
 A profile (``experiments/configs/<name>.toml``) names the methods, the run config they share and
-the partitions to run them on. Each run is a real federated run: the ServerApp logic in this
+the partitions to run them on. A method may take its setting from a sweep's results instead of
+naming it: ``tuned-in = { sweep = "sweep-payoff-lm", methods = ["fo-l1", "fo-l3"] }`` runs the
+setting (layout and rate) with the lowest final validation loss among those sweep methods, once
+their grids have run, and refuses a run that differs from the sweep's in length, batch or
+schedule (``sweep.SHAPE_KEYS``): the rule that picks, not a number copied by hand.
+
+Each run is a real federated run: the ServerApp logic in this
 process (our FedCyBGD loop, or Flower's own ``FedAvg.start``), the ClientApp in one child
 process that plays every node (:class:`fedcybgd.harness.procgrid.ProcessGrid`), messages crossing as
 Flower protobuf bytes. So the traffic is the serialised messages and the client memory is the
@@ -46,8 +52,10 @@ CLIENT_APP = "fedcybgd.client.app:app"
 MB = 2**20
 
 
-def load_profile(name: str) -> dict[str, Any]:
-    """The profile's TOML, checked for the keys the runner needs."""
+def load_profile(name: str, results_root: Path = HERE / "results") -> dict[str, Any]:
+    """The profile's TOML, checked for the keys the runner needs, with every ``tuned-in``
+    method's setting taken from its sweep's results under ``results_root``
+    (:func:`tuned_settings`)."""
     path = Path(name) if name.endswith(".toml") else HERE / "configs" / f"{name}.toml"
     profile = tomllib.loads(path.read_text())
     for key in ("profile", "base", "methods"):
@@ -75,7 +83,41 @@ def load_profile(name: str) -> dict[str, Any]:
     if "seeds" in settings and int(profile["base"]["seed"]) not in settings["seeds"]:
         raise SystemExit(f"{path}: [profile] seeds must include the base seed")
     profile["name"] = path.stem
+    profile["tuned"] = tuned_settings(profile, results_root)
+    planned_runs(profile, None)  # a tuned setting that does not carry stops here, named
     return profile
+
+
+def tuned_settings(profile: dict[str, Any],
+                   results_root: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """Method -> partition -> its sweep's choice (``sweep.tuned``), for every method with a
+    ``tuned-in = { sweep = NAME, methods = [...], partition = P }`` table: the best setting
+    among those sweep methods (a layout and its rate, say) on partition ``P`` (default: each
+    partition the profile runs the method on; a bound needs one). The method's own keys apply
+    over the chosen ones."""
+    chosen: dict[str, dict[str, dict[str, Any]]] = {}
+    settings = profile["profile"]
+    for method, keys in profile["methods"].items():
+        spec = keys.get("tuned-in")
+        if spec is None:
+            continue
+        if set(spec) - {"sweep", "methods", "partition"} or not {"sweep", "methods"} <= set(spec):
+            raise SystemExit(f"method {method}: tuned-in takes sweep, methods and optionally "
+                             f"partition, not {sorted(spec)}")
+        from sweep import tuned  # experiments/ is on the path when run as a script
+
+        used = [p for p, methods in settings["partitions"].items() if method in methods]
+        if method in settings.get("bounds", []):
+            used.append(CENTRAL)
+        chosen[method] = {}
+        for partition in used:
+            swept = spec.get("partition", partition)
+            if swept == CENTRAL:
+                raise SystemExit(f"method {method}: a bound's tuned-in needs the sweep's "
+                                 "partition (partition = ...)")
+            chosen[method][partition] = tuned(spec["sweep"], list(spec["methods"]), swept,
+                                              results_root)
+    return chosen
 
 
 # Per-method keys for the harness, not the run config: `nodes` (the simulated clients; a
@@ -105,9 +147,18 @@ def planned_runs(profile: dict[str, Any], only: set[str] | None) -> list[dict[st
             return
         keys = dict(profile["methods"][method])
         harness = keys.pop("harness", {})
+        tuning = keys.pop("tuned-in", None)
+        choice = profile["tuned"][method][partition] if tuning else None
         bound = partition == CENTRAL
-        config = {**base, **tasks[task], **keys,
+        config = {**base, **tasks[task], **(choice["keys"] if choice else {}), **keys,
                   "partitioner": "iid" if bound else partition, "seed": seed}
+        if choice:
+            from sweep import shape_differences
+
+            differ = shape_differences(config, choice["config"])
+            if differ:
+                raise SystemExit(f"method {method}: the setting tuned in its sweep does not "
+                                 "carry to this run: " + "; ".join(differ))
         run_id = "@".join([method, *([task] if task else []), partition])
         run_id += f"@seed{seed}" if seed != base["seed"] else ""
         runs.append({"id": run_id, "method": method, "task": task, "partition": partition,
@@ -431,7 +482,7 @@ def main() -> None:
     args = parser.parse_args()
     from provenance import with_command
 
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile, Path(args.results))
     settings = profile["profile"]
     threads = int(settings["threads"])
     out = Path(args.results) / profile["name"]
@@ -451,7 +502,13 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
                    f"{platform.python_version()}",
         "time": "",
+        "tuned": {f"{method} on {partition}": f"{c['method']} {c['setting']} (validation loss "
+                  f"{c['loss']:.4f}{', at an edge of its grid' if c['edge'] else ''})"
+                  for method, parts in profile["tuned"].items()
+                  for partition, c in parts.items()},
     }
+    for method, choice in meta.get("tuned", {}).items():
+        print(f"tuned in the sweep: {method}: {choice}", flush=True)
     base = profile["base"]
     # Measured afresh unless only the report is rewritten.
     inference_mb = saved.get("inference_mb") if args.report_only else None

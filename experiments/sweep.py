@@ -188,6 +188,64 @@ def best_settings(results: dict[str, dict[str, Any]], partition: str) -> dict[st
     return {method: key[2] for method, key in best.items()}
 
 
+# Keys of a sweep's [base] that shape what a rate is tuned for: a profile that takes a sweep's
+# best setting must share them (a rate tuned at one length or batch does not carry to another).
+SHAPE_KEYS = ("model", "task", "dataset", "num-server-rounds", "clients-per-round",
+              "clients-per-block", "local-steps", "batch-size", "max-seq-len", "lr-schedule",
+              "layers-per-block")
+
+
+def tuned(name: str, methods: list[str], partition: str, results_root: Path) -> dict[str, Any]:
+    """The best setting of sweep ``name`` among ``methods`` on ``partition``: the lowest final
+    validation loss, mean over the sweep's seeds (:func:`best_settings`' rule), once every
+    setting of those methods has run there.
+
+    Returns ``method``, ``setting``, ``keys`` (the method's run-config keys with that setting),
+    ``config`` (the sweep's run config of that setting, to check a user's against with
+    :func:`shape_differences`), ``loss`` and ``edge`` (the setting sits at an edge of a grid axis
+    of three or more values: the best may lie beyond it). Anything missing is a ``SystemExit``
+    that names it."""
+    sweep = load_sweep(name)
+    unknown = sorted(set(methods) - set(sweep["methods"]))
+    if unknown:
+        raise SystemExit(f"sweep {sweep['name']} has no methods {unknown} "
+                         f"(it has {sorted(sweep['methods'])})")
+    planned = [p for p in planned_runs(sweep, set(methods)) if p["partition"] == partition]
+    if not planned:
+        raise SystemExit(f"sweep {sweep['name']} runs {methods} on no partition {partition!r}")
+    path = results_root / sweep["name"] / "results.json"
+    saved = json.loads(path.read_text())["runs"] if path.exists() else {}
+    done = {p["id"]: saved[p["id"]] for p in planned
+            if p["id"] in saved and saved[p["id"]]["config"] == p["config"]}
+    missing = [p["id"] for p in planned if p["id"] not in done]
+    if missing:
+        raise SystemExit(f"sweep {sweep['name']} has not run {missing} yet: python "
+                         f"experiments/sweep.py --sweep {sweep['name']} --resume --only "
+                         + ",".join(methods))
+    best = min(((mean[0], -mean[1], method, setting)
+                for (method, setting), runs in scores(done).items()
+                if (mean := mean_on(runs, partition)) is not None))
+    loss, _, method, setting = best
+    spec = sweep["methods"][method]
+    names = [n for n, _ in settings(spec)]
+    grid = spec.get("grid", {})
+    position = list(itertools.product(*(range(len(v)) for v in grid.values())))[
+        names.index(setting)] if grid else ()
+    edge = any(len(values) > 2 and i in (0, len(values) - 1)
+               for i, values in zip(position, grid.values(), strict=True))
+    config = next(p["config"] for p in planned
+                  if p["method"] == method and p["setting"] == setting)
+    return {"method": method, "setting": setting, "keys": dict(settings(spec))[setting],
+            "config": config, "loss": loss, "edge": edge}
+
+
+def shape_differences(config: dict[str, Any], swept: dict[str, Any]) -> list[str]:
+    """The :data:`SHAPE_KEYS` on which run config ``config`` differs from ``swept``, the
+    config a setting was tuned in, each as ``key = value (tuned at value)``."""
+    return [f"{k} = {config.get(k)!r} (tuned at {swept.get(k)!r})"
+            for k in SHAPE_KEYS if config.get(k) != swept.get(k)]
+
+
 def seed_spread(results: dict[str, dict[str, Any]]) -> list[str]:
     """For every setting run with several seeds on a partition: the accuracy gain over the
     model before training, per seed and on average, the spread of the final accuracies, and

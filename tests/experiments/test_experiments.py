@@ -672,6 +672,137 @@ def test_seeds_option_keeps_the_named_seeds_and_names_unknown_ones():
         harness.only_seeds(plan, profile, "zero")
 
 
+SWEEP_TOML = """
+[sweep]
+nodes = 8
+partitions = ["movie"]
+seeds = [0, 1]
+
+[base]
+model = "smollm2-135m"
+task = "lm"
+num-server-rounds = 16
+local-steps = 20
+eval-split = "validation"
+
+[methods.fo-l1]
+update-rule = "fo"
+layers-per-block = 1
+[methods.fo-l1.grid]
+lr = [1e-4, 3e-4, 1e-3]
+
+[methods.fo-l3]
+update-rule = "fo"
+layers-per-block = 3
+[methods.fo-l3.grid]
+lr = [1e-4, 3e-4, 1e-3]
+"""
+
+PROFILE_TOML = """
+[profile]
+nodes = 8
+threads = 2
+seeds = [0, 1, 2]
+
+[profile.partitions]
+movie = ["fedcybgd"]
+
+[base]
+model = "smollm2-135m"
+task = "lm"
+num-server-rounds = 16
+local-steps = 20
+eval-split = "test"
+seed = 0
+
+[methods.fedcybgd]
+tuned-in = { sweep = "SWEEP", methods = ["fo-l1", "fo-l3"] }
+"""
+
+
+def swept(tmp_path: Path, losses: dict[tuple[str, str], float]) -> Path:
+    """A sweep file and its results.json with the given final losses per (method, setting),
+    each seed 0.01 apart; returns the sweep file."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import sweep
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "lm-sweep.toml"
+    path.write_text(SWEEP_TOML)
+    runs = {}
+    for plan in sweep.planned_runs(sweep.load_sweep(str(path)), None):
+        loss = losses.get((plan["method"], plan["setting"]))
+        if loss is not None:
+            runs[plan["id"]] = {**plan, "summary": {
+                "final_eval_loss": loss + 0.01 * plan["seed"], "final_eval_accuracy": 0.3}}
+    (tmp_path / "results" / "lm-sweep").mkdir(parents=True)
+    (tmp_path / "results" / "lm-sweep" / "results.json").write_text(json.dumps({"runs": runs}))
+    return path
+
+
+def test_a_profile_method_takes_the_best_layout_and_rate_its_sweep_found(tmp_path):
+    # Prepare: every setting of two layouts swept on two seeds; three layers at 3e-4 lowest
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import run_experiments as harness
+
+    losses = {(m, f"lr={lr}"): 4.5 for m in ("fo-l1", "fo-l3") for lr in ("0.0001", "0.0003",
+                                                                            "0.001")}
+    losses[("fo-l3", "lr=0.0003")] = 4.2
+    sweep_file = swept(tmp_path, losses)
+    profile_file = tmp_path / "lm-profile.toml"
+    profile_file.write_text(PROFILE_TOML.replace("SWEEP", str(sweep_file)))
+
+    # Execute
+    profile = harness.load_profile(str(profile_file), tmp_path / "results")
+    plan = harness.planned_runs(profile, None)
+
+    # Assert: the sweep's keys for that setting, the profile's own over them, on every seed
+    choice = profile["tuned"]["fedcybgd"]["movie"]
+    assert (choice["method"], choice["setting"], choice["edge"]) == ("fo-l3", "lr=0.0003", False)
+    assert choice["loss"] == pytest.approx(4.205)
+    assert [item["seed"] for item in plan] == [0, 1, 2]
+    for item in plan:
+        assert {k: item["config"][k] for k in ("update-rule", "layers-per-block", "lr",
+                                               "eval-split")} == {
+            "update-rule": "fo", "layers-per-block": 3, "lr": 3e-4, "eval-split": "test"}
+
+    # a best at the grid's edge says so
+    losses[("fo-l1", "lr=0.001")] = 4.0
+    swept(tmp_path / "edge", losses)
+    (tmp_path / "edge" / "p.toml").write_text(
+        PROFILE_TOML.replace("SWEEP", str(tmp_path / "edge" / "lm-sweep.toml")))
+    edge = harness.load_profile(str(tmp_path / "edge" / "p.toml"), tmp_path / "edge" / "results")
+    assert edge["tuned"]["fedcybgd"]["movie"]["setting"] == "lr=0.001"
+    assert edge["tuned"]["fedcybgd"]["movie"]["edge"] is True
+
+
+def test_a_profile_refuses_a_sweep_setting_not_yet_run_or_tuned_at_another_length(tmp_path):
+    # Prepare: one setting of the sweep missing; then all run but the profile trains longer
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import run_experiments as harness
+
+    losses = {(m, f"lr={lr}"): 4.5 for m in ("fo-l1", "fo-l3") for lr in ("0.0001", "0.0003",
+                                                                            "0.001")}
+    del losses[("fo-l3", "lr=0.001")]
+    sweep_file = swept(tmp_path, losses)
+    profile_file = tmp_path / "lm-profile.toml"
+    profile_file.write_text(PROFILE_TOML.replace("SWEEP", str(sweep_file)))
+
+    # Execute / Assert: the missing runs and the command that makes them are named
+    with pytest.raises(SystemExit, match=r"has not run \['fo-l3 \| lr=0.001 \| movie \| seed 0', "
+                                         r"'fo-l3 \| lr=0.001 \| movie \| seed 1'\] yet: python "
+                                         r"experiments/sweep.py --sweep lm-sweep --resume"):
+        harness.load_profile(str(profile_file), tmp_path / "results")
+    losses[("fo-l3", "lr=0.001")] = 4.5
+    swept(tmp_path / "all", losses)
+    longer = PROFILE_TOML.replace("SWEEP", str(tmp_path / "all" / "lm-sweep.toml")).replace(
+        "num-server-rounds = 16", "num-server-rounds = 64")
+    (tmp_path / "all" / "p.toml").write_text(longer)
+    with pytest.raises(SystemExit, match=r"does not carry to this run: num-server-rounds = 64 "
+                                         r"\(tuned at 16\)"):
+        harness.load_profile(str(tmp_path / "all" / "p.toml"), tmp_path / "all" / "results")
+
+
 def test_payoff_untrained_model_has_every_seed_any_method_ran():
     # Prepare: "one" ran seed 0 only, is listed first and fell below the untrained 0.5;
     # "multi" ran three seeds, all clear of it
