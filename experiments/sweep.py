@@ -413,6 +413,18 @@ def plot(results: dict[str, dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
+def write_report(sweep: dict[str, Any], results: dict[str, dict[str, Any]],
+                 meta: dict[str, Any], out: Path) -> dict[str, dict[str, Any]]:
+    """Write ``table.md`` and ``curves.png`` from the runs the sweep file now defines (same id
+    and config; returned, in the file's order); nothing when there are none."""
+    current = {item["id"]: results[item["id"]] for item in planned_runs(sweep, None)
+               if item["id"] in results and results[item["id"]]["config"] == item["config"]}
+    if current:
+        (out / "table.md").write_text(report(sweep, current, meta))
+        plot(current, out)
+    return current
+
+
 def main() -> None:
     """Run the sweep (skipping finished runs with --resume), then write table and plot."""
     parser = argparse.ArgumentParser(description=__doc__,
@@ -460,16 +472,12 @@ def main() -> None:
               f"{s['final_eval_accuracy']:.3f}", flush=True)
         meta["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
         saved_path.write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
-    # The report holds the runs the sweep file now defines (same id and config).
-    current = {item["id"]: results[item["id"]] for item in planned_runs(sweep, None)
-               if item["id"] in results and results[item["id"]]["config"] == item["config"]}
+        write_report(sweep, results, meta, out)  # a piece cut short leaves a current table
+    current = write_report(sweep, results, meta, out)
     if not current:
         raise SystemExit("no finished runs to report")
     saved_path.write_text(json.dumps({"meta": meta, "runs": current}, indent=1))
-    text = report(sweep, current, meta)
-    (out / "table.md").write_text(text)
-    plot(current, out)
-    print(text)
+    print((out / "table.md").read_text())
     for partition in sweep["sweep"]["partitions"]:
         print(f"best on {partition}: {json.dumps(best_settings(current, partition))}")
     print(f"saved {out} ({time.perf_counter() - began:.0f} s)")
